@@ -1,0 +1,138 @@
+"""Argument checks shared by the fake kernels and the real ones.
+
+Every check reads sizes, dtypes and devices only (never tensor data), so it runs unchanged on fake,
+meta, CPU and CUDA tensors and costs no device sync. Each error names the argument and what was
+expected. The one data-dependent check (slot ids in range) lives in lora_ops.batch, where it runs only
+for CPU tensors.
+"""
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPE = torch.int32
+
+
+def _fail(exc, msg):
+    raise exc(msg)
+
+
+def check_float(name, t, dims):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        _fail(ValueError, f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(TypeError, f"{name}: expected dtype float16, bfloat16 or float32, got {t.dtype}")
+
+
+def check_index(name, t, dims=1, dtype=INDEX_DTYPE):
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        _fail(ValueError, f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        _fail(TypeError, f"{name}: expected dtype {dtype}, got {t.dtype}")
+
+
+def check_same_device(ref_name, ref, **others):
+    for name, t in others.items():
+        if t.device != ref.device:
+            _fail(ValueError, f"{name}: expected a tensor on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def check_same_dtype(ref_name, ref, **others):
+    for name, t in others.items():
+        if t.dtype != ref.dtype:
+            _fail(TypeError, f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
+
+
+def check_slot_params(lora_a, scale, rank):
+    """scale [L] float32 and rank [L] int32 match the slot stack's L."""
+    L = lora_a.shape[0]
+    check_index("rank", rank)
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 1 or scale.dtype != torch.float32:
+        _fail(TypeError, f"scale: expected a 1-D float32 tensor of per-slot scales, got "
+                         f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
+    if scale.shape[0] != L:
+        _fail(ValueError, f"scale: expected {L} entries (one per slot of lora_a), got {scale.shape[0]}")
+    if rank.shape[0] != L:
+        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_a), got {rank.shape[0]}")
+
+
+def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_tokens=None):
+    check_index("sorted_token_ids", sorted_token_ids)
+    check_index("slot_starts", slot_starts)
+    check_index("slot_counts", slot_counts)
+    if slot_starts.shape[0] != num_slots + 1:
+        _fail(ValueError, f"slot_starts: expected {num_slots + 1} entries (slots + 1 for 'no adapter'), "
+                          f"got {slot_starts.shape[0]}")
+    if slot_counts.shape[0] != num_slots + 1:
+        _fail(ValueError, f"slot_counts: expected {num_slots + 1} entries (slots + 1 for 'no adapter'), "
+                          f"got {slot_counts.shape[0]}")
+    if num_tokens is not None and sorted_token_ids.shape[0] < num_tokens:
+        _fail(ValueError, f"sorted_token_ids: holds {sorted_token_ids.shape[0]} entries, fewer than the "
+                          f"{num_tokens} tokens of x; build the batch metadata with max_tokens >= {num_tokens}")
+
+
+def check_lora_a(x, lora_a):
+    check_float("x", x, 2)
+    check_float("lora_a", lora_a, 4)
+    check_same_dtype("x", x, lora_a=lora_a)
+    check_same_device("x", x, lora_a=lora_a)
+    if lora_a.shape[3] != x.shape[1]:
+        _fail(ValueError, f"lora_a: expected shape [L, S, R, K] with K = {x.shape[1]} (x's features), "
+                          f"got {tuple(lora_a.shape)}")
+    if lora_a.shape[0] < 1 or lora_a.shape[1] < 1 or lora_a.shape[2] < 1:
+        _fail(ValueError, f"lora_a: expected shape [L, S, R, K] with L, S, R >= 1, got {tuple(lora_a.shape)}")
+
+
+def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank):
+    check_float("lora_b", lora_b, 3)
+    check_same_dtype("y", y, lora_b=lora_b)
+    check_same_device("y", y, lora_b=lora_b)
+    N = y.shape[1]
+    if tuple(lora_b.shape) != (num_slots, N, max_rank):
+        _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], got {tuple(lora_b.shape)}")
+    widths = list(slice_widths)
+    if len(widths) != num_slices:
+        _fail(ValueError, f"slice_widths: expected {num_slices} widths (one per slice of lora_a), got {widths}")
+    if any(w <= 0 for w in widths) or sum(widths) != N:
+        _fail(ValueError, f"slice_widths: expected positive widths summing to N = {N} (y's columns), got {widths}")
+
+
+def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    check_lora_a(x, lora_a)
+    check_float("y", y, 2)
+    check_same_dtype("x", x, y=y)
+    check_same_device("x", x, y=y, lora_b=lora_b, scale=scale, rank=rank, sorted_token_ids=sorted_token_ids,
+                      slot_starts=slot_starts, slot_counts=slot_counts)
+    if y.shape[0] != x.shape[0]:
+        _fail(ValueError, f"y: expected {x.shape[0]} rows (x's tokens), got shape {tuple(y.shape)}")
+    L, S, R, _ = lora_a.shape
+    check_lora_b(y, lora_b, slice_widths, L, S, R)
+    check_slot_params(lora_a, scale, rank)
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
+
+
+def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    check_lora_a(x, lora_a)
+    check_same_device("x", x, scale=scale, rank=rank, sorted_token_ids=sorted_token_ids,
+                      slot_starts=slot_starts, slot_counts=slot_counts)
+    check_slot_params(lora_a, scale, rank)
+    check_batch_meta(lora_a.shape[0], sorted_token_ids, slot_starts, slot_counts, x.shape[0])
+
+
+def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
+    check_float("y", y, 2)
+    if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.dtype != torch.float32:
+        _fail(TypeError, f"h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got "
+                         f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}")
+    check_same_device("y", y, h=h, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
+                      slot_counts=slot_counts)
+    if h.shape[0] != y.shape[0]:
+        _fail(ValueError, f"h: expected {y.shape[0]} rows (y's tokens), got shape {tuple(h.shape)}")
+    L = lora_b.shape[0] if lora_b.dim() == 3 else -1
+    check_lora_b(y, lora_b, slice_widths, L, h.shape[1], h.shape[2])
+    check_index("rank", rank)
+    if rank.shape[0] != L:
+        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_b), got {rank.shape[0]}")
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, y.shape[0])

@@ -1,0 +1,22 @@
+"""Fake (meta) kernels: output sizes from input sizes only, plus the shared argument checks."""
+import torch
+
+from csrc_meta import checks
+
+
+@torch.library.register_fake("lora_ops::shrink")
+def shrink_fake(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    _, S, R, _ = lora_a.shape
+    return x.new_empty((x.shape[0], S, R), dtype=torch.float32)
+
+
+@torch.library.register_fake("lora_ops::expand_")
+def expand_fake(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts)
+
+
+@torch.library.register_fake("lora_ops::add_lora_")
+def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                          slot_counts)

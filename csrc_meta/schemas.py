@@ -1,0 +1,30 @@
+"""Schemas of the lora_ops operators.
+
+Shapes (L slots, S packed output slices, R max rank, K input features, N output features, M tokens,
+T >= M metadata capacity):
+    x [M, K]            lora_a [L, S, R, K]      lora_b [L, N, R]     y [M, N]
+    scale [L] float32   rank [L] int32           slice_widths: S ints summing to N
+    sorted_token_ids [T] int32, slot_starts [L+1] int32, slot_counts [L+1] int32
+                        (lora_ops.batch builds these; entry L counts the tokens with no adapter)
+
+shrink     h[t, i, r] = scale[s_t] * x[t] . lora_a[s_t, i, r]      (r < rank[s_t]; else 0; 0 for s_t = -1)
+expand_    y[t, slice i] += h[t, i, :rank] @ lora_b[s_t, slice i, :rank]^T             (in place)
+add_lora_  y[t, slice i] += scale[s_t] (x[t] lora_a[s_t, i, :rank]^T) lora_b[s_t, slice i, :rank]^T
+                                                            (in place; the hot path: one call a layer)
+Rows whose slot is -1 are left untouched.
+"""
+import torch
+
+LIB = torch.library.Library("lora_ops", "DEF")
+
+_META = "Tensor sorted_token_ids, Tensor slot_starts, Tensor slot_counts"
+
+OPS = {
+    "shrink": f"shrink(Tensor x, Tensor lora_a, Tensor scale, Tensor rank, {_META}) -> Tensor",
+    "expand_": f"expand_(Tensor(a!) y, Tensor h, Tensor lora_b, int[] slice_widths, Tensor rank, {_META}) -> ()",
+    "add_lora_": ("add_lora_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
+                  f"int[] slice_widths, {_META}) -> ()"),
+}
+
+for _schema in OPS.values():
+    LIB.define(_schema)

@@ -1,0 +1,105 @@
+"""Per-batch metadata: which tokens use which adapter slot, built once per step and read by every layer.
+
+From per-token slots (``-1`` = no adapter) we build, with no host synchronisation:
+
+    sorted_token_ids [T] int32   token ids grouped by slot (a stable sort; 'no adapter' last)
+    slot_counts      [L+1] int32 tokens per slot; entry L counts the tokens with no adapter
+    slot_starts      [L+1] int32 where each slot's run starts in sorted_token_ids
+
+Counts come from ``scatter_add_`` into a fixed-size buffer (never ``bincount``/``unique``/``nonzero``,
+whose output sizes depend on data). The kernels derive their work list (slot, token tile) from
+``slot_counts`` themselves, so one metadata serves kernels of any tile size.
+
+:class:`LoRABatch` owns buffers allocated once at a capacity and refills them in place, so a captured
+CUDA graph replays with new batches and a compiled model sees the same tensors every step.
+"""
+from typing import NamedTuple
+
+import torch
+
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+class BatchMeta(NamedTuple):
+    """The three tensors every op takes (see lora_ops.batch)."""
+    sorted_token_ids: torch.Tensor
+    slot_starts: torch.Tensor
+    slot_counts: torch.Tensor
+
+
+def check_token_slots(token_slots, max_loras, max_tokens=None):
+    """Shape and dtype always; the range [-1, max_loras) only for CPU tensors (no device sync).
+
+    On a GPU an out-of-range slot is treated as 'no adapter' (see :func:`fill_batch_meta`), so no value
+    can make a kernel read or write out of bounds.
+    """
+    if not isinstance(token_slots, torch.Tensor):
+        raise TypeError(f"token_slots: expected a torch.Tensor of per-token slots, got {type(token_slots).__name__}")
+    if token_slots.dim() != 1:
+        raise ValueError(f"token_slots: expected a 1-D tensor [M], got shape {tuple(token_slots.shape)}")
+    if token_slots.dtype not in SLOT_DTYPES:
+        raise TypeError(f"token_slots: expected dtype int32 or int64, got {token_slots.dtype}")
+    if max_tokens is not None and token_slots.shape[0] > max_tokens:
+        raise ValueError(f"token_slots: {token_slots.shape[0]} tokens exceed the batch capacity "
+                         f"max_tokens={max_tokens}")
+    if token_slots.device.type == "cpu" and token_slots.numel():
+        bad = (token_slots < -1) | (token_slots >= max_loras)
+        if bool(bad.any()):
+            i = int(bad.to(torch.uint8).argmax())
+            raise ValueError(f"token_slots: slot {int(token_slots[i])} at token {i} is outside "
+                             f"[-1, max_loras={max_loras})")
+
+
+def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_counts, ones):
+    """Refill the metadata buffers in place from ``token_slots`` [M] (on their device, no sync).
+
+    ``ones`` is an int32 buffer of at least M ones (the scatter source), allocated once by the caller.
+    """
+    M = token_slots.shape[0]
+    slots = token_slots.to(device=slot_counts.device, dtype=torch.int64, non_blocking=True)
+    # Out-of-range slots fall into bucket L ('no adapter'): safe on the GPU, where we cannot check.
+    keys = torch.where((slots >= 0) & (slots < max_loras), slots, max_loras)
+    sorted_token_ids[:M].copy_(torch.argsort(keys, stable=True))
+    slot_counts.zero_()
+    slot_counts.scatter_add_(0, keys, ones[:M])
+    torch.cumsum(slot_counts, 0, out=slot_starts)
+    slot_starts.sub_(slot_counts)
+
+
+class LoRABatch:
+    """Batch metadata in buffers allocated once at ``max_tokens`` / ``max_loras + 1``.
+
+    ``update(token_slots)`` refills them in place and returns the :class:`BatchMeta` view every layer
+    reads; the tensors (and their data pointers) never change.
+    """
+
+    def __init__(self, max_tokens, max_loras, device=None):
+        if max_tokens < 1 or max_loras < 1:
+            raise ValueError(f"LoRABatch: expected max_tokens >= 1 and max_loras >= 1, got {max_tokens}, {max_loras}")
+        self.max_tokens = int(max_tokens)
+        self.max_loras = int(max_loras)
+        kw = dict(dtype=torch.int32, device=device)
+        self.meta = BatchMeta(
+            sorted_token_ids=torch.zeros(self.max_tokens, **kw),
+            slot_starts=torch.zeros(self.max_loras + 1, **kw),
+            slot_counts=torch.zeros(self.max_loras + 1, **kw),
+        )
+        self._ones = torch.ones(self.max_tokens, **kw)
+        self.num_tokens = 0
+
+    @property
+    def device(self):
+        return self.meta.slot_counts.device
+
+    def update(self, token_slots):
+        """Refill from per-token slots [M] (int32/int64, CPU or on this batch's device)."""
+        check_token_slots(token_slots, self.max_loras, self.max_tokens)
+        fill_batch_meta(token_slots, self.max_loras, *self.meta, self._ones)
+        self.num_tokens = token_slots.shape[0]
+        return self.meta
+
+
+def build_batch_meta(token_slots, max_loras):
+    """One-off metadata for ``token_slots`` (allocates; use :class:`LoRABatch` in a serving loop)."""
+    batch = LoRABatch(max(token_slots.shape[0], 1), max_loras, device=token_slots.device)
+    return batch.update(token_slots)

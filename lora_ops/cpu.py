@@ -1,0 +1,60 @@
+"""The CPU kernels: vectorised torch, one matrix product per used slot, no per-token Python loop.
+
+They read the same batch metadata as the Triton kernels (tokens grouped by slot), so models run on
+CPU and on machines without Triton. On the CPU, reading the counts on the host costs no sync.
+Products run in float32 (float64 stays float64 nowhere: inputs are fp16/bf16/fp32) and each output
+element is rounded once.
+"""
+import torch
+
+
+def _slot_runs(num_slots, rank, sorted_token_ids, slot_starts, slot_counts, num_tokens):
+    """(slot, token ids, rank) for every slot with tokens and a positive rank."""
+    starts = slot_starts.tolist()
+    counts = slot_counts.tolist()
+    ranks = rank.tolist()
+    for slot in range(num_slots):
+        r, n = ranks[slot], counts[slot]
+        if n <= 0 or r <= 0:
+            continue
+        ids = sorted_token_ids[starts[slot]:starts[slot] + n].long()
+        yield slot, ids[(ids >= 0) & (ids < num_tokens)], r
+
+
+def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    M = x.shape[0]
+    L, S, R, K = lora_a.shape
+    h = torch.zeros(M, S, R, dtype=torch.float32, device=x.device)
+    for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
+        r = min(r, R)
+        a = lora_a[slot, :, :r].float().reshape(S * r, K)
+        h[ids, :, :r] = (x[ids].float() @ a.T).view(-1, S, r) * scale[slot]
+    return h
+
+
+def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
+    M = y.shape[0]
+    L, N, R = lora_b.shape
+    for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
+        r = min(r, R)
+        y[ids] = _expanded(y[ids], h[ids, :, :r], lora_b[slot, :, :r], slice_widths)
+
+
+def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    M = x.shape[0]
+    L, S, R, K = lora_a.shape
+    for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
+        r = min(r, R)
+        a = lora_a[slot, :, :r].float().reshape(S * r, K)
+        h = (x[ids].float() @ a.T).view(-1, S, r) * scale[slot]
+        y[ids] = _expanded(y[ids], h, lora_b[slot, :, :r], slice_widths)
+
+
+def _expanded(y_rows, h, b, slice_widths):
+    """y_rows + h @ B^T slice by slice, computed in float32 and rounded once to y's dtype."""
+    out = y_rows.float()
+    col = 0
+    for i, n in enumerate(slice_widths):
+        out[:, col:col + n] += h[:, i] @ b[col:col + n].float().T
+        col += n
+    return out.to(y_rows.dtype)

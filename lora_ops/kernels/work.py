@@ -1,0 +1,48 @@
+"""Work-list helpers shared by the shrink and expand kernels.
+
+The grid's token axis has a fixed size computed from shapes (see lora_ops.launch); each program finds
+its (slot, token tile) here, from the per-slot counts on the device. Slots with rank 0 get no tiles,
+so no program is spent on them; programs past the last tile find rank 0 and return.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
+                   BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr):
+    """Map token-tile program ``pid`` to (slot, first row in sorted_token_ids, rows left, rank).
+
+    slot_counts_ptr / slot_starts_ptr: int32 [num_slots + 1]; rank_ptr: int32 [num_slots].
+    num_slots: L; max_rank: R (ranks are clamped to [0, R]); capacity: length of sorted_token_ids
+    (counts and starts are clamped to it, so corrupt metadata cannot send a read out of bounds).
+    BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L.
+    Returns rank 0 when ``pid`` is past the last tile.
+    """
+    ls = tl.arange(0, SLOTS_POW2)
+    in_range = ls < num_slots
+    cnt = tl.load(slot_counts_ptr + ls, mask=in_range, other=0)
+    cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
+    rk = tl.load(rank_ptr + ls, mask=in_range, other=0)
+    rk = tl.minimum(tl.maximum(rk, 0), max_rank)
+    tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(tiles, 0)
+    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    mine = ls == slot
+    tile = pid - tl.sum(tl.where(mine, ends - tiles, 0), 0)
+    count = tl.sum(tl.where(mine, cnt, 0), 0)
+    rank = tl.sum(tl.where(mine, rk, 0), 0)
+    start = tl.load(slot_starts_ptr + slot, mask=slot < num_slots, other=0)
+    start = tl.minimum(tl.maximum(start, 0), capacity)
+    return slot, start + tile * BLOCK_M, count - tile * BLOCK_M, rank
+
+
+@triton.jit
+def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.constexpr):
+    """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M))."""
+    offs = tl.arange(0, BLOCK_M)
+    rows = row0 + offs
+    valid = (offs < rows_left) & (rows < capacity)
+    tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
+    valid = valid & (tok >= 0) & (tok < M)
+    return tok.to(tl.int64), valid
