@@ -5,10 +5,10 @@ never on tensor data, so they are CUDA-graph safe; the programs find their work 
 (lora_ops.kernels.work). Nothing here reads tensor data on the host.
 """
 import torch
-import triton
 
 from csrc_meta import checks
 from lora_ops import configs
+from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import shrink as shrink_kernels
 
@@ -21,42 +21,42 @@ def slice_layout(slice_widths, block_n):
     cols, blocks = [0], [0]
     for n in slice_widths:
         cols.append(cols[-1] + n)
-        blocks.append(blocks[-1] + triton.cdiv(n, block_n))
+        blocks.append(blocks[-1] + cdiv(n, block_n))
     return tuple(cols), tuple(blocks)
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg):
-    """h [split_k, M, S, R] float32 gets each split's partial scale * x A^T (valid entries only)."""
+    """h [M, S, R] float32 gets scale * x A^T at valid entries (added atomically with split_k > 1)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
-    grid = (S * triton.cdiv(R, cfg.block_r), configs.heuristics.max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+    grid = (S * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
     shrink_kernels.shrink_kernel[grid](
         x, lora_a, h, scale, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, K, L, R, sorted_token_ids.shape[0],
+        M, K, L, R, sorted_token_ids.shape[0], cfg.split_k,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        h.stride(0), h.stride(1), h.stride(2), h.stride(3),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        SLOTS_POW2=triton.next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+        h.stride(0), h.stride(1), h.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ATOMIC_ADD=cfg.split_k > 1,
+        SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
-    """y[:, slices] += (sum of h's splits) @ B^T; h [split_k, M, S, R] float32."""
+    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32."""
     M = y.shape[0]
     L, _, R = lora_b.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
-    grid = (blocks[-1], configs.heuristics.max_token_tiles(M, L, cfg.block_m))
+    grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
     expand_kernels.expand_kernel[grid](
         h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts,
         M, L, R, sorted_token_ids.shape[0],
-        h.stride(0), h.stride(1), h.stride(2), h.stride(3),
+        h.stride(0), h.stride(1), h.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT_K=h.shape[0],
-        SLOTS_POW2=triton.next_power_of_2(L), H_PRECISION=_H_PRECISION[y.dtype],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        SLOTS_POW2=next_power_of_2(L), H_PRECISION=_H_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -67,8 +67,8 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     L, S, R, _ = lora_a.shape
     h = x.new_zeros((M, S, R), dtype=torch.float32)
     if M:
-        cfg = configs.shrink_config(M, K, S, R, L)._replace(split_k=1)
-        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h.unsqueeze(0), cfg)
+        cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg)
     return h
 
 
@@ -76,8 +76,8 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
     checks.check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts)
     M, N = y.shape
     if M:
-        cfg = configs.expand_config(M, N, lora_b.shape[2], lora_b.shape[0])
-        launch_expand(y, h.unsqueeze(0), lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts,
+        cfg = configs.expand_config(M, N, len(slice_widths), lora_b.shape[2], lora_b.shape[0], y.device, y.dtype)
+        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts,
                       cfg)
 
 
@@ -88,9 +88,10 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
     if M == 0:
         return
     L, S, R, _ = lora_a.shape
-    scfg = configs.shrink_config(M, K, S, R, L)
-    # Each K split writes its own partial sums; the expand kernel adds them (no zero-fill, no atomics).
-    h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
+    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+    # Split-K adds partial sums atomically into zeros; unsplit, every entry the expand reads is written.
+    alloc = x.new_zeros if scfg.split_k > 1 else x.new_empty
+    h = alloc((M, S, R), dtype=torch.float32)
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg)
-    ecfg = configs.expand_config(M, y.shape[1], R, L)
+    ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)

@@ -1,4 +1,108 @@
-"""Kernel configs: heuristic defaults that need no files (heuristics.py)."""
-from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig, expand_config, shrink_config
+"""Kernel configs: heuristic defaults (no files), tuned tables per GPU shipped in the package, and an
+opt-in runtime autotune.
 
-__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config"]
+Resolution order for a (kernel, shapes, token bucket) key: a config autotuned in this process, else the
+nearest entry of the tuned table for this GPU (``tuned/<gpu name>.json``, written by
+``python -m lora_ops.tune``), else the heuristic. Tables are tuned in 16-bit dtypes; float32 inputs use
+the heuristic. Each key is resolved once per process and remembered (keyed by shapes, never by data),
+so the steady-state cost is one dict lookup. Autotune runs only outside CUDA-graph capture; during a
+capture the table or heuristic config is used and not remembered, so a later warm-up can still tune.
+"""
+import functools
+import json
+import math
+import pathlib
+import re
+
+import torch
+
+from lora_ops.configs import heuristics
+from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig, token_bucket
+
+__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "enable_autotune", "table_path",
+           "token_bucket"]
+
+TUNED_DIR = pathlib.Path(__file__).with_name("tuned")
+_resolved = {}
+_autotune = {"on": False}
+
+
+def enable_autotune(on=True):
+    """Opt in (or out) of runtime autotuning: the first call of each new shape bucket on a GPU times the
+    candidate configs (see lora_ops.configs.tuning) and keeps the fastest. Warm up before capturing."""
+    _autotune["on"] = bool(on)
+    _resolved.clear()
+
+
+def table_path(gpu_name):
+    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", gpu_name).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index):
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(gpu_name):
+    path = table_path(gpu_name)
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _nearest(entries, kind, features, num_slices, max_rank, bucket):
+    """The table entry nearest in log2 distance over (features, rank, tokens); slice count must match
+    where possible (it changes the grid's shape)."""
+    def dist(e):
+        return (abs(math.log2(e["features"] / features)) + abs(math.log2(e["rank"] / max_rank))
+                + abs(math.log2(e["tokens"] / bucket)) + (0.5 if e["slices"] != num_slices else 0.0))
+    cands = [e for e in entries if e["kind"] == kind]
+    return min(cands, key=dist) if cands else None
+
+
+def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket):
+    make = ShrinkConfig if kind == "shrink" else ExpandConfig
+    if kind == "shrink":
+        fallback = heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots)
+    else:
+        fallback = heuristics.expand_config(bucket, features, max_rank, num_slots)
+    if device.type != "cuda" or dtype == torch.float32:
+        return fallback, True
+    if _autotune["on"]:
+        if torch.cuda.is_current_stream_capturing():
+            return fallback, False
+        from lora_ops.configs import tuning
+        return tuning.autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket), True
+    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
+    entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket)
+    if entry is None:
+        return fallback, True
+    cfg = make(**entry["config"])
+    if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
+        cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
+    if kind == "shrink":
+        cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
+    return cfg, True
+
+
+def _config(kind, device, dtype, features, num_slices, max_rank, num_slots, num_tokens):
+    bucket = token_bucket(num_tokens)
+    key = (kind, device, dtype, features, num_slices, max_rank, num_slots, bucket)
+    cfg = _resolved.get(key)
+    if cfg is None:
+        cfg, keep = _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket)
+        if keep:
+            _resolved[key] = cfg
+    return cfg
+
+
+def shrink_config(num_tokens, in_features, num_slices, max_rank, num_slots, device=torch.device("cpu"),
+                  dtype=torch.bfloat16):
+    return _config("shrink", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens)
+
+
+def expand_config(num_tokens, out_features, num_slices, max_rank, num_slots, device=torch.device("cpu"),
+                  dtype=torch.bfloat16):
+    return _config("expand", device, dtype, out_features, num_slices, max_rank, num_slots, num_tokens)

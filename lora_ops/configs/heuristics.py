@@ -1,14 +1,24 @@
 """Heuristic kernel configs from shapes alone (never from data, never from the raw token count).
 
-The token count enters only through a bucket (decode <= 16, small <= 64, prefill above), so every
-batch size in a bucket shares one config, and configs never change between CUDA-graph replays.
+The token count enters only through its bucket (:data:`TOKEN_BUCKETS`), so every batch size in a bucket
+shares one config: a new batch size never changes a constexpr (no recompiles) and configs never change
+between CUDA-graph replays.
 """
 from typing import NamedTuple
 
-import triton
-
-# Programs to aim for with split-K at decode sizes: a couple of waves on a ~132-SM GPU.
+# Programs to aim for with split-K at decode sizes: about two waves on a 132-SM GPU.
 TARGET_PROGRAMS = 256
+# Upper edges of the token-count buckets; past the last, the last bucket.
+TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+
+
+def cdiv(a, b):
+    # Plain Python: triton.cdiv is a JIT-callable whose host-side call costs microseconds.
+    return -(-a // b)
+
+
+def next_power_of_2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class ShrinkConfig(NamedTuple):
@@ -29,30 +39,36 @@ class ExpandConfig(NamedTuple):
 
 
 def token_bucket(num_tokens):
-    return 16 if num_tokens <= 16 else 64 if num_tokens <= 64 else 128
+    for edge in TOKEN_BUCKETS:
+        if num_tokens <= edge:
+            return edge
+    return TOKEN_BUCKETS[-1]
 
 
 def rank_block(max_rank):
     # tl.dot needs every dimension >= 16; 64 keeps the fp32 accumulator tile in registers.
-    return max(16, min(64, triton.next_power_of_2(max_rank)))
+    return max(16, min(64, next_power_of_2(max_rank)))
 
 
 def max_token_tiles(num_tokens, num_slots, block_m):
-    """Upper bound on (slot, token tile) pairs: each slot adds at most one partial tile."""
-    return min(triton.cdiv(num_tokens, block_m) + num_slots, num_tokens)
+    """Upper bound on (slot, token tile) pairs: each slot adds at most one partial tile; each tile holds
+    at least one token. The grid's token axis has this size (programs past the real work return)."""
+    return min(cdiv(num_tokens, block_m) + num_slots, num_tokens)
 
 
-def shrink_config(num_tokens, in_features, num_slices, max_rank, num_slots):
-    block_m = min(token_bucket(num_tokens), 64)
+def block_m_for(bucket):
+    return max(16, min(64, bucket))
+
+
+def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
+    block_m = block_m_for(bucket)
     block_r = rank_block(max_rank)
-    block_k = max(16, min(128, triton.next_power_of_2(in_features)))
-    programs = num_slices * triton.cdiv(max_rank, block_r) * max_token_tiles(num_tokens, num_slots, block_m)
-    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), triton.cdiv(in_features, block_k), 32))
+    block_k = max(16, min(128, next_power_of_2(in_features)))
+    programs = num_slices * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
+    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), 32))
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=4, num_stages=2)
 
 
-def expand_config(num_tokens, out_features, max_rank, num_slots):
-    bucket = token_bucket(num_tokens)
-    block_m = bucket if bucket < 128 else 64
-    block_n = max(16, min(128, triton.next_power_of_2(out_features)))
-    return ExpandConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
+def expand_config(bucket, out_features, max_rank, num_slots):
+    block_n = max(16, min(128, next_power_of_2(out_features)))
+    return ExpandConfig(block_m_for(bucket), block_n, rank_block(max_rank), num_warps=4, num_stages=2)

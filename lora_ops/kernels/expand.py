@@ -5,20 +5,20 @@ import triton.language as tl
 from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
 
 
-@triton.jit(do_not_specialize=["M", "stride_hsplit", "stride_hm"])
+@triton.jit(do_not_specialize=["M"])
 def expand_kernel(
     h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
     M, num_slots, max_rank, capacity,
-    stride_hsplit, stride_hm, stride_hs, stride_hr,
+    stride_hm, stride_hs, stride_hr,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot times one BLOCK_N block of one output slice.
 
-    Pointers: h [SPLIT_K, M, S, R] float32 (partial sums, added here); B [L, N, R] (y's dtype);
+    Pointers: h [M, S, R] float32 (the shrink output); B [L, N, R] (y's dtype);
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
@@ -56,14 +56,17 @@ def expand_kernel(
     h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
     b_cols = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
 
+    # y is the bulk of the bytes: issue its load first so it is in flight during the rank loop.
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
+    mask = valid[:, None] & n_ok[None, :]
+    y_old = tl.load(y_ptrs, mask=mask, other=0.0)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         rs = r0 + offs_r
         r_ok = rs < rank
         h_mask = valid[:, None] & r_ok[None, :]
-        ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            ht += tl.load(h_rows + split * stride_hsplit + rs[None, :] * stride_hr, mask=h_mask, other=0.0)
+        ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=h_mask, other=0.0)
         bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         if H_PRECISION == "bf16x2":
             hi = ht.to(tl.bfloat16)
@@ -75,7 +78,4 @@ def expand_kernel(
         else:
             acc = tl.dot(ht, bt, acc, input_precision="ieee")
 
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
-    mask = valid[:, None] & n_ok[None, :]
-    y_old = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
