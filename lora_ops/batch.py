@@ -101,5 +101,6 @@ class LoRABatch:
 
 def build_batch_meta(token_slots, max_loras):
     """One-off metadata for ``token_slots`` (allocates; use :class:`LoRABatch` in a serving loop)."""
+    check_token_slots(token_slots, max_loras)  # before sizing the buffers from it
     batch = LoRABatch(max(token_slots.shape[0], 1), max_loras, device=token_slots.device)
     return batch.update(token_slots)

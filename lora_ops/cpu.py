@@ -3,7 +3,8 @@
 They read the same batch metadata as the Triton kernels (tokens grouped by slot), so models run on
 CPU and on machines without Triton. On the CPU, reading the counts on the host costs no sync.
 Products run in float32 (float64 stays float64 nowhere: inputs are fp16/bf16/fp32) and each output
-element is rounded once.
+element is rounded once. Like the Triton kernels, they record no autograd graph (torch.no_grad): autograd
+belongs to the op, whichever backend runs it.
 """
 import torch
 
@@ -21,6 +22,7 @@ def _slot_runs(num_slots, rank, sorted_token_ids, slot_starts, slot_counts, num_
         yield slot, ids[(ids >= 0) & (ids < num_tokens)], r
 
 
+@torch.no_grad()
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     M = x.shape[0]
     L, S, R, K = lora_a.shape
@@ -32,6 +34,7 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     return h
 
 
+@torch.no_grad()
 def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     M = y.shape[0]
     L, N, R = lora_b.shape
@@ -40,6 +43,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
         y[ids] = _expanded(y[ids], h[ids, :, :r], lora_b[slot, :, :r], slice_widths)
 
 
+@torch.no_grad()
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     M = x.shape[0]
     L, S, R, K = lora_a.shape

@@ -1,0 +1,316 @@
+"""Shared test setup: where the Triton kernels run, tolerances, random problems, the backend fixture.
+
+By default the suite runs on this machine's CPU: the vectorised torch CPU kernels, and the real Triton
+kernels through Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before anything imports
+triton, hence first thing here). ``LORA_OPS_TEST_DEVICE=cuda`` runs the Triton side on CUDA tensors
+with the real compiler instead (one command on the GPU machine:
+``LORA_OPS_TEST_DEVICE=cuda python -m pytest tests``).
+"""
+import os
+
+DEVICE = os.environ.get("LORA_OPS_TEST_DEVICE", "cpu")
+if DEVICE != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import interp_bf16  # noqa: E402
+from lora_ops import ops  # noqa: E402
+from lora_ops.batch import LoRABatch  # noqa: E402
+from lora_ops.reference import lora_delta_reference  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Hypothesis: no deadline (the interpreter's first call of a kernel is slow) and modest example
+# counts so the suite stays well under 15 minutes on 2 cores; HYPOTHESIS_PROFILE=dev digs deeper.
+# Our function-scoped fixtures (backend, bf16 patch) set state once per test that every example may
+# share, so hypothesis' warning about them does not apply.
+settings.register_profile(
+    "ci", deadline=None, max_examples=12, print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances: the ONE place. Relative Frobenius error of the LoRA delta against the float64
+# reference (computed from the same rounded inputs), y starting at zero. The shrink output h is
+# float32 whatever the input dtype, so it is held to the float32 tolerance.
+# ---------------------------------------------------------------------------------------------
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+H_TOLERANCE = TOLERANCE[torch.float32]
+
+# The one-rounding-step check (y from a non-zero start) allows, on top of one output step, the
+# worst-case error of the float32 intermediates plus one rounding of h to the expand's precision.
+FLOAT32_ROUNDOFF = 2.0 ** -24  # the kernels accumulate in float32
+
+
+def h_roundoff(dtype, backend):
+    """Unit roundoff of h (float32) as the expand's dot sees it on ``backend`` (lora_ops.launch's
+    _H_PRECISION): float32, except in the Triton kernel for bf16 (h as two bf16 terms, about 16
+    significant bits) and for fp16 on a GPU (tf32; the interpreter ignores tf32 and stays in float32).
+    """
+    if backend.name == "triton" and dtype == torch.bfloat16:
+        return 2.0 ** -16
+    if backend.name == "triton" and dtype == torch.float16 and not backend.interpreted:
+        return 2.0 ** -11
+    return FLOAT32_ROUNDOFF
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def dtype_id(dtype):
+    return DTYPE_IDS[dtype]
+
+
+def rel_err(out, ref):
+    """||out - ref||_F / ||ref||_F in float64; inf if out has a NaN; exact match needed if ref is 0."""
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    if torch.isnan(out).any():
+        return math.inf
+    diff = (out - ref).norm().item()
+    norm = ref.norm().item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def ulp(values, dtype):
+    """Spacing of ``dtype`` numbers at each of ``values`` (float64): one output rounding step."""
+    info = torch.finfo(dtype)
+    mag = values.abs()
+    _, exponent = torch.frexp(mag)
+    binade = torch.where(mag < info.smallest_normal, torch.full_like(mag, info.smallest_normal),
+                         torch.ldexp(torch.ones_like(mag), exponent - 1))
+    return binade * info.eps
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: the torch CPU kernels, and the Triton kernels (interpreter on CPU, or CUDA).
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Backend:
+    name: str     # "torch" or "triton": lora_ops.ops.set_cpu_backend's choice
+    device: str   # where this backend's tensors live
+
+    @property
+    def interpreted(self):
+        return self.name == "triton" and self.device == "cpu"
+
+    @property
+    def id(self):
+        return f"{self.name}-{'interp' if self.interpreted else self.device}"
+
+
+BACKENDS = [Backend("torch", "cpu"), Backend("triton", DEVICE)]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.id)
+def backend(request):
+    """Routes CPU tensors to this backend for the test, then restores the previous choice."""
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend(request.param.name)
+    yield request.param
+    ops.set_cpu_backend(previous)
+
+
+@pytest.fixture
+def bf16_interpreter():
+    """Redo the Triton interpreter's bf16 arithmetic in float32 (tests/interp_bf16.py) for this test.
+
+    A no-op off the interpreter (the real compiler is right); skips if this Triton cannot be patched.
+    """
+    if not INTERPRETED:
+        yield
+        return
+    if interp_bf16.UNPATCHABLE_REASON:
+        pytest.skip(interp_bf16.UNPATCHABLE_REASON)
+    with interp_bf16.patched():
+        yield
+
+
+@pytest.fixture
+def checked_dtype(backend, dtype, request):
+    """The parametrized ``dtype``; bf16 values on the interpreter are only right with the bf16 patch."""
+    if backend.interpreted and dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_interpreter")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Random problems.
+# ---------------------------------------------------------------------------------------------
+LAYOUTS = ("contiguous", "column_slice", "transposed")
+
+
+def laid_out(t, layout, gen):
+    """A copy of the 2-D ``t`` stored as ``layout``: contiguous, a column slice of a wider tensor
+    (garbage around it), or transposed storage (column-major)."""
+    rows, cols = t.shape
+    if layout == "contiguous":
+        return t.clone()
+    if layout == "column_slice":
+        wide = torch.randn(rows, cols + 5, generator=gen).to(dtype=t.dtype, device=t.device)
+        view = wide[:, 3:3 + cols]
+    elif layout == "transposed":
+        view = torch.empty(cols, rows, dtype=t.dtype, device=t.device).t()
+    else:
+        raise ValueError(f"layout: unknown {layout!r}")
+    view.copy_(t)
+    return view
+
+
+def unequal_widths(n, num_slices, gen):
+    """``num_slices`` positive widths summing to ``n``, not all equal where n allows."""
+    widths = [n]
+    for _ in range(20):
+        cuts = sorted(torch.randperm(n - 1, generator=gen)[:num_slices - 1].add(1).tolist())
+        widths = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+        if num_slices == 1 or len(set(widths)) > 1:
+            break
+    return widths
+
+
+def random_slots(num_tokens, num_slots, gen):
+    """Per-token slots in [-1, L), unsorted, with at least one -1 when there are two tokens or more."""
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen)
+    if num_tokens >= 2:
+        slots[torch.randint(0, num_tokens, (1,), generator=gen)] = -1
+    return slots.tolist()
+
+
+def random_ranks(num_slots, max_rank, gen):
+    """Per-slot ranks in [0, max_rank], with one slot at max_rank and, when L > 1, one at 0."""
+    ranks = torch.randint(0, max_rank + 1, (num_slots,), generator=gen)
+    order = torch.randperm(num_slots, generator=gen)
+    ranks[order[0]] = max_rank
+    if num_slots > 1:
+        ranks[order[1]] = 0
+    return ranks.tolist()
+
+
+@dataclass
+class Case:
+    """One random problem; tensors on ``device``, values already rounded to ``dtype``."""
+    x: torch.Tensor             # [M, K], possibly strided
+    lora_a: torch.Tensor        # [L, S, R, K]
+    lora_b: torch.Tensor        # [L, N, R]
+    scale: torch.Tensor         # [L] float32, signed
+    rank: torch.Tensor          # [L] int32
+    token_slots: torch.Tensor   # [M] int64 in [-1, L), unsorted
+    slice_widths: list
+    batch: LoRABatch            # capacity >= M, refilled from token_slots (stale entries past M)
+    y_layout: str
+    gen: torch.Generator
+
+    @property
+    def meta(self):
+        return self.batch.meta
+
+    @property
+    def shape(self):
+        """(M, K, N, L, S, R)."""
+        L, S, R, K = self.lora_a.shape
+        return self.x.shape[0], K, self.lora_b.shape[1], L, S, R
+
+    def delta_reference(self):
+        """The float64 delta [M, N] on CPU."""
+        return lora_delta_reference(self.x, self.lora_a, self.lora_b, self.scale, self.rank, self.token_slots,
+                                    self.slice_widths)
+
+    def delta_abs_bound(self):
+        """sum |scale x A B| term by term: what the float32 rounding errors of the delta scale with."""
+        return lora_delta_reference(self.x.abs(), self.lora_a.abs(), self.lora_b.abs(), self.scale.abs(),
+                                    self.rank, self.token_slots, self.slice_widths)
+
+    def untouched_rows(self):
+        """Tokens whose delta is zero by definition: slot -1, or a slot of rank 0 (CPU bool mask)."""
+        slots = self.token_slots.cpu()
+        ranks = self.rank.cpu().long()
+        return (slots < 0) | (ranks[slots.clamp(min=0)] == 0)
+
+    def no_adapter_rows(self):
+        return self.token_slots.cpu() < 0
+
+    def new_y(self, fill):
+        """y [M, N] in the case's layout: 'zero', or 'random' (signed values at the delta's scale for
+        tokens with an adapter; NaN-free sentinels such as -0.0, +-max and subnormals for slot -1)."""
+        M, _, N, *_ = self.shape
+        dtype, device = self.x.dtype, self.x.device
+        if fill == "zero":
+            values = torch.zeros(M, N, dtype=torch.float64)
+        elif fill == "random":
+            values = sentinel_rows(M, N, dtype, self.gen)
+            rms = self.delta_reference().pow(2).mean().sqrt().item() if M * N else 1.0
+            adapted = ~self.no_adapter_rows()
+            values[adapted] = torch.randn(int(adapted.sum()), N, generator=self.gen, dtype=torch.float64) * (
+                rms or 1.0)
+        else:
+            raise ValueError(f"fill: unknown {fill!r}")
+        return laid_out(values.to(dtype=dtype, device=device), self.y_layout, self.gen)
+
+
+def sentinel_rows(rows, cols, dtype, gen):
+    """[rows, cols] float64 of values that any arithmetic would disturb: -0.0, +-max, subnormals, ..."""
+    info = torch.finfo(dtype)
+    sentinels = torch.tensor([-0.0, info.max, -info.max, info.smallest_normal, -info.smallest_normal * info.eps,
+                              12345.0, -1.0 / 3.0], dtype=torch.float64)
+    pick = torch.randint(0, len(sentinels), (rows, cols), generator=gen)
+    return sentinels[pick].to(dtype).double()
+
+
+def make_case(M, K, N, num_slots, num_slices, max_rank, *, dtype=torch.float32, device="cpu", seed=0,
+              ranks=None, token_slots=None, slice_widths=None, x_layout="contiguous", y_layout="contiguous",
+              capacity=None):
+    """A random problem: signed data scaled so the delta is O(1); anything not given is drawn from
+    ``seed``: ranks (<= max_rank, some 0), unsorted slots with -1, unequal slice widths."""
+    gen = torch.Generator().manual_seed(seed)
+    L, S, R = num_slots, num_slices, max_rank
+    ranks = random_ranks(L, R, gen) if ranks is None else list(ranks)
+    if token_slots is None:
+        token_slots = random_slots(M, L, gen)
+    slice_widths = unequal_widths(N, S, gen) if slice_widths is None else list(slice_widths)
+    slots = torch.tensor(token_slots, dtype=torch.int64).reshape(M)
+
+    def rand(*shape, std):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
+
+    x = laid_out(rand(M, K, std=1.0), x_layout, gen)
+    lora_a = rand(L, S, R, K, std=K ** -0.5)
+    lora_b = rand(L, N, R, std=R ** -0.5)
+    sign = torch.randint(0, 2, (L,), generator=gen) * 2 - 1
+    scale = (sign * (0.25 + 1.75 * torch.rand(L, generator=gen))).to(device)
+    rank = torch.tensor(ranks, dtype=torch.int32, device=device)
+    batch = LoRABatch(capacity or max(M, 1), L, device=device)
+    if batch.max_tokens > M:  # leave stale token ids past M, as a serving loop does
+        batch.update(torch.randint(-1, L, (batch.max_tokens,), generator=gen))
+    batch.update(slots.to(device))
+    return Case(x, lora_a, lora_b, scale, rank, slots.to(device), slice_widths, batch, y_layout, gen)
+
+
+def expand_reference(h, lora_b, rank, token_slots, slice_widths):
+    """float64 [M, N]: h[t, i, :rank] @ B[s_t, slice i, :rank]^T; zero for slot -1. Reads nothing of h
+    past each token's rank, nor the rows of slot -1 (so those may hold NaN)."""
+    slots = token_slots.long().cpu()
+    M = slots.shape[0]
+    N = lora_b.shape[1]
+    h64, b64 = h.detach().double().cpu(), lora_b.detach().double().cpu()
+    ranks = rank.cpu().tolist()
+    out = torch.zeros(M, N, dtype=torch.float64)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        r, col = ranks[s], 0
+        for i, n in enumerate(slice_widths):
+            out[t, col:col + n] = b64[s, col:col + n, :r] @ h64[t, i, :r]
+            col += n
+    return out
+

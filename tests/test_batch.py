@@ -1,0 +1,123 @@
+"""Batch metadata: LoRABatch, build_batch_meta and fill_batch_meta against plain Python counting."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import DEVICE
+from lora_ops.batch import LoRABatch, build_batch_meta, fill_batch_meta
+
+SLOT_DTYPES = [torch.int32, torch.int64]
+SLOT_DTYPE_IDS = ["int32", "int64"]
+
+
+def python_grouping(slots, num_slots):
+    """What the metadata must say, by plain counting: tokens of slot 0 in order, ..., then 'no adapter'
+    (-1 and, where unchecked, any slot outside [0, L)) in order; counts and starts with L + 1 entries."""
+    bucket = [s if 0 <= s < num_slots else num_slots for s in slots]
+    order = [t for b in range(num_slots + 1) for t in range(len(slots)) if bucket[t] == b]
+    counts = [bucket.count(b) for b in range(num_slots + 1)]
+    starts = [sum(counts[:b]) for b in range(num_slots + 1)]
+    return order, counts, starts
+
+
+def assert_meta_matches(meta, slots, num_slots):
+    order, counts, starts = python_grouping(slots, num_slots)
+    M = len(slots)
+    for name, t in zip(meta._fields, meta):
+        assert t.dtype == torch.int32, f"{name} is {t.dtype}"
+    assert meta.sorted_token_ids[:M].tolist() == order
+    assert meta.slot_counts.tolist() == counts
+    assert meta.slot_starts.tolist() == starts
+
+
+@st.composite
+def slot_lists(draw, max_tokens=80):
+    num_slots = draw(st.integers(1, 9))
+    slots = draw(st.lists(st.integers(-1, num_slots - 1), max_size=max_tokens))
+    return num_slots, slots
+
+
+@pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
+@given(problem=slot_lists())
+def test_build_batch_meta_groups_stably_and_completely(slot_dtype, problem):
+    num_slots, slots = problem
+    meta = build_batch_meta(torch.tensor(slots, dtype=slot_dtype), num_slots)
+    assert_meta_matches(meta, slots, num_slots)
+    # Complete: a permutation of the tokens (also implied by the equality above; said plainly here).
+    assert sorted(meta.sorted_token_ids[:len(slots)].tolist()) == list(range(len(slots)))
+
+
+@pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
+def test_lora_batch_refills_the_same_buffers(slot_dtype):
+    batch = LoRABatch(max_tokens=64, max_loras=5)
+    meta = batch.meta
+    pointers = [t.data_ptr() for t in meta]
+    gen = torch.Generator().manual_seed(3)
+    for M in (5, 64, 0, 17, 1):  # grow, shrink, empty: stale ids past M must not matter
+        slots = torch.randint(-1, 5, (M,), generator=gen, dtype=slot_dtype)
+        returned = batch.update(slots)
+        assert all(a is b for a, b in zip(returned, meta)), "update returned new tensors"
+        assert [t.data_ptr() for t in batch.meta] == pointers, "a buffer moved"
+        assert batch.num_tokens == M
+        assert_meta_matches(batch.meta, slots.tolist(), 5)
+
+
+def test_more_tokens_than_capacity_raises():
+    batch = LoRABatch(max_tokens=8, max_loras=2)
+    with pytest.raises(ValueError, match=r"token_slots: 9 tokens exceed the batch capacity max_tokens=8"):
+        batch.update(torch.zeros(9, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("max_tokens,max_loras", [(0, 4), (4, 0)], ids=["no_tokens", "no_slots"])
+def test_lora_batch_needs_positive_capacity(max_tokens, max_loras):
+    with pytest.raises(ValueError, match=r"LoRABatch: expected max_tokens >= 1 and max_loras >= 1"):
+        LoRABatch(max_tokens, max_loras)
+
+
+@pytest.mark.parametrize("bad_slot,token", [(-2, 2), (4, 0), (1000, 3)], ids=["below_-1", "equal_to_L", "far_above"])
+@pytest.mark.parametrize("builder", ["build_batch_meta", "LoRABatch.update"])
+def test_cpu_slot_out_of_range_raises_naming_token_slots(builder, bad_slot, token):
+    slots = [1, 0, -1, 3]
+    slots[token] = bad_slot
+    slots = torch.tensor(slots)
+    build = {"build_batch_meta": lambda: build_batch_meta(slots, 4),
+             "LoRABatch.update": lambda: LoRABatch(16, 4).update(slots)}[builder]
+    with pytest.raises(ValueError, match=rf"token_slots: slot {bad_slot} at token {token} is outside "
+                                         rf"\[-1, max_loras=4\)"):
+        build()
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (torch.zeros(2, 3, dtype=torch.int32), ValueError, r"token_slots: expected a 1-D tensor \[M\], got shape \(2, 3\)"),
+    (torch.zeros(3, dtype=torch.float32), TypeError, r"token_slots: expected dtype int32 or int64, got torch.float32"),
+    (torch.zeros(3, dtype=torch.int16), TypeError, r"token_slots: expected dtype int32 or int64, got torch.int16"),
+    ([0, 1, -1], TypeError, r"token_slots: expected a torch.Tensor of per-token slots, got list"),
+], ids=["2-D", "float32", "int16", "list"])
+@pytest.mark.parametrize("builder", ["build_batch_meta", "LoRABatch.update"])
+def test_bad_token_slots_raise(builder, bad, error, message):
+    build = {"build_batch_meta": lambda: build_batch_meta(bad, 4),
+             "LoRABatch.update": lambda: LoRABatch(16, 4).update(bad)}[builder]
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
+def test_unchecked_device_path_sends_out_of_range_slots_to_no_adapter(slot_dtype):
+    """On a GPU the range is not checked (that would sync): fill_batch_meta, which LoRABatch.update calls
+    after the checks, must turn any slot outside [0, L) into 'no adapter' rather than index with it."""
+    slots = [2, 7, -1, 0, -9, 2, 3, 1000, 0]
+    batch = LoRABatch(max_tokens=12, max_loras=4)
+    fill_batch_meta(torch.tensor(slots, dtype=slot_dtype), 4, *batch.meta, batch._ones)
+    assert_meta_matches(batch.meta, slots, 4)
+    assert batch.meta.slot_counts[4] == 4  # -1, 7, -9 and 1000
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda")
+def test_cuda_batch_from_cuda_or_cpu_slots():
+    slots = [2, 7, -1, 0, -9, 2, 3, 1000, 0]
+    batch = LoRABatch(max_tokens=12, max_loras=4, device="cuda")
+    batch.update(torch.tensor(slots, device="cuda"))  # unchecked on the device: no sync, no raise
+    assert_meta_matches(type(batch.meta)(*[t.cpu() for t in batch.meta]), slots, 4)
+    with pytest.raises(ValueError, match="token_slots: slot 7 at token 1"):  # CPU slots are checked
+        batch.update(torch.tensor(slots))

@@ -1,0 +1,114 @@
+"""Config selection: token buckets, the heuristic, the tuned-table lookup and its fallbacks (CPU-only:
+the GPU path of the lookup is exercised with a fake GPU name and table)."""
+import json
+
+import pytest
+import torch
+
+from lora_ops import configs
+from lora_ops.configs import heuristics, tuning
+
+
+@pytest.mark.parametrize("m, bucket", [(0, 1), (1, 1), (2, 16), (16, 16), (17, 64), (1000, 1024), (5000, 8192),
+                                       (100000, 8192)])
+def test_token_bucket_edges(m, bucket):
+    assert heuristics.token_bucket(m) == bucket
+
+
+def test_configs_depend_on_bucket_not_raw_token_count():
+    for lo, hi in [(2, 16), (17, 64), (257, 1024), (4097, 8192)]:
+        assert configs.shrink_config(lo, 4096, 3, 16, 4) == configs.shrink_config(hi, 4096, 3, 16, 4)
+        assert configs.expand_config(lo, 6144, 3, 16, 4) == configs.expand_config(hi, 6144, 3, 16, 4)
+
+
+@pytest.mark.parametrize("rank", [1, 16, 64, 320])
+@pytest.mark.parametrize("bucket", heuristics.TOKEN_BUCKETS)
+def test_heuristic_configs_are_valid(rank, bucket):
+    s = heuristics.shrink_config(bucket, 4096, 3, rank, 4)
+    e = heuristics.expand_config(bucket, 6144, rank, 4)
+    for block in (s.block_m, s.block_r, s.block_k, e.block_m, e.block_n, e.block_r):
+        assert block >= 16 and block & (block - 1) == 0      # tl.dot: powers of two, at least 16
+    assert 1 <= s.split_k <= 32 and s.split_k <= heuristics.cdiv(4096, s.block_k)
+    assert e.block_r == s.block_r == heuristics.rank_block(rank)
+
+
+def test_split_k_only_at_small_token_counts():
+    assert heuristics.shrink_config(1, 4096, 1, 16, 4).split_k > 1
+    assert heuristics.shrink_config(8192, 4096, 3, 16, 4).split_k == 1
+
+
+@pytest.mark.parametrize("m, slots, block_m, bound", [(1, 4, 16, 1), (16, 4, 16, 5), (64, 8, 16, 12),
+                                                      (4096, 4, 64, 68), (3, 64, 16, 3)])
+def test_token_tile_bound_adds_slots_not_multiplies(m, slots, block_m, bound):
+    assert heuristics.max_token_tiles(m, slots, block_m) == bound
+
+
+@pytest.fixture
+def fake_gpu_table(tmp_path, monkeypatch):
+    """A tuned table for a pretend GPU, found through the normal lookup."""
+    name = "Pretend GPU 9000"
+    entries = [
+        dict(kind="shrink", features=4096, slices=3, rank=16, tokens=64,
+             config=heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)._asdict()),
+        dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
+             config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict()),
+        dict(kind="expand", features=14336 * 2, slices=2, rank=64, tokens=8192,
+             config=heuristics.ExpandConfig(128, 64, 64, 4, 3)._asdict()),
+    ]
+    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
+    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
+    monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
+    configs.load_table.cache_clear()
+    configs._resolved.clear()
+    yield name
+    configs.load_table.cache_clear()
+    configs._resolved.clear()
+
+
+CUDA = torch.device("cuda", 0)
+
+
+def test_table_entry_is_used_on_its_gpu(fake_gpu_table):
+    cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16)
+    assert cfg == heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)
+    assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.float16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
+
+
+def test_nearest_entry_adapts_rank_block(fake_gpu_table):
+    cfg = configs.expand_config(5000, 2 * 14336, 2, 256, 4, CUDA, torch.bfloat16)
+    assert (cfg.block_m, cfg.block_n) == (128, 64)
+    assert cfg.block_r == heuristics.rank_block(256)
+
+
+def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):
+    assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32) == heuristics.shrink_config(64, 4096, 3, 16, 4)
+    assert configs.shrink_config(40, 4096, 3, 16, 4) == heuristics.shrink_config(64, 4096, 3, 16, 4)
+
+
+def test_gpu_without_table_falls_back_to_heuristic(monkeypatch, tmp_path):
+    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(configs, "_gpu_name", lambda index: "Unknown GPU")
+    configs.load_table.cache_clear()
+    configs._resolved.clear()
+    try:
+        assert configs.expand_config(64, 6144, 3, 16, 4, CUDA) == heuristics.expand_config(64, 6144, 16, 4)
+    finally:
+        configs.load_table.cache_clear()
+        configs._resolved.clear()
+
+
+def test_shipped_tables_parse_and_hold_valid_configs():
+    for path in configs.TUNED_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        assert table["entries"], path
+        for e in table["entries"]:
+            make = heuristics.ShrinkConfig if e["kind"] == "shrink" else heuristics.ExpandConfig
+            make(**e["config"])
+
+
+@pytest.mark.parametrize("bucket", [1, 64, 8192])
+def test_tuner_candidates_include_valid_configs(bucket):
+    shr = list(tuning.shrink_candidates(bucket, 4096, 16, 3))
+    exp = list(tuning.expand_candidates(bucket, 6144, 16))
+    assert shr and exp and len(set(shr)) == len(shr)
+    assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)

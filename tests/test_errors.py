@@ -1,0 +1,244 @@
+"""Every bad input raises ValueError or TypeError with a message that names the argument, through the
+public API and through torch.ops directly, on both CPU backends."""
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import lora_ops
+from conftest import make_case
+from lora_ops.batch import BatchMeta
+
+M, K, N, L, S, R = 4, 6, 10, 3, 2, 4
+WIDTHS = [4, 6]
+OPS = ("add_lora_", "shrink", "expand_")
+
+
+def valid_args(device):
+    case = make_case(M, K, N, L, S, R, device=device, seed=2, slice_widths=WIDTHS, token_slots=[2, -1, 0, 1])
+    return dict(y=case.new_y("random"), x=case.x, lora_a=case.lora_a, lora_b=case.lora_b, scale=case.scale,
+                rank=case.rank, slice_widths=list(WIDTHS), h=torch.randn(M, S, R, device=device),
+                **case.meta._asdict())
+
+
+def call_public(op, a):
+    batch = BatchMeta(a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
+    if op == "add_lora_":
+        return lora_ops.add_lora(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"], batch=batch,
+                                 slice_widths=a["slice_widths"])
+    if op == "shrink":
+        return lora_ops.shrink(a["x"], a["lora_a"], a["scale"], a["rank"], batch=batch)
+    return lora_ops.expand(a["y"], a["h"], a["lora_b"], a["rank"], batch=batch, slice_widths=a["slice_widths"])
+
+
+def call_torch_ops(op, a):
+    meta = (a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
+    if op == "add_lora_":
+        return torch.ops.lora_ops.add_lora_(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                            a["slice_widths"], *meta)
+    if op == "shrink":
+        return torch.ops.lora_ops.shrink(a["x"], a["lora_a"], a["scale"], a["rank"], *meta)
+    return torch.ops.lora_ops.expand_(a["y"], a["h"], a["lora_b"], a["slice_widths"], a["rank"], *meta)
+
+
+ENTRY_POINTS = {"api": call_public, "torch.ops": call_torch_ops}
+
+
+@dataclass(frozen=True)
+class Bad:
+    """One bad argument: ``change`` maps (args, device) to the replacement value of ``arg``; ``message``
+    is the start of the expected error, by op where the ops word it differently ({dev}: the device)."""
+    name: str
+    arg: str
+    change: Callable
+    error: type
+    message: object  # str, or {op: str}; ops not listed do not take the argument
+
+    def message_for(self, op):
+        return self.message[op] if isinstance(self.message, dict) else self.message
+
+    def ops(self):
+        if isinstance(self.message, dict):
+            return list(self.message)
+        return [op for op in OPS if self.arg in USES[op]]
+
+
+USES = {
+    "add_lora_": {"y", "x", "lora_a", "lora_b", "scale", "rank", "slice_widths", "sorted_token_ids", "slot_starts",
+                  "slot_counts"},
+    "shrink": {"x", "lora_a", "scale", "rank", "sorted_token_ids", "slot_starts", "slot_counts"},
+    "expand_": {"y", "h", "lora_b", "slice_widths", "rank", "sorted_token_ids", "slot_starts", "slot_counts"},
+}
+FLOATS = "expected dtype float16, bfloat16 or float32"
+META = "(slots + 1 for 'no adapter')"
+
+
+BAD = [
+    # dtypes
+    Bad("x_int", "x", lambda a, d: a["x"].to(torch.int32), TypeError, f"x: {FLOATS}, got torch.int32"),
+    Bad("x_float64", "x", lambda a, d: a["x"].double(), TypeError, f"x: {FLOATS}, got torch.float64"),
+    Bad("lora_a_dtype_not_x", "lora_a", lambda a, d: a["lora_a"].half(), TypeError,
+        "lora_a: expected dtype torch.float32 (the dtype of x), got torch.float16"),
+    Bad("y_dtype_not_x", "y", lambda a, d: a["y"].half(), TypeError,
+        {"add_lora_": "y: expected dtype torch.float32 (the dtype of x), got torch.float16",
+         "expand_": "lora_b: expected dtype torch.float16 (the dtype of y), got torch.float32"}),
+    Bad("lora_b_dtype_not_y", "lora_b", lambda a, d: a["lora_b"].half(), TypeError,
+        "lora_b: expected dtype torch.float32 (the dtype of y), got torch.float16"),
+    Bad("h_not_fp32", "h", lambda a, d: a["h"].half(), TypeError,
+        "h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got torch.float16 (4, 2, 4)"),
+    Bad("scale_not_fp32", "scale", lambda a, d: a["scale"].half(), TypeError,
+        "scale: expected a 1-D float32 tensor of per-slot scales, got torch.float16 (3,)"),
+    Bad("rank_int64", "rank", lambda a, d: a["rank"].long(), TypeError,
+        "rank: expected dtype torch.int32, got torch.int64"),
+    Bad("sorted_token_ids_int64", "sorted_token_ids", lambda a, d: a["sorted_token_ids"].long(), TypeError,
+        "sorted_token_ids: expected dtype torch.int32, got torch.int64"),
+    Bad("slot_starts_int64", "slot_starts", lambda a, d: a["slot_starts"].long(), TypeError,
+        "slot_starts: expected dtype torch.int32, got torch.int64"),
+    Bad("slot_counts_float", "slot_counts", lambda a, d: a["slot_counts"].float(), TypeError,
+        "slot_counts: expected dtype torch.int32, got torch.float32"),
+    # devices (meta stands in for a second device)
+    Bad("lora_a_on_meta", "lora_a", lambda a, d: a["lora_a"].to("meta"), ValueError,
+        "lora_a: expected a tensor on {dev} (the device of x), got meta"),
+    Bad("lora_b_on_meta", "lora_b", lambda a, d: a["lora_b"].to("meta"), ValueError,
+        {"add_lora_": "lora_b: expected a tensor on {dev} (the device of x), got meta",
+         "expand_": "lora_b: expected a tensor on {dev} (the device of y), got meta"}),
+    Bad("y_on_meta", "y", lambda a, d: a["y"].to("meta"), ValueError,
+        {"add_lora_": "y: expected a tensor on {dev} (the device of x), got meta",
+         "expand_": "h: expected a tensor on meta (the device of y), got {dev}"}),
+    Bad("h_on_meta", "h", lambda a, d: a["h"].to("meta"), ValueError,
+        "h: expected a tensor on {dev} (the device of y), got meta"),
+    Bad("scale_on_meta", "scale", lambda a, d: a["scale"].to("meta"), ValueError,
+        "scale: expected a tensor on {dev} (the device of x), got meta"),
+    Bad("rank_on_meta", "rank", lambda a, d: a["rank"].to("meta"), ValueError,
+        {"add_lora_": "rank: expected a tensor on {dev} (the device of x), got meta",
+         "shrink": "rank: expected a tensor on {dev} (the device of x), got meta",
+         "expand_": "rank: expected a tensor on {dev} (the device of y), got meta"}),
+    Bad("slot_counts_on_meta", "slot_counts", lambda a, d: a["slot_counts"].to("meta"), ValueError,
+        {"add_lora_": "slot_counts: expected a tensor on {dev} (the device of x), got meta",
+         "shrink": "slot_counts: expected a tensor on {dev} (the device of x), got meta",
+         "expand_": "slot_counts: expected a tensor on {dev} (the device of y), got meta"}),
+    # shapes
+    Bad("x_3d", "x", lambda a, d: a["x"][None], ValueError, "x: expected a 2-D tensor, got shape (1, 4, 6)"),
+    Bad("lora_a_3d", "lora_a", lambda a, d: a["lora_a"][0], ValueError,
+        "lora_a: expected a 4-D tensor, got shape (2, 4, 6)"),
+    Bad("lora_a_k_not_x", "lora_a", lambda a, d: torch.zeros(L, S, R, K + 1, device=d), ValueError,
+        "lora_a: expected shape [L, S, R, K] with K = 6 (x's features), got (3, 2, 4, 7)"),
+    Bad("lora_b_rank_not_a", "lora_b", lambda a, d: torch.zeros(L, N, R + 1, device=d), ValueError,
+        "lora_b: expected shape [L, N, R] = [3, 10, 4], got (3, 10, 5)"),
+    Bad("lora_b_n_not_y", "lora_b", lambda a, d: torch.zeros(L, N - 1, R, device=d), ValueError,
+        "lora_b: expected shape [L, N, R] = [3, 10, 4], got (3, 9, 4)"),
+    Bad("lora_b_slots_not_a", "lora_b", lambda a, d: torch.zeros(L + 1, N, R, device=d), ValueError,
+        {"add_lora_": "lora_b: expected shape [L, N, R] = [3, 10, 4], got (4, 10, 4)",
+         "expand_": "rank: expected 4 entries (one per slot of lora_b), got 3"}),
+    Bad("y_rows_not_x", "y", lambda a, d: torch.zeros(M + 1, N, device=d), ValueError,
+        {"add_lora_": "y: expected 4 rows (x's tokens), got shape (5, 10)",
+         "expand_": "h: expected 5 rows (y's tokens), got shape (4, 2, 4)"}),
+    Bad("y_1d", "y", lambda a, d: torch.zeros(N, device=d), ValueError, "y: expected a 2-D tensor, got shape (10,)"),
+    Bad("h_rows_not_y", "h", lambda a, d: torch.zeros(M - 1, S, R, device=d), ValueError,
+        "h: expected 4 rows (y's tokens), got shape (3, 2, 4)"),
+    Bad("h_2d", "h", lambda a, d: torch.zeros(M, S * R, device=d), TypeError,
+        "h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got torch.float32 (4, 8)"),
+    Bad("slice_widths_count", "slice_widths", lambda a, d: [N], ValueError,
+        "slice_widths: expected 2 widths (one per slice of lora_a), got [10]"),
+    Bad("slice_widths_sum", "slice_widths", lambda a, d: [4, 5], ValueError,
+        "slice_widths: expected positive widths summing to N = 10 (y's columns), got [4, 5]"),
+    Bad("slice_widths_zero", "slice_widths", lambda a, d: [10, 0], ValueError,
+        "slice_widths: expected positive widths summing to N = 10 (y's columns), got [10, 0]"),
+    Bad("slice_widths_negative", "slice_widths", lambda a, d: [12, -2], ValueError,
+        "slice_widths: expected positive widths summing to N = 10 (y's columns), got [12, -2]"),
+    Bad("scale_length", "scale", lambda a, d: torch.ones(L + 1, device=d), ValueError,
+        "scale: expected 3 entries (one per slot of lora_a), got 4"),
+    Bad("scale_2d", "scale", lambda a, d: torch.ones(L, 1, device=d), TypeError,
+        "scale: expected a 1-D float32 tensor of per-slot scales, got torch.float32 (3, 1)"),
+    Bad("rank_length", "rank", lambda a, d: torch.ones(L - 1, dtype=torch.int32, device=d), ValueError,
+        {"add_lora_": "rank: expected 3 entries (one per slot of lora_a), got 2",
+         "shrink": "rank: expected 3 entries (one per slot of lora_a), got 2",
+         "expand_": "rank: expected 3 entries (one per slot of lora_b), got 2"}),
+    Bad("slot_starts_length", "slot_starts", lambda a, d: a["slot_starts"][:L], ValueError,
+        f"slot_starts: expected 4 entries {META}, got 3"),
+    Bad("slot_counts_length", "slot_counts", lambda a, d: torch.zeros(L + 2, dtype=torch.int32, device=d),
+        ValueError, f"slot_counts: expected 4 entries {META}, got 5"),
+    Bad("sorted_token_ids_shorter_than_M", "sorted_token_ids", lambda a, d: a["sorted_token_ids"][:M - 1],
+        ValueError, "sorted_token_ids: holds 3 entries, fewer than the 4 tokens of x; build the batch metadata "
+                    "with max_tokens >= 4"),
+    Bad("sorted_token_ids_2d", "sorted_token_ids", lambda a, d: a["sorted_token_ids"][None], ValueError,
+        "sorted_token_ids: expected a 1-D tensor, got shape (1, 4)"),
+]
+
+CASES = [pytest.param(bad, op, id=f"{op}-{bad.name}") for bad in BAD for op in bad.ops()]
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS), ids=list(ENTRY_POINTS))
+@pytest.mark.parametrize("bad,op", CASES)
+def test_bad_argument_raises_naming_it(backend, bad, op, entry):
+    args = valid_args(backend.device)
+    args[bad.arg] = bad.change(args, backend.device)
+    message = bad.message_for(op).format(dev=torch.device(backend.device).type)
+    with pytest.raises(bad.error, match="^" + re.escape(message)):
+        ENTRY_POINTS[entry](op, args)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_valid_arguments_pass(backend, op):
+    """The starting point of every bad case is fine, through every entry point."""
+    args = valid_args(backend.device)
+    for call in ENTRY_POINTS.values():
+        call(op, dict(args))
+    call_with_slots(op, args, token_slots=slots([2, -1, 0, 1], backend.device))
+
+
+def test_every_op_has_bad_cases():
+    for op in OPS:
+        assert sum(op in bad.ops() for bad in BAD) >= 15, op
+
+
+# ------------------------------------------------------------------------------------------------
+# token_slots / batch in the public API
+# ------------------------------------------------------------------------------------------------
+def call_with_slots(op, a, **slots_or_batch):
+    if op == "add_lora_":
+        return lora_ops.add_lora(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                 slice_widths=a["slice_widths"], **slots_or_batch)
+    if op == "shrink":
+        return lora_ops.shrink(a["x"], a["lora_a"], a["scale"], a["rank"], **slots_or_batch)
+    return lora_ops.expand(a["y"], a["h"], a["lora_b"], a["rank"], slice_widths=a["slice_widths"], **slots_or_batch)
+
+
+def slots(values, device, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+EXACTLY_ONE = "token_slots / batch: pass exactly one of them"
+BAD_SLOTS = [
+    ("both", lambda a, d: dict(token_slots=slots([0, 1, 2, -1], d), batch=BatchMeta(
+        a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])), ValueError, EXACTLY_ONE),
+    ("neither", lambda a, d: dict(), ValueError, EXACTLY_ONE),
+    ("batch_is_a_tuple", lambda a, d: dict(batch=(a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])),
+     TypeError, "batch: expected a LoRABatch or BatchMeta, got tuple"),
+    ("slot_equal_to_L", lambda a, d: dict(token_slots=slots([0, 3, 2, -1], d)), ValueError,
+     "token_slots: slot 3 at token 1 is outside [-1, max_loras=3)"),
+    ("slot_below_-1", lambda a, d: dict(token_slots=slots([0, 1, -2, -1], d, torch.int32)), ValueError,
+     "token_slots: slot -2 at token 2 is outside [-1, max_loras=3)"),
+    ("slots_float", lambda a, d: dict(token_slots=slots([0, 1, 2, -1], d, torch.float32)), TypeError,
+     "token_slots: expected dtype int32 or int64, got torch.float32"),
+    ("slots_2d", lambda a, d: dict(token_slots=slots([[0, 1], [2, -1]], d)), ValueError,
+     "token_slots: expected a 1-D tensor [M], got shape (2, 2)"),
+    ("slots_list", lambda a, d: dict(token_slots=[0, 1, 2, -1]), TypeError,
+     "token_slots: expected a torch.Tensor of per-token slots, got list"),
+    ("slots_too_few", lambda a, d: dict(token_slots=slots([0, 1, 2], d)), ValueError,
+     "token_slots: expected 4 entries (one per token), got 3"),
+    ("slots_too_many", lambda a, d: dict(token_slots=slots([0, 1, 2, -1, 0], d)), ValueError,
+     "token_slots: expected 4 entries (one per token), got 5"),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("make_kwargs,error,message", [pytest.param(*c[1:], id=c[0]) for c in BAD_SLOTS])
+def test_bad_token_slots_or_batch_raise(backend, op, make_kwargs, error, message):
+    if backend.device != "cpu" and "outside" in message:
+        pytest.skip("the slot range is checked on CPU only (no device sync)")
+    args = valid_args(backend.device)
+    with pytest.raises(error, match="^" + re.escape(message)):
+        call_with_slots(op, args, **make_kwargs(args, backend.device))

@@ -1,0 +1,370 @@
+"""Property tests of add_lora_ (fused), shrink and expand_ on both CPU backends against the float64 reference.
+
+Hypothesis draws the problem: M 0..70 tokens, odd K and N, max rank 1..64 with per-slot ranks at or
+below it (0 included), 1..3 output slices of unequal widths, 1..8 slots, unsorted slots with -1,
+strided x / y / h, metadata capacity above M with stale ids past M. The Triton interpreter gets the
+smaller shapes (it runs every program in Python) and checks bf16 values only through the test patch
+of its bf16 arithmetic (tests/interp_bf16.py; DESIGN.md §6).
+"""
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import interp_bf16
+import lora_ops
+from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, dtype_id,
+                      expand_reference, h_roundoff, make_case, rel_err, ulp)
+from lora_ops import configs
+from lora_ops.reference import shrink_reference
+
+FP16_FP32 = [torch.float16, torch.float32]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int
+    max_k: int
+    max_n: int
+    max_rank: int = 64
+    max_slots: int = 8
+
+
+TORCH_LIMITS = Limits(max_tokens=70, max_k=301, max_n=201)
+INTERP_LIMITS = Limits(max_tokens=70, max_k=49, max_n=49)
+# The isolation test runs every problem twice: smaller still on the interpreter.
+INTERP_ISOLATION_LIMITS = Limits(max_tokens=16, max_k=33, max_n=33, max_rank=32, max_slots=4)
+
+
+def limits_for(backend, isolation=False):
+    if not backend.interpreted:
+        return TORCH_LIMITS
+    return INTERP_ISOLATION_LIMITS if isolation else INTERP_LIMITS
+
+
+def odd(max_value, min_value=1):
+    return st.integers(min_value // 2, (max_value - 1) // 2).map(lambda i: 2 * i + 1)
+
+
+@st.composite
+def problems(draw, limits, min_tokens=0):
+    """make_case keyword arguments (all but dtype and device)."""
+    M = draw(st.integers(min_tokens, limits.max_tokens))
+    S = draw(st.integers(1, 3))
+    K = draw(odd(limits.max_k))
+    N = draw(odd(limits.max_n, min_value=3))
+    R = draw(st.integers(1, limits.max_rank))
+    L = draw(st.integers(1, limits.max_slots))
+    cuts = sorted(draw(st.lists(st.integers(1, N - 1), min_size=S - 1, max_size=S - 1, unique=True)))
+    return dict(
+        M=M, K=K, N=N, num_slots=L, num_slices=S, max_rank=R,
+        ranks=draw(st.lists(st.integers(0, R), min_size=L, max_size=L)),
+        token_slots=draw(st.lists(st.integers(-1, L - 1), min_size=M, max_size=M)),
+        slice_widths=[b - a for a, b in zip([0] + cuts, cuts + [N])],
+        x_layout=draw(st.sampled_from(LAYOUTS)), y_layout=draw(st.sampled_from(LAYOUTS)),
+        capacity=max(M + draw(st.integers(0, 4)), 1),
+        seed=draw(st.integers(0, 2 ** 32 - 1)),
+    )
+
+
+def draw_case(data, backend, dtype, isolation=False, min_tokens=0):
+    spec = data.draw(problems(limits_for(backend, isolation), min_tokens), label="problem")
+    return make_case(**spec, dtype=dtype, device=backend.device)
+
+
+def add_lora(case, y):
+    return lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                             slice_widths=case.slice_widths)
+
+
+def shrink_then_expand(case, y):
+    h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
+    return lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=case.slice_widths)
+
+
+# ------------------------------------------------------------------------------------------------
+# Assertions
+# ------------------------------------------------------------------------------------------------
+def assert_delta_close(y_out, y_in, ref, dtype):
+    err = rel_err(y_out.double().cpu() - y_in.double().cpu(), ref)
+    assert err <= TOLERANCE[dtype], f"relative error of the delta {err:.3g} > {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+def bits(t):
+    int_dtype = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.cpu().contiguous().view(int_dtype)
+
+
+def assert_rows_bit_identical(y_out, y_in, rows, what):
+    rows = rows.to(y_out.device)
+    assert torch.equal(bits(y_out[rows]), bits(y_in[rows])), f"{what} rows changed"
+
+
+def assert_rows_equal(y_out, y_in, rows, what):
+    rows = rows.to(y_out.device)
+    assert torch.equal(y_out[rows].cpu(), y_in[rows].cpu()), f"{what} rows changed"
+
+
+def assert_one_rounding_step(y_out, y_in, delta, abs_bound, terms, dtype, backend, where=None):
+    """|y_out - round(y_in + delta)| <= one output step + the intermediates' worst-case error, at the
+    entries ``where`` (default: all). That error is at most (``terms`` float32 roundings + one rounding
+    of h to the expand's precision) times ``abs_bound``, the delta with every term made positive.
+    A plain cast of h to 16 bits would fail this."""
+    exact = y_in.double().cpu() + delta
+    rounded = exact.to(dtype).double()
+    slack = ulp(rounded, dtype) + (terms * FLOAT32_ROUNDOFF + h_roundoff(dtype, backend)) * abs_bound
+    off = (y_out.double().cpu() - rounded).abs()
+    if where is not None:
+        off, slack = off[where], slack[where]
+    assert not torch.isnan(off).any(), "NaN in y"
+    worst = (off / slack).max().item() if off.numel() else 0.0
+    assert worst <= 1.0, (f"y is {worst:.3g} x (one rounding step + the intermediates' error) away from the "
+                          "rounded exact result")
+
+
+# ------------------------------------------------------------------------------------------------
+# Values against the reference
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@given(data=st.data())
+def test_add_lora_matches_reference(backend, checked_dtype, data):
+    dtype = checked_dtype
+    case = draw_case(data, backend, dtype)
+    M, K, N, L, S, R = case.shape
+    ref = case.delta_reference()
+
+    # From y = 0: the delta itself, within the dtype's tolerance; untouched rows stay exactly zero.
+    y = case.new_y("zero")
+    y_zero = y.clone()
+    add_lora(case, y)
+    assert_delta_close(y, y_zero, ref, dtype)
+    assert_rows_equal(y, y_zero, case.untouched_rows(), "slot -1 / rank-0")
+
+    # From a random y (sentinels in slot -1 rows): the same delta, rounded once onto y.
+    y = case.new_y("random")
+    y_in = y.clone()
+    add_lora(case, y)
+    assert_delta_close(y, y_in, ref, dtype)
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+    assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
+    assert_one_rounding_step(y, y_in, ref, case.delta_abs_bound(), K + R + 4, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@given(data=st.data())
+def test_shrink_matches_reference(backend, checked_dtype, data):
+    case = draw_case(data, backend, checked_dtype)
+    M, K, N, L, S, R = case.shape
+    h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
+
+    assert (h.shape, h.dtype, h.device.type) == ((M, S, R), torch.float32, torch.device(backend.device).type)
+    ref = shrink_reference(case.x, case.lora_a, case.scale, case.rank, case.token_slots)
+    err = rel_err(h, ref)
+    assert err <= H_TOLERANCE, f"relative error of h {err:.3g} > {H_TOLERANCE:.0e}"
+    # h is a fresh tensor, so poison cannot show a missed write; the rows of slot -1 and the columns
+    # at or past each token's rank must be exactly zero instead.
+    h = h.cpu()
+    assert torch.equal(h[case.no_adapter_rows()], torch.zeros_like(h[case.no_adapter_rows()])), "slot -1 rows of h"
+    token_rank = case.rank.cpu().long()[case.token_slots.cpu().clamp(min=0)]
+    past_rank = torch.arange(R)[None, None, :] >= token_rank[:, None, None]
+    assert torch.equal(h[past_rank.expand_as(h)], torch.zeros(int(past_rank.expand_as(h).sum()))), \
+        "h past the slot's rank"
+
+
+def poisoned_h(case, layout):
+    """Random float32 h [M, S, R] in ``layout``, NaN where expand must not read: slot -1 rows and past
+    each token's rank."""
+    M, _, _, _, S, R = case.shape
+    h = torch.randn(M, S, R, generator=case.gen)
+    token_rank = case.rank.cpu().long()[case.token_slots.cpu().clamp(min=0)]
+    unread = (torch.arange(R)[None, :] >= token_rank[:, None]) | case.no_adapter_rows()[:, None]
+    h.masked_fill_(unread[:, None, :], math.nan)
+    device = case.x.device
+    if layout == "rank_slice":
+        out = torch.empty(M, S, R + 3, device=device)[:, :, :R]
+    elif layout == "permuted":
+        out = torch.empty(S, R, M, device=device).permute(2, 0, 1)
+    else:
+        out = torch.empty(M, S, R, device=device)
+    return out.copy_(h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@given(data=st.data())
+def test_expand_matches_reference(backend, checked_dtype, data):
+    dtype = checked_dtype
+    case = draw_case(data, backend, dtype)
+    M, K, N, L, S, R = case.shape
+    h = poisoned_h(case, data.draw(st.sampled_from(["contiguous", "rank_slice", "permuted"]), label="h layout"))
+    ref = expand_reference(h, case.lora_b, case.rank, case.token_slots, case.slice_widths)
+
+    y = case.new_y("random")
+    y_in = y.clone()
+    lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=case.slice_widths)
+    assert_delta_close(y, y_in, ref, dtype)
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+    assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
+    abs_bound = expand_reference(h.abs(), case.lora_b.abs(), case.rank, case.token_slots, case.slice_widths)
+    assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4, dtype, backend)
+
+
+# ------------------------------------------------------------------------------------------------
+# Isolation: a NaN in one slot's weights (or one token's x) reaches exactly the outputs it should
+# ------------------------------------------------------------------------------------------------
+def plant_nan(case, data):
+    """Put one NaN into A, B or x; return the [M, N] bool mask of outputs it must turn into NaN."""
+    M, K, N, L, S, R = case.shape
+    slots = case.token_slots.cpu()
+    ranks = case.rank.cpu().tolist()
+    expected = torch.zeros(M, N, dtype=torch.bool)
+    cols = torch.tensor(case.slice_widths).cumsum(0).tolist()
+    target = data.draw(st.sampled_from(["lora_a", "lora_b", "x"]), label="NaN in")
+    if target == "x":
+        t = data.draw(st.integers(0, M - 1), label="token")
+        case.x[t, data.draw(st.integers(0, K - 1), label="k")] = math.nan
+        s = int(slots[t])
+        expected[t] = s >= 0 and ranks[s] > 0
+        return expected
+    s = data.draw(st.integers(0, L - 1), label="slot")
+    r = data.draw(st.integers(0, R - 1), label="r (past the rank: must not be read)")
+    if target == "lora_a":
+        i = data.draw(st.integers(0, S - 1), label="slice")
+        case.lora_a[s, i, r, data.draw(st.integers(0, K - 1), label="k")] = math.nan
+        hit_cols = torch.zeros(N, dtype=torch.bool)
+        hit_cols[([0] + cols)[i]:cols[i]] = True
+    else:
+        n = data.draw(st.integers(0, N - 1), label="n")
+        case.lora_b[s, n, r] = math.nan
+        hit_cols = torch.arange(N) == n
+    if r < ranks[s]:
+        expected |= (slots == s)[:, None] & hit_cols[None, :]
+    return expected
+
+
+@pytest.mark.parametrize("path", [add_lora, shrink_then_expand], ids=["fused", "shrink+expand"])
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+@given(data=st.data())
+def test_nan_stays_in_its_slot(backend, dtype, path, data):
+    case = draw_case(data, backend, dtype, isolation=True, min_tokens=1)
+    y_start = case.new_y("random")
+    clean = path(case, y_start.clone())
+    delta, abs_bound = case.delta_reference(), case.delta_abs_bound()
+    expected = plant_nan(case, data)
+    dirty = path(case, y_start.clone())
+
+    assert torch.equal(torch.isnan(dirty).cpu(), expected), "NaN reached other outputs (or missed its own)"
+    assert_rows_bit_identical(dirty, y_start, case.no_adapter_rows(), "slot -1")
+    if backend.device == "cpu":  # deterministic: everything away from the NaN is exactly as before
+        assert torch.equal(bits(dirty)[~expected], bits(clean)[~expected]), "outputs away from the NaN changed"
+    else:  # split-K atomics may reorder float32 sums between runs: hold them to the rounding bound
+        assert_one_rounding_step(dirty, y_start, delta, abs_bound, case.shape[1] + case.shape[5] + 4, dtype,
+                                 backend, where=~expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Edges
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_empty_batch_is_a_no_op(backend, dtype):
+    case = make_case(0, 9, 11, num_slots=3, num_slices=2, max_rank=8, dtype=dtype, device=backend.device,
+                     capacity=16)  # stale metadata from a batch of 16 first
+    y = case.new_y("zero")
+    assert add_lora(case, y) is y and y.shape == (0, 11)
+    h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
+    assert (h.shape, h.dtype) == ((0, 2, 8), torch.float32)
+    lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=case.slice_widths)
+    assert y.shape == (0, 11)
+
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_split_k_matches_reference(backend, dtype):
+    """K large enough that the Triton shrink splits K and the expand adds the partial sums."""
+    M, K, N, L, S, R = 5, 517, 33, 3, 2, 16
+    if backend.interpreted:  # on CUDA a tuned table may choose otherwise
+        cfg = configs.shrink_config(M, K, S, R, L, torch.device("cpu"), dtype)
+        assert cfg.split_k > 1, "this shape no longer exercises split-K"
+    case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=7,
+                     ranks=[16, 5, 0], token_slots=[2, 0, -1, 1, 0])
+    y = case.new_y("zero")
+    add_lora(case, y)
+    assert_delta_close(y, torch.zeros_like(y), case.delta_reference(), dtype)
+
+
+@pytest.mark.parametrize("bad_slot", [-2, 3], ids=["below_-1", "equal_to_L"])
+@pytest.mark.parametrize("op", ["add_lora", "shrink", "expand"])
+def test_cpu_slot_out_of_range_raises(backend, op, bad_slot):
+    if backend.device != "cpu":
+        pytest.skip("the slot range is checked on CPU only (no device sync)")
+    case = make_case(4, 9, 11, num_slots=3, num_slices=1, max_rank=4, device=backend.device)
+    slots = torch.tensor([0, bad_slot, -1, 2], device=backend.device)
+    y = case.new_y("zero")
+    calls = {
+        "add_lora": lambda: lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                              token_slots=slots),
+        "shrink": lambda: lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, token_slots=slots),
+        "expand": lambda: lora_ops.expand(y, torch.zeros(4, 1, 4, device=backend.device), case.lora_b, case.rank,
+                                          token_slots=slots),
+    }
+    with pytest.raises(ValueError, match=rf"token_slots: slot {bad_slot} at token 1 is outside \[-1, max_loras=3\)"):
+        calls[op]()
+
+
+# ------------------------------------------------------------------------------------------------
+# The bf16 interpreter patch itself (tests/interp_bf16.py)
+# ------------------------------------------------------------------------------------------------
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="only the Triton interpreter has the bf16 problem")
+
+
+def integer_bf16_tiles(seed=0):
+    """Two 16 x 16 bf16 tiles of small integers: their float32 dot is exact, so the bf16 result has a
+    single right answer (round to nearest even; sums past 256 need rounding, ties included)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(-8, 9, (16, 16), generator=gen).to(torch.bfloat16) for _ in range(2)]
+
+
+def cast_probe_values():
+    """float32 values whose bf16 rounding differs from truncation, ties both ways, specials."""
+    return torch.tensor([1 + 2 ** -8 + 2 ** -10, -(3 + 3 * 2 ** -8), 1 + 2 ** -8, 1 + 3 * 2 ** -8, 259.0, 3.4e38,
+                         -1e-40, math.inf, -0.0, 0.1, -2.5e-3, 65504.0, 1.0, 7.0, 2 ** -130, math.nan],
+                        dtype=torch.float32)
+
+
+@needs_interpreter
+def test_unpatched_interpreter_gets_bf16_wrong():
+    """Why the bf16_interpreter fixture exists: without it, bf16 dot, add and cast are all wrong."""
+    a, b = integer_bf16_tiles()
+    dot, add = interp_bf16.run_probe(a, b)
+    want = (a.double() @ b.double()).to(torch.bfloat16)
+    assert rel_err(dot, want) > 1e3, "the interpreter's bf16 dot is right now: is the patch still needed?"
+    assert not torch.equal(add, a + b), "the interpreter's bf16 add is right now: is the patch still needed?"
+    values = cast_probe_values().nan_to_num(nan=0.5)  # the stock cast's NaN is not the question here
+    assert not torch.equal(interp_bf16.run_cast_probe(values), values.to(torch.bfloat16)), \
+        "the interpreter's fp32 -> bf16 cast rounds to nearest even now: is the patch still needed?"
+
+
+@needs_interpreter
+def test_bf16_patch_matches_torch(bf16_interpreter):
+    a, b = integer_bf16_tiles()
+    dot, add = interp_bf16.run_probe(a, b)
+    assert torch.equal(dot, (a.double() @ b.double()).to(torch.bfloat16))
+    assert torch.equal(add, a + b)
+    values = cast_probe_values()
+    cast, want = interp_bf16.run_cast_probe(values), values.to(torch.bfloat16)
+    nan = torch.isnan(values)
+    assert torch.equal(torch.isnan(cast), nan)  # NaN stays NaN (payloads differ between libraries)
+    assert torch.equal(bits(cast[~nan]), bits(want[~nan]))
+
+
+@needs_interpreter
+def test_bf16_patch_is_scoped():
+    """The patch is undone when the block exits, even on error (other tests see the stock interpreter)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    before = {name: InterpreterBuilder.__dict__[name] for name in ("binary_op", "create_dot", "cast_impl")}
+    with pytest.raises(RuntimeError, match="boom"):
+        with interp_bf16.patched():
+            assert InterpreterBuilder.__dict__["create_dot"] is not before["create_dot"]
+            raise RuntimeError("boom")
+    assert {name: InterpreterBuilder.__dict__[name] for name in before} == before

@@ -1,0 +1,186 @@
+"""The op contract: opcheck of every op, launchers on meta tensors (grids from shapes only), and one
+compile of the hot path over many batch sizes."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import lora_ops
+from conftest import make_case
+from lora_ops import launch
+from lora_ops.configs.heuristics import cdiv, max_token_tiles
+
+# (M, K, N, L, S, R): decode-like, fused q/k/v-like with odd sizes, one slot, an empty batch.
+SHAPES = [(7, 9, 11, 3, 2, 8), (33, 17, 23, 5, 3, 16), (1, 5, 3, 1, 1, 1), (0, 6, 7, 2, 2, 4)]
+SHAPE_IDS = ["M7-S2", "M33-S3", "M1-L1", "M0"]
+
+
+def requiring_grad(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def op_args(op_name, case):
+    """Arguments of torch.ops.lora_ops.<op_name>; the differentiable inputs require grad (opcheck's
+    autograd check needs some), the in-place output y does not."""
+    M, K, N, L, S, R = case.shape
+    meta = tuple(case.meta)
+    x, lora_a, lora_b = requiring_grad(case.x), requiring_grad(case.lora_a), requiring_grad(case.lora_b)
+    if op_name == "shrink":
+        return (x, lora_a, case.scale, case.rank, *meta)
+    if op_name == "expand_":
+        h = requiring_grad(torch.randn(M, S, R, generator=case.gen).to(case.x.device))
+        return (case.new_y("random"), h, lora_b, case.slice_widths, case.rank, *meta)
+    return (case.new_y("random"), x, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
+
+
+# The raw ops carry no autograd formula (lora_ops::add_lora, the functional op, does); opcheck's aot
+# check backprops through them anyway and torch warns about that.
+@pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered:UserWarning")
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_"])
+def test_opcheck(backend, op_name, shape):
+    case = make_case(*shape, dtype=torch.float32, device=backend.device, seed=11)
+    op = getattr(torch.ops.lora_ops, op_name).default
+    # All default test_utils: schema, autograd registration, fake tensor, aot dispatch (dynamic).
+    results = torch.library.opcheck(op, op_args(op_name, case))
+    assert set(results) == {"test_schema", "test_autograd_registration", "test_faketensor",
+                            "test_aot_dispatch_dynamic"}
+    assert all(v == "SUCCESS" for v in results.values()), results
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers on meta tensors: grids are plain ints computed from shapes, bounded by the real work.
+# ------------------------------------------------------------------------------------------------
+class LaunchRecorder:
+    """Stands in for a @triton.jit kernel: records kernel[grid](*args, **kwargs) instead of launching,
+    with the arguments bound to the real kernel's parameter names."""
+
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.launches.append((grid, {**dict(zip(self.arg_names, args)), **kwargs}))
+        return launch_
+
+
+@pytest.fixture
+def recorders(monkeypatch):
+    shrink = LaunchRecorder(lora_ops.kernels.shrink.shrink_kernel)
+    expand = LaunchRecorder(lora_ops.kernels.expand.expand_kernel)
+    monkeypatch.setattr("lora_ops.kernels.shrink.shrink_kernel", shrink)
+    monkeypatch.setattr("lora_ops.kernels.expand.expand_kernel", expand)
+    return {"shrink": shrink, "expand": expand}
+
+
+def meta_problem(M, K, N, L, S, R, capacity):
+    """Meta tensors of the right shapes and dtypes: reading any value raises."""
+    meta = dict(device="meta")
+    widths = [N // S] * (S - 1) + [N - (N // S) * (S - 1)]
+    return dict(
+        y=torch.empty(M, N, dtype=torch.bfloat16, **meta), x=torch.empty(M, K, dtype=torch.bfloat16, **meta),
+        lora_a=torch.empty(L, S, R, K, dtype=torch.bfloat16, **meta),
+        lora_b=torch.empty(L, N, R, dtype=torch.bfloat16, **meta),
+        h=torch.empty(M, S, R, dtype=torch.float32, **meta),
+        scale=torch.empty(L, dtype=torch.float32, **meta), rank=torch.empty(L, dtype=torch.int32, **meta),
+        slice_widths=widths,
+        meta=(torch.empty(capacity, dtype=torch.int32, **meta), torch.empty(L + 1, dtype=torch.int32, **meta),
+              torch.empty(L + 1, dtype=torch.int32, **meta)),
+    )
+
+
+def call_launcher(op_name, p):
+    if op_name == "shrink":
+        return launch.shrink(p["x"], p["lora_a"], p["scale"], p["rank"], *p["meta"])
+    if op_name == "expand_":
+        return launch.expand_(p["y"], p["h"], p["lora_b"], p["slice_widths"], p["rank"], *p["meta"])
+    return launch.add_lora_(p["y"], p["x"], p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slice_widths"],
+                            *p["meta"])
+
+
+# decode with many slots, odd mid sizes, prefill, one slot: (M, K, N, L, S, R)
+LAUNCH_SHAPES = [(1, 4096, 4096, 64, 1, 16), (37, 999, 1533, 8, 3, 48), (5000, 4096, 14336, 16, 2, 64),
+                 (64, 64, 64, 1, 1, 8)]
+LAUNCH_IDS = ["decode-L64", "odd-S3", "prefill", "L1"]
+
+
+@pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=LAUNCH_IDS)
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_"])
+def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
+    M, K, N, L, S, R = shape
+    p = meta_problem(M, K, N, L, S, R, capacity=M + 3)
+    call_launcher(op_name, p)  # meta tensors: any host read of data would raise here
+
+    expected = {"shrink": ["shrink"], "expand_": ["expand"], "add_lora_": ["shrink", "expand"]}[op_name]
+    assert [k for k in ("shrink", "expand") if recorders[k].launches] == expected
+    for kind in expected:
+        (grid, args), = recorders[kind].launches  # one launch each
+        assert all(type(g) is int for g in grid), f"{kind} grid {grid!r} is not plain ints"
+        assert all(g >= 1 for g in grid), f"{kind} grid {grid}"
+        token_tiles, block_m = grid[1], args["BLOCK_M"]
+        assert token_tiles <= cdiv(M, block_m) + L and token_tiles <= M, \
+            f"{kind}: {token_tiles} token tiles for M={M}, L={L}, BLOCK_M={block_m}"
+        assert type(args["M"]) is int and args["M"] == M
+        if kind == "shrink":
+            slice_groups = cdiv(S, args.get("SLICE_GROUP", 1))  # slices sharing one program's dot
+            assert grid[0] == slice_groups * cdiv(R, args["BLOCK_R"]), f"shrink grid {grid}"
+            assert grid[2] == args["split_k"], f"shrink grid {grid} vs split_k {args['split_k']}"
+        else:
+            assert grid[0] == sum(cdiv(n, args["BLOCK_N"]) for n in p["slice_widths"]), f"expand grid {grid}"
+        tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
+        assert len(tensors) >= 7 and all(t.device.type == "meta" for t in tensors)
+
+
+def test_launch_grid_bound_covers_the_worst_case():
+    """The token-tile bound must cover the tiles of any split of M tokens over L slots."""
+    for M in range(1, 150):
+        for L in (1, 2, 5, 16):
+            for block_m in (16, 64):
+                bound = max_token_tiles(M, L, block_m)
+                for counts in tile_heavy_splits(M, L, block_m):
+                    tiles = sum(cdiv(c, block_m) for c in counts)
+                    assert tiles <= bound, f"M={M} L={L} BLOCK_M={block_m} counts={counts}: {tiles} > {bound}"
+
+
+def tile_heavy_splits(M, L, block_m):
+    """Splits of M tokens over L slots with many partial tiles: round robin, and full tiles plus one
+    token for every other slot."""
+    round_robin = [M // L + (i < M % L) for i in range(L)]
+    ones = min(L - 1, M - 1)
+    rest = M - ones
+    return [round_robin, [rest] + [1] * ones + [0] * (L - 1 - ones)]
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile: one compile for every batch size, results equal to eager
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def recompiles_raise():
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+    torch._dynamo.reset()
+
+
+def test_compiled_add_lora_compiles_once_for_all_batch_sizes(backend, recompiles_raise):
+    capacity, K, N, L, S, R = 64, 17, 21, 3, 2, 8
+    case = make_case(capacity, K, N, L, S, R, dtype=torch.float32, device=backend.device, seed=5)
+    weight = torch.randn(N, K, generator=case.gen).to(backend.device)
+    batch = lora_ops.LoRABatch(capacity, L, device=backend.device)  # fixed capacity, refilled per step
+
+    def layer(x):
+        y = x @ weight.T
+        return lora_ops.add_lora(y, x, case.lora_a, case.lora_b, case.scale, case.rank, batch=batch,
+                                 slice_widths=case.slice_widths)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for M in (2, 7, 33, 64):
+        x = torch.randn(M, K, generator=gen).to(backend.device)
+        torch._dynamo.mark_dynamic(x, 0)
+        batch.update(torch.randint(-1, L, (M,), generator=gen).to(backend.device))
+        assert torch.equal(compiled(x), layer(x)), f"compiled != eager at M={M}"
+    assert counter.frame_count == 1
+    targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("lora_ops.add_lora_" in t for t in targets), targets
