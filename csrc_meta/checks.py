@@ -7,6 +7,12 @@ for CPU tensors.
 """
 import torch
 
+try:
+    from torch.fx.experimental.symbolic_shapes import guard_or_true
+except ImportError:  # older torch: sizes are plain ints or backed symbols there
+    def guard_or_true(cond):
+        return bool(cond)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPE = torch.int32
 
@@ -68,7 +74,9 @@ def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_
     if slot_counts.shape[0] != num_slots + 1:
         _fail(ValueError, f"slot_counts: expected {num_slots + 1} entries (slots + 1 for 'no adapter'), "
                           f"got {slot_counts.shape[0]}")
-    if num_tokens is not None and sorted_token_ids.shape[0] < num_tokens:
+    # guard_or_true: an unbacked token count (torch._dynamo.mark_unbacked) passes at trace time rather than
+    # failing to guard; the real kernels run this check again on concrete sizes.
+    if num_tokens is not None and not guard_or_true(sorted_token_ids.shape[0] >= num_tokens):
         _fail(ValueError, f"sorted_token_ids: holds {sorted_token_ids.shape[0]} entries, fewer than the "
                           f"{num_tokens} tokens of x; build the batch metadata with max_tokens >= {num_tokens}")
 
@@ -136,3 +144,37 @@ def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts
     if rank.shape[0] != L:
         _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_b), got {rank.shape[0]}")
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, y.shape[0])
+
+
+def _check_fp32(name, t, dims, what):
+    if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype != torch.float32:
+        _fail(TypeError, f"{name}: expected a {dims}-D float32 tensor {what}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+
+
+def check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
+    """dh [M, S, R] float32 (the gradient of the shrink output) against lora_a [L, S, R, K]."""
+    _check_fp32("dh", dh, 3, "[M, S, R] (the gradient of the shrink output)")
+    check_float("lora_a", lora_a, 4)
+    check_same_device("dh", dh, lora_a=lora_a, rank=rank, sorted_token_ids=sorted_token_ids,
+                      slot_starts=slot_starts, slot_counts=slot_counts)
+    if tuple(dh.shape[1:]) != tuple(lora_a.shape[1:3]):
+        _fail(ValueError, f"dh: expected shape [M, S, R] with S, R = {tuple(lora_a.shape[1:3])} (lora_a's "
+                          f"slices and rank), got {tuple(dh.shape)}")
+    L = lora_a.shape[0]
+    check_index("rank", rank)
+    if rank.shape[0] != L:
+        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_a), got {rank.shape[0]}")
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, dh.shape[0])
+
+
+def check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
+    """u [M, P] float32 and v [M, Q] (fp16/bf16/fp32) share their tokens; L = rank's length."""
+    _check_fp32("u", u, 2, "[M, P] (the rank-side factor)")
+    check_float("v", v, 2)
+    check_same_device("u", u, v=v, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
+                      slot_counts=slot_counts)
+    if v.shape[0] != u.shape[0]:
+        _fail(ValueError, f"v: expected {u.shape[0]} rows (u's tokens), got shape {tuple(v.shape)}")
+    check_index("rank", rank)
+    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, u.shape[0])

@@ -20,3 +20,23 @@ def expand_fake(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
 def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                           slot_counts)
+
+
+@torch.library.register_fake("lora_ops::add_lora")
+def add_lora_functional_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                             slot_counts):
+    checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                          slot_counts)
+    return y.new_empty(y.shape)
+
+
+@torch.library.register_fake("lora_ops::lora_grad_x")
+def lora_grad_x_fake(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
+    return lora_a.new_empty((dh.shape[0], lora_a.shape[3]))
+
+
+@torch.library.register_fake("lora_ops::segment_outer")
+def segment_outer_fake(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts)
+    return v.new_empty((rank.shape[0], u.shape[1], v.shape[1]))

@@ -12,6 +12,12 @@ expand_    y[t, slice i] += h[t, i, :rank] @ lora_b[s_t, slice i, :rank]^T      
 add_lora_  y[t, slice i] += scale[s_t] (x[t] lora_a[s_t, i, :rank]^T) lora_b[s_t, slice i, :rank]^T
                                                             (in place; the hot path: one call a layer)
 Rows whose slot is -1 are left untouched.
+
+Autograd (lora_ops.autograd registers the kernels and the backward formula):
+add_lora       out = y + the add_lora_ delta, out of place; differentiable in y, x, lora_a, lora_b
+lora_grad_x    dx[t] = sum_i dh[t, i, :rank] @ lora_a[s_t, i, :rank]      dh [M, S, R] float32; 0 for s_t = -1
+segment_outer  out[l, :rank[l]] = sum over slot l's tokens t of u[t, :rank[l]]^T v[t]
+                    u [M, P] float32, v [M, Q], out [L, P, Q] in v's dtype; rows >= rank[l] are 0
 """
 import torch
 
@@ -24,6 +30,10 @@ OPS = {
     "expand_": f"expand_(Tensor(a!) y, Tensor h, Tensor lora_b, int[] slice_widths, Tensor rank, {_META}) -> ()",
     "add_lora_": ("add_lora_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
                   f"int[] slice_widths, {_META}) -> ()"),
+    "add_lora": ("add_lora(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
+                 f"int[] slice_widths, {_META}) -> Tensor"),
+    "lora_grad_x": f"lora_grad_x(Tensor dh, Tensor lora_a, Tensor rank, {_META}) -> Tensor",
+    "segment_outer": f"segment_outer(Tensor u, Tensor v, Tensor rank, {_META}) -> Tensor",
 }
 
 for _schema in OPS.values():

@@ -9,7 +9,11 @@ def _meta(x, lora_a, token_slots, batch):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
     if batch is None:
-        return build_batch_meta(token_slots, lora_a.shape[0])
+        meta = build_batch_meta(token_slots, lora_a.shape[0])  # checks token_slots' type, shape and range
+        if token_slots.shape[0] != x.shape[0]:  # else extra slots are ignored, or the error names the metadata
+            raise ValueError(f"token_slots: expected {x.shape[0]} entries (one per token), "
+                             f"got {token_slots.shape[0]}")
+        return meta
     if isinstance(batch, LoRABatch):
         return batch.meta
     if isinstance(batch, BatchMeta):
@@ -42,3 +46,29 @@ def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=Non
     widths = [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
     torch.ops.lora_ops.expand_(y, h, lora_b, widths, rank, *meta)
     return y
+
+
+def lora_dropout(x, p, training):
+    """The LoRA input under dropout with PEFT's semantics: only the adapters see the dropped x (the base
+    layer is fed the original x by the caller), and only in training mode; x itself when p == 0 or eval."""
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p: expected a dropout probability in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return x
+    return torch.nn.functional.dropout(x, p, training=True)
+
+
+def lora_forward(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None, slice_widths=None,
+                 dropout=0.0, training=True):
+    """y + the LoRA delta of every token's adapter slot, out of place and differentiable.
+
+    Gradients flow to y (unchanged), x, lora_a and lora_b (per slot: sums over that slot's tokens); scale,
+    rank and the batch metadata get none. With ``dropout`` > 0 and ``training``, the delta is computed from
+    dropout(x) (PEFT's lora_dropout); pass y = base(x) computed from the undropped x.
+    Shapes and arguments as :func:`add_lora`.
+    """
+    meta = _meta(x, lora_a, token_slots, batch)
+    widths = [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    x_lora = lora_dropout(x, dropout, training)
+    return torch.ops.lora_ops.add_lora(y, x_lora, lora_a, lora_b, scale, rank, widths, *meta)

@@ -1,0 +1,139 @@
+"""Autograd for the LoRA delta: the functional op ``add_lora``, its backward ops, and the backward formula.
+
+For a token t in slot l (rank r, scale s), slice i owning the output columns C_i, dy = grad of the output:
+
+    dh[t, i, :r]    = s * dy[t, C_i] @ B[l, C_i, :r]        a shrink of dy with B (the ``shrink`` op, per slice)
+    dx[t]           = sum_i dh[t, i, :r] @ A[l, i, :r]      ``lora_grad_x`` (slices summed in fp32)
+    dA[l, i, :r]    = sum over t in l of dh[t, i, :r]^T x[t]                  ``segment_outer``
+    dB[l, C_i, :r]  = sum over t in l of dy[t, C_i]^T h[t, i, :r]             ``segment_outer``, h = s * x A^T
+    dy passes to y unchanged.
+
+Tokens without an adapter contribute nothing and get a zero dx; entries of dA / dB past a slot's rank and
+of slots without tokens are zero. No host sync and no dense [M, R, K] gather: per-slot sums run over the
+tokens grouped by slot (lora_ops.batch). The frozen base layer is not an input of the op, so it gets no
+gradient from here.
+
+h is recomputed in the backward (one ``shrink``: a read of x, which the backward needs anyway for dA)
+rather than saved from the forward: the forward stays the single fused ``add_lora_`` launch with no extra
+output, and nothing beyond the op's inputs is kept alive between forward and backward.
+
+Saved inputs are the caller's tensors, not copies: refilling the batch metadata (``LoRABatch.update``) or
+writing adapter weights in place between forward and backward bumps their version counters, and autograd
+then refuses to run the stale backward.
+
+Double backward is not supported (the backward ops have no autograd formula of their own).
+"""
+import torch
+
+import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
+from csrc_meta import checks
+from lora_ops import cpu_grad, ops
+
+
+def _triton_grad():
+    from lora_ops import launch_grad
+    return launch_grad
+
+
+# -- the functional forward: y + delta, out of place ---------------------------------------------------
+
+def _add_lora_functional(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                         slot_counts):
+    # Contiguous like the fake kernel's output, whatever y's layout.
+    out = y.clone(memory_format=torch.contiguous_format)
+    torch.ops.lora_ops.add_lora_(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                 slot_starts, slot_counts)
+    return out
+
+
+torch.library.impl("lora_ops::add_lora", "CPU")(_add_lora_functional)
+torch.library.impl("lora_ops::add_lora", "CUDA")(_add_lora_functional)
+
+
+# -- backward kernels ----------------------------------------------------------------------------------
+
+@torch.library.impl("lora_ops::lora_grad_x", "CUDA")
+def _lora_grad_x_cuda(*args):
+    return _triton_grad().lora_grad_x(*args)
+
+
+@torch.library.impl("lora_ops::segment_outer", "CUDA")
+def _segment_outer_cuda(*args):
+    return _triton_grad().segment_outer(*args)
+
+
+@torch.library.impl("lora_ops::lora_grad_x", "CPU")
+def _lora_grad_x_cpu(*args):
+    if ops.get_cpu_backend() == "triton":
+        return _triton_grad().lora_grad_x(*args)
+    checks.check_lora_grad_x(*args)
+    return cpu_grad.lora_grad_x(*args)
+
+
+@torch.library.impl("lora_ops::segment_outer", "CPU")
+def _segment_outer_cpu(*args):
+    if ops.get_cpu_backend() == "triton":
+        return _triton_grad().segment_outer(*args)
+    checks.check_segment_outer(*args)
+    return cpu_grad.segment_outer(*args)
+
+
+# -- the backward formula ------------------------------------------------------------------------------
+
+def _slice_bounds(slice_widths):
+    bounds, col = [], 0
+    for n in slice_widths:
+        bounds.append((col, col + n))
+        col += n
+    return bounds
+
+
+def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta):
+    """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: one shrink per slice, B viewed as its A."""
+    parts = []
+    for lo, hi in _slice_bounds(slice_widths):
+        # B[:, C_i] as an A stack [L, 1, R, n_i]: a strided view, no copy.
+        b_as_a = lora_b[:, lo:hi].transpose(1, 2).unsqueeze(1)
+        parts.append(torch.ops.lora_ops.shrink(grad_out[:, lo:hi], b_as_a, scale, rank, *meta))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def grad_lora_a(dh, x, rank, meta):
+    """dA [L, S, R, K]: per slot and slice, the sum of dh^T x over the slot's tokens."""
+    return torch.stack([torch.ops.lora_ops.segment_outer(dh[:, i], x, rank, *meta) for i in range(dh.shape[1])],
+                       dim=1)
+
+
+def grad_lora_b(grad_out, h, rank, slice_widths, meta):
+    """dB [L, N, R]: per slot and slice, the sum of dy[:, C_i]^T h[:, i] over the slot's tokens."""
+    # segment_outer puts the rank on its rows: it returns dB[:, C_i]^T, [L, R, n_i].
+    parts = [torch.ops.lora_ops.segment_outer(h[:, i], grad_out[:, lo:hi], rank, *meta).transpose(1, 2)
+             for i, (lo, hi) in enumerate(_slice_bounds(slice_widths))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _setup_context(ctx, inputs, output):
+    _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
+    ctx.save_for_backward(x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    ctx.slice_widths = list(slice_widths)
+
+
+def _backward(ctx, grad_out):
+    x, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
+    widths = ctx.slice_widths
+    dx = da = db = None
+    if need_x or need_a:
+        dh = grad_h(grad_out, lora_b, scale, rank, widths, meta)
+        if need_x:
+            dx = torch.ops.lora_ops.lora_grad_x(dh, lora_a, rank, *meta)
+        if need_a:
+            da = grad_lora_a(dh, x, rank, meta)
+    if need_b:
+        h = torch.ops.lora_ops.shrink(x, lora_a, scale, rank, *meta)
+        db = grad_lora_b(grad_out, h, rank, widths, meta)
+    dy = grad_out if need_y else None
+    return dy, dx, da, db, None, None, None, None, None, None
+
+
+torch.library.register_autograd("lora_ops::add_lora", _backward, setup_context=_setup_context)

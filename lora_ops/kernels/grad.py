@@ -1,0 +1,132 @@
+"""Backward kernels of the LoRA delta: dx (expand of dh into K columns, slices summed) and the per-slot
+weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)."""
+import triton
+import triton.language as tl
+
+from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
+
+
+@triton.jit
+def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype, accumulated in float32.
+
+    PRECISION: "ieee" (b float32: exact fp32 products), "tf32" (b float16: fp16 fits tf32 exactly, ``a``
+    keeps fp32 range), "bf16x2" (b bfloat16: ``a`` split into two bf16 terms, about 16 significant bits).
+    """
+    if PRECISION == "bf16x2":
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(hi, b, acc)
+        acc = tl.dot(lo, b, acc)
+    elif PRECISION == "tf32":
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def lora_grad_x_kernel(
+    dh_ptr, a_ptr, dx_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
+    M, K, num_slots, max_rank, capacity,
+    stride_hm, stride_hs, stride_hr,
+    stride_al, stride_as, stride_ar, stride_ak,
+    stride_xm, stride_xk,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
+):
+    """dx[t, n-block] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot.
+
+    Pointers: dh [M, S, R] float32 (gradient of the shrink output, scale already in it); A [L, S, R, K]
+    (fp16/bf16/fp32); dx [M, K] (A's dtype), written (not added) at the tile's valid tokens only, so rows
+    of tokens without an adapter keep what the caller put there (zeros); rank [L] int32; sorted_ids
+    [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
+    Sizes: M tokens (not specialised), K features, num_slots L, max_rank R, capacity of sorted_ids.
+    Strides: every dimension of dh, A and dx, in elements.
+    NUM_SLICES: S; the slices are summed in the fp32 accumulator, so dx is rounded once.
+    Grid: (cdiv(K, BLOCK_N), token-tile bound); the rank loop stops at the slot's own rank.
+    H_PRECISION: see :func:`dot_f32_lhs`.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2)
+    if rank == 0:
+        return
+    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < K
+    offs_r = tl.arange(0, BLOCK_R)
+    dh_rows = dh_ptr + tok[:, None] * stride_hm
+    a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_n[None, :].to(tl.int64) * stride_ak
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(NUM_SLICES):
+        for r0 in range(0, rank, BLOCK_R):
+            rs = r0 + offs_r
+            r_ok = rs < rank
+            ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr, mask=valid[:, None] & r_ok[None, :],
+                         other=0.0)
+            at = tl.load(a_cols + i * stride_as + rs[:, None].to(tl.int64) * stride_ar,
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = dot_f32_lhs(ht, at, acc, H_PRECISION)
+
+    dx_ptrs = dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk
+    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def segment_outer_kernel(
+    u_ptr, v_ptr, out_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
+    M, P, Q, capacity,
+    stride_um, stride_up,
+    stride_vm, stride_vq,
+    stride_ol, stride_op, stride_oq,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[l, p-block, q-block] = sum over slot l's tokens t of u[t, p-block]^T v[t, q-block].
+
+    Used for dA[:, i] (u = dh[:, i], v = x) and dB[:, slice i]^T (u = h[:, i], v = grad_out[:, slice i]).
+    Pointers: u [M, P] float32 (rank side: rows p >= rank[l] count as zero and are never read);
+    v [M, Q] (fp16/bf16/fp32); out [L, P, Q] (v's dtype), every element written, so slots without tokens
+    or rank get zeros; rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1]
+    int32 (lora_ops.batch; only the first L slots are read, the 'no adapter' bucket never is).
+    Sizes: M tokens (not specialised), P, Q, capacity of sorted_ids. Strides: every dimension of u, v and
+    out, in elements (views with any strides, stride 0 included).
+    Grid: (cdiv(Q, BLOCK_Q), cdiv(P, BLOCK_P), L); each program walks its slot's tokens in BLOCK_T chunks,
+    accumulating in float32 (no atomics: every output block has one owner, so results are deterministic).
+    PRECISION: see :func:`dot_f32_lhs`.
+    """
+    pid_q = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    slot = tl.program_id(2)
+    rank = tl.minimum(tl.maximum(tl.load(rank_ptr + slot), 0), P)
+    count = tl.minimum(tl.maximum(tl.load(slot_counts_ptr + slot), 0), capacity)
+    start = tl.minimum(tl.maximum(tl.load(slot_starts_ptr + slot), 0), capacity)
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_t = tl.arange(0, BLOCK_T)
+    p_ok = offs_p < rank
+    q_ok = offs_q < Q
+    # A rank block past the slot's rank only writes its zeros.
+    n_tokens = tl.where(pid_p * BLOCK_P < rank, count, 0)
+
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for t0 in range(0, n_tokens, BLOCK_T):
+        rows = start + t0 + offs_t
+        valid = (t0 + offs_t < count) & (rows < capacity)
+        tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
+        valid = valid & (tok >= 0) & (tok < M)
+        tok = tok.to(tl.int64)
+        # u is loaded transposed ([BLOCK_P, BLOCK_T]) so the product needs no tl.trans.
+        ut = tl.load(u_ptr + tok[None, :] * stride_um + offs_p[:, None] * stride_up,
+                     mask=p_ok[:, None] & valid[None, :], other=0.0)
+        vt = tl.load(v_ptr + tok[:, None] * stride_vm + offs_q[None, :].to(tl.int64) * stride_vq,
+                     mask=valid[:, None] & q_ok[None, :], other=0.0)
+        acc = dot_f32_lhs(ut, vt, acc, PRECISION)
+
+    out_ptrs = (out_ptr + slot.to(tl.int64) * stride_ol + offs_p[:, None].to(tl.int64) * stride_op
+                + offs_q[None, :].to(tl.int64) * stride_oq)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_p[:, None] < P) & q_ok[None, :])

@@ -1,0 +1,103 @@
+"""Launchers of the backward kernels (lora_ops.kernels.grad): validate, pick a config, grid from shapes, launch.
+
+As in lora_ops.launch, grids depend on shapes and capacities only (never on tensor data) and nothing here
+reads tensor data on the host, so the backward is CUDA-graph safe and sync-free.
+"""
+from typing import NamedTuple
+
+from csrc_meta import checks
+from lora_ops.configs.heuristics import (TARGET_PROGRAMS, cdiv, max_token_tiles, next_power_of_2, rank_block,
+                                         token_bucket)
+# How an fp32 operand meets a weight-dtype operand on the tensor cores: one choice for forward and backward.
+from lora_ops.launch import _H_PRECISION as F32_OPERAND_PRECISION
+from lora_ops.kernels import grad as grad_kernels
+
+
+class GradXConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_r: int
+    num_warps: int
+    num_stages: int
+
+
+class SegmentOuterConfig(NamedTuple):
+    block_t: int
+    block_p: int
+    block_q: int
+    num_warps: int
+    num_stages: int
+
+
+def grad_x_config(num_tokens, in_features, max_rank):
+    block_m = min(token_bucket(num_tokens), 64)
+    block_n = max(16, min(128, next_power_of_2(in_features)))
+    return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
+
+
+def segment_outer_config(p, q, num_slots):
+    """Narrow the Q blocks until the grid fills the GPU: each program reduces a whole slot's tokens."""
+    block_p = rank_block(p)
+    block_q = max(16, min(128, next_power_of_2(q)))
+    while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS:
+        block_q //= 2
+    return SegmentOuterConfig(block_t=64, block_p=block_p, block_q=block_q, num_warps=4, num_stages=2)
+
+
+def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
+    """dx[valid tokens] = sum_i dh[:, i] @ A[slot, i] (written, not added); dh [M, S, R] float32."""
+    M, K = dx.shape
+    L, S, R, _ = lora_a.shape
+    grid = (cdiv(K, cfg.block_n), max_token_tiles(M, L, cfg.block_m))
+    grad_kernels.lora_grad_x_kernel[grid](
+        dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts,
+        M, K, L, R, sorted_token_ids.shape[0],
+        dh.stride(0), dh.stride(1), dh.stride(2),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
+        dx.stride(0), dx.stride(1),
+        NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        SLOTS_POW2=next_power_of_2(L), H_PRECISION=F32_OPERAND_PRECISION[lora_a.dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
+    """out [L, P, Q] = per-slot sums of u^T v over each slot's tokens (every element written)."""
+    M, P = u.shape
+    Q = v.shape[1]
+    L = out.shape[0]
+    grid = (cdiv(Q, cfg.block_q), cdiv(P, cfg.block_p), L)
+    grad_kernels.segment_outer_kernel[grid](
+        u, v, out, rank, sorted_token_ids, slot_starts, slot_counts,
+        M, P, Q, sorted_token_ids.shape[0],
+        u.stride(0), u.stride(1),
+        v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q,
+        PRECISION=F32_OPERAND_PRECISION[v.dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
+    M = dh.shape[0]
+    K = lora_a.shape[3]
+    # Rows of tokens without an adapter (or of rank-0 slots) are never visited: they keep these zeros.
+    dx = lora_a.new_zeros((M, K))
+    if M and K:
+        cfg = grad_x_config(M, K, lora_a.shape[2])
+        launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg)
+    return dx
+
+
+def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts)
+    L = rank.shape[0]
+    P, Q = u.shape[1], v.shape[1]
+    out = v.new_empty((L, P, Q))
+    if out.numel():
+        cfg = segment_outer_config(P, Q, L)
+        launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg)
+    return out
+

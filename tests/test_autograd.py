@@ -1,0 +1,362 @@
+"""Autograd of the LoRA delta: lora_ops.lora_forward / lora_ops::add_lora and its backward ops.
+
+How the gradients are checked (our ops take fp16 / bf16 / fp32 only, so gradcheck cannot run on them):
+
+1. ``torch.autograd.gradcheck`` in float64 checks the float64 reference (lora_forward_reference): its
+   autograd gradients against finite differences. The reference is then the ground truth.
+2. Our analytic gradients (float32 accumulation; fp32, fp16 and bf16 inputs) are compared with the
+   reference's gradients, computed in float64 from the same rounded inputs, with the suite's relative
+   Frobenius tolerances (conftest.TOLERANCE). We chose this over adding a float64 path to the CPU kernel:
+   that path would check a float64 twin of the math, not the kernels that run, and it would widen the
+   ops' dtype contract for tests only.
+
+Both CPU backends run everything: the torch CPU kernels and the real Triton kernels under the interpreter
+(bf16 values there through the test patch of its bf16 arithmetic, conftest.bf16_interpreter).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora_ops
+from conftest import BACKENDS, DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
+from lora_ops import launch_grad, ops
+from lora_ops.reference import lora_forward_reference
+
+FP16_FP32 = [torch.float16, torch.float32]
+
+# Small problems (the interpreter runs every program in Python). make_case draws what is not given:
+# signed data and scales, unequal slice widths, unsorted slots with -1, one slot at rank 0 when L > 1.
+GRAD_CASES = {
+    "one_slice": dict(M=29, K=24, N=20, num_slots=3, num_slices=1, max_rank=16),
+    "qkv_3_slices": dict(M=37, K=40, N=48, num_slots=4, num_slices=3, max_rank=16),
+    "gate_up_mixed_ranks": dict(M=33, K=24, N=32, num_slots=4, num_slices=2, max_rank=20, ranks=[20, 7, 0, 13]),
+    "strided_x": dict(M=21, K=24, N=20, num_slots=2, num_slices=2, max_rank=8, x_layout="transposed",
+                      y_layout="column_slice"),
+    "slot_without_tokens": dict(M=18, K=16, N=16, num_slots=3, num_slices=1, max_rank=8, ranks=[8, 8, 4],
+                                token_slots=[0, -1, 2] * 6),
+    "all_minus_one": dict(M=12, K=16, N=16, num_slots=2, num_slices=1, max_rank=8, token_slots=[-1] * 12),
+    "no_tokens": dict(M=0, K=16, N=16, num_slots=2, num_slices=1, max_rank=8),
+}
+LEAVES = ("y", "x", "lora_a", "lora_b")
+
+
+def signed(shape, case, dtype=None):
+    return torch.randn(*shape, generator=case.gen).to(dtype=dtype or case.x.dtype, device=case.x.device)
+
+
+def same_layout_copy(t):
+    """A copy of ``t`` with its exact strides (a column slice or transposed storage stays one)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def leaves_of(case, y, needs=LEAVES):
+    """Fresh leaves (y, x, lora_a, lora_b) holding the case's values in the case's layouts."""
+    values = dict(y=y, x=case.x, lora_a=case.lora_a, lora_b=case.lora_b)
+    return {name: same_layout_copy(values[name]).requires_grad_(name in needs) for name in LEAVES}
+
+
+def forward(case, leaves, **kw):
+    return lora_ops.lora_forward(leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale,
+                                 case.rank, batch=case.meta, slice_widths=case.slice_widths, **kw)
+
+
+def reference_grads(case, leaves, grad_out, needs=LEAVES):
+    """The float64 output and gradients of the reference, from the same (rounded) values."""
+    ref = {n: leaves[n].detach().double().requires_grad_(n in needs) for n in LEAVES}
+    out = lora_forward_reference(ref["y"], ref["x"], ref["lora_a"], ref["lora_b"], case.scale, case.rank,
+                                 case.token_slots, case.slice_widths)
+    out.backward(grad_out.double())
+    # A leaf the reference never touched (no token with an adapter) has a zero gradient.
+    return out.detach(), {n: torch.zeros_like(ref[n]) if ref[n].grad is None else ref[n].grad for n in needs}
+
+
+def run_and_compare(case, grad_out, dtype, needs=LEAVES, y=None):
+    if y is None:
+        y = laid_out(signed(case.x.shape[:1] + case.lora_b.shape[1:2], case), case.y_layout, case.gen)
+    leaves = leaves_of(case, y, needs)
+    out = forward(case, leaves)
+    out.backward(grad_out)
+    ref_out, ref = reference_grads(case, leaves, grad_out, needs)
+    tol = TOLERANCE[dtype]
+    assert rel_err(out, ref_out) <= tol, "forward"
+    for name in needs:
+        assert leaves[name].grad is not None, name
+        assert leaves[name].grad.dtype == dtype, name
+        err = rel_err(leaves[name].grad, ref[name])
+        assert err <= tol, f"d{name}: relative error {err:.3g} > {tol:g}"
+    for name in set(LEAVES) - set(needs):
+        assert leaves[name].grad is None, name
+    return leaves
+
+
+def test_reference_passes_float64_gradcheck():
+    """The float64 reference's autograd against finite differences (slices, mixed ranks, -1, empty slot)."""
+    case = make_case(M=11, K=5, N=7, num_slots=4, num_slices=2, max_rank=3, dtype=torch.float64, seed=1,
+                     ranks=[3, 1, 0, 2], token_slots=[0, 1, -1, 2, 0, 1, 1, -1, 0, 2, 0])
+    y = signed((11, 7), case)
+
+    def fn(y, x, lora_a, lora_b):
+        return lora_forward_reference(y, x, lora_a, lora_b, case.scale, case.rank, case.token_slots,
+                                      case.slice_widths)
+
+    inputs = [t.detach().clone().requires_grad_() for t in (y, case.x, case.lora_a, case.lora_b)]
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case_id", list(GRAD_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_grads_match_float64_reference(backend, checked_dtype, case_id):
+    case = make_case(**GRAD_CASES[case_id], dtype=checked_dtype, device=backend.device, seed=7)
+    M, _, N, *_ = case.shape
+    run_and_compare(case, signed((M, N), case), checked_dtype)
+
+
+@pytest.mark.parametrize("needs", [("x",), ("lora_b",), ("lora_a", "lora_b"), ("y", "x", "lora_a")],
+                         ids=lambda n: "+".join(n))
+def test_only_requested_grads(backend, needs):
+    """Frozen inputs get no gradient; the requested ones are still right."""
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=3)
+    M, _, N, *_ = case.shape
+    run_and_compare(case, signed((M, N), case), torch.float32, needs=needs)
+
+
+GRAD_LAYOUTS = ("column_slice", "transposed", "row_expanded", "scalar_expanded")
+
+
+def incoming_grad(layout, case):
+    """A strided or expanded gradient of the [M, N] output (an expanded one has stride 0)."""
+    M, _, N, *_ = case.shape
+    if layout == "row_expanded":
+        return signed((1, N), case).expand(M, N)
+    if layout == "scalar_expanded":   # what out.sum().backward() passes down
+        return signed((1, 1), case).expand(M, N)
+    return laid_out(signed((M, N), case), layout, case.gen)
+
+
+@pytest.mark.parametrize("layout", GRAD_LAYOUTS)
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_strided_and_expanded_incoming_grads(backend, dtype, layout, monkeypatch):
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=dtype, device=backend.device, seed=11)
+    grad_out = incoming_grad(layout, case)
+    assert not grad_out.is_contiguous()
+    seen = []
+    real_grad_h = lora_ops.autograd.grad_h
+
+    def recording_grad_h(grad, *args):
+        seen.append(grad.stride())
+        return real_grad_h(grad, *args)
+
+    monkeypatch.setattr(lora_ops.autograd, "grad_h", recording_grad_h)
+    leaves = leaves_of(case, signed(grad_out.shape, case))
+    out = forward(case, leaves)
+    x, a, b = torch.autograd.grad(out, [leaves["x"], leaves["lora_a"], leaves["lora_b"]], grad_outputs=grad_out)
+    assert seen == [grad_out.stride()], "the backward did not receive the strided gradient itself"
+    _, ref = reference_grads(case, leaves, grad_out)
+    for name, got in (("x", x), ("lora_a", a), ("lora_b", b)):
+        assert rel_err(got, ref[name]) <= TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_no_adapter_and_padding_contribute_nothing(backend, dtype):
+    """NaN in the rows of -1 tokens (x and the incoming gradient) and in A / B past each slot's rank
+    (the rank-0 slot entirely NaN): any contribution would be NaN. dx rows of -1 tokens are exactly 0, and
+    dA / dB past each rank and for slots without tokens are exactly 0."""
+    spec = dict(GRAD_CASES["gate_up_mixed_ranks"], num_slots=5, ranks=[20, 7, 0, 13, 9])
+    spec["token_slots"] = [-1, 0, 1, 2, 3, -1, 0, 1, 1, 2, -1, 3] * 2 + [0] * 9   # slot 4: no tokens
+    case = make_case(**spec, dtype=dtype, device=backend.device, seed=5)
+    M, _, N, L, _, R = case.shape
+    none = case.token_slots < 0
+    grad_out = signed((M, N), case)
+    clean = run_and_compare(case, grad_out, dtype, needs=("x", "lora_a", "lora_b"))
+
+    past_rank = torch.arange(R, device=case.x.device) >= case.rank[:, None]            # [L, R]
+    case.x[none] = float("nan")
+    case.lora_a.masked_fill_(past_rank[:, None, :, None], float("nan"))
+    case.lora_b.masked_fill_(past_rank[:, None, :], float("nan"))
+    poisoned = grad_out.clone()
+    poisoned[none] = float("nan")
+    leaves = leaves_of(case, signed((M, N), case))
+    forward(case, leaves).backward(poisoned)
+
+    for name in ("x", "lora_a", "lora_b"):   # rel_err is inf on any NaN
+        assert rel_err(leaves[name].grad, clean[name].grad) <= TOLERANCE[dtype], name
+    assert torch.equal(leaves["x"].grad[none], torch.zeros_like(leaves["x"].grad[none]))
+    assert not leaves["lora_a"].grad[past_rank[:, None, :, None].expand_as(case.lora_a)].any()
+    assert not leaves["lora_b"].grad[past_rank[:, None, :].expand_as(case.lora_b)].any()
+    assert not leaves["lora_a"].grad[4].any() and not leaves["lora_b"].grad[4].any()
+
+
+def test_frozen_base_and_dropout_follow_peft(backend):
+    """Base layer frozen (no grad) and fed the original x; the adapters see dropout(x) in training only."""
+    case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=13)
+    M, K, N, *_ = case.shape
+    base = torch.nn.Linear(K, N, device=case.x.device).requires_grad_(False)
+    x = case.x.clone().requires_grad_()
+    a, b = case.lora_a.clone().requires_grad_(), case.lora_b.clone().requires_grad_()
+    grad_out = signed((M, N), case)
+    p = 0.5
+
+    torch.manual_seed(123)
+    out = lora_ops.lora_forward(base(x), x, a, b, case.scale, case.rank, batch=case.meta, dropout=p, training=True)
+    out.backward(grad_out)
+    torch.manual_seed(123)   # the same draw: F.dropout on the same shape consumes the same random numbers
+    keep = F.dropout(torch.ones_like(x), p, training=True)
+    assert 0 < int((keep == 0).sum()) < keep.numel()
+
+    x64 = x.detach().double().requires_grad_()
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    base_out = F.linear(x64, base.weight.double(), base.bias.double())
+    ref = lora_forward_reference(base_out, x64 * keep.double(), a64, b64, case.scale, case.rank, case.token_slots)
+    ref.backward(grad_out.double())
+    assert base.weight.grad is None and base.bias.grad is None
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    for got, want in ((x, x64), (a, a64), (b, b64)):
+        assert rel_err(got.grad, want.grad) <= TOLERANCE[torch.float32]
+
+    assert lora_ops.lora_dropout(x, p, training=False) is x
+    eval_out = lora_ops.lora_forward(base(x), x, a, b, case.scale, case.rank, batch=case.meta, dropout=p,
+                                     training=False)
+    plain = lora_ops.lora_forward(base(x), x, a, b, case.scale, case.rank, batch=case.meta)
+    assert torch.equal(eval_out, plain)
+
+
+def test_lora_dropout_rejects_bad_p():
+    with pytest.raises(ValueError, match="dropout probability"):
+        lora_ops.lora_dropout(torch.ones(2, 2), 1.5, training=True)
+
+
+def test_metadata_refilled_before_backward_raises(backend):
+    """Saved metadata is the caller's buffers: refilling them makes autograd refuse the stale backward."""
+    case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=17)
+    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    out = forward(case, leaves)
+    case.batch.update(case.token_slots.flip(0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# -- the backward ops on their own ---------------------------------------------------------------------
+
+@pytest.fixture
+def triton_backend():
+    """The Triton side only (interpreter on CPU, or CUDA): the torch CPU kernels allocate zeros themselves."""
+    triton = next(b for b in BACKENDS if b.name == "triton")
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend("triton")
+    yield triton
+    ops.set_cpu_backend(previous)
+
+
+def test_segment_outer_kernel_writes_every_output_element(triton_backend):
+    """The Triton launcher's output is never zero-filled: poison it with NaN and check all of it."""
+    backend = triton_backend
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=19)
+    M, K, _, L, _, R = case.shape
+    u, v = signed((M, R), case, torch.float32), signed((M, K), case)
+    out = torch.full((L, R, K), float("nan"), device=case.x.device)
+    cfg = launch_grad.segment_outer_config(R, K, L)
+    launch_grad.launch_segment_outer(out, u, v, case.rank, *case.meta, cfg)
+    assert not out.isnan().any()
+    assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]
+
+
+def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_backend):
+    """Poisoned dx: the rows of adapted tokens are written, the others (zeros in the op) never touched."""
+    backend = triton_backend
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
+    M, K, _, L, S, R = case.shape
+    dh = signed((M, S, R), case, torch.float32)
+    dx = torch.full((M, K), float("nan"), device=case.x.device)
+    cfg = launch_grad.grad_x_config(M, K, R)
+    launch_grad.launch_lora_grad_x(dx, dh, case.lora_a, case.rank, *case.meta, cfg)
+    untouched = case.untouched_rows().to(dx.device)
+    assert dx[untouched].isnan().all()
+    assert not dx[~untouched].isnan().any()
+    want = grad_x_reference(dh, case)
+    assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
+
+
+def segment_outer_reference(u, v, case):
+    """float64 [L, P, Q], token by token."""
+    L = case.rank.shape[0]
+    out = torch.zeros(L, u.shape[1], v.shape[1], dtype=torch.float64)
+    ranks = case.rank.tolist()
+    for t, s in enumerate(case.token_slots.tolist()):
+        if s >= 0:
+            r = ranks[s]
+            out[s, :r] += u[t, :r].double().cpu()[:, None] * v[t].double().cpu()[None, :]
+    return out
+
+
+def grad_x_reference(dh, case):
+    """float64 [M, K], token by token."""
+    M, K = case.x.shape
+    out = torch.zeros(M, K, dtype=torch.float64)
+    ranks = case.rank.tolist()
+    for t, s in enumerate(case.token_slots.tolist()):
+        if s >= 0:
+            r = ranks[s]
+            out[t] = torch.einsum("sr,srk->k", dh[t, :, :r].double().cpu(), case.lora_a[s, :, :r].double().cpu())
+    return out
+
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_backward_ops_match_token_by_token_reference(backend, dtype):
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=dtype, device=backend.device, seed=29)
+    M, K, _, L, S, R = case.shape
+    dh = signed((M, S, R), case, torch.float32)
+    dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
+    assert dx.dtype == dtype and dx.shape == (M, K)
+    assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[dtype]
+    v = laid_out(signed((M, K), case), "column_slice", case.gen)
+    out = torch.ops.lora_ops.segment_outer(dh[:, 1], v, case.rank, *case.meta)
+    assert out.dtype == dtype and out.shape == (L, R, K)
+    assert rel_err(out, segment_outer_reference(dh[:, 1], v, case)) <= TOLERANCE[dtype]
+
+
+# -- opcheck and the compiler --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_opcheck_add_lora_with_grad(backend, dtype):
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=dtype, device=backend.device, seed=31)
+    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    args = (leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale, case.rank,
+            case.slice_widths, *case.meta)
+    torch.library.opcheck(torch.ops.lora_ops.add_lora.default, args)
+
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_opcheck_backward_ops(backend, dtype):
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=dtype, device=backend.device, seed=37)
+    M, K, N, L, S, R = case.shape
+    dh = signed((M, S, R), case, torch.float32)
+    torch.library.opcheck(torch.ops.lora_ops.lora_grad_x.default, (dh, case.lora_a, case.rank, *case.meta))
+    grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
+    torch.library.opcheck(torch.ops.lora_ops.segment_outer.default,
+                          (dh[:, 1], grad_out[:, 5:], case.rank, *case.meta))
+
+
+def test_compile_one_graph_with_backward_for_every_token_count(backend):
+    """fullgraph, aot_eager, forward + backward, token dim dynamic: M in {2, 7, 33} compile once."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    base = dict(K=24, N=32, num_slots=3, num_slices=2, max_rank=8, ranks=[8, 3, 0], capacity=40)
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def layer(y, x, lora_a, lora_b, scale, rank, meta):
+        return lora_ops.lora_forward(y, x, lora_a, lora_b, scale, rank, batch=meta, slice_widths=[20, 12]) * 2.0
+
+    for M in (2, 7, 33):
+        case = make_case(M=M, **base, dtype=torch.float32, device=backend.device, seed=M, slice_widths=[20, 12])
+        leaves = leaves_of(case, signed((M, 32), case))
+        torch._dynamo.mark_dynamic(leaves["x"], 0)
+        torch._dynamo.mark_dynamic(leaves["y"], 0)
+        grad_out = signed((M, 32), case)
+        out = layer(leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale, case.rank, case.meta)
+        out.backward(grad_out)
+        _, ref = reference_grads(case, leaves, 2.0 * grad_out)
+        for name in LEAVES:
+            assert rel_err(leaves[name].grad, ref[name]) <= TOLERANCE[torch.float32], (M, name)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} compiles for 3 token counts"
