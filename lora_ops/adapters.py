@@ -1,0 +1,365 @@
+"""PEFT LoRA adapters into the slots of a :class:`lora_ops.layers.LoRAContext`.
+
+Sources: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, or a legacy
+``adapter_model.bin`` read only through ``torch.load(weights_only=True)``), or in-memory tensors keyed
+like PEFT's state dict (``<module path>.lora_A.weight`` / ``.lora_B.weight``, with or without the
+``base_model.model.`` prefix). Adapter files are data: nothing in a directory is executed or imported.
+
+**All checks run before the first write**: on any error, every slot of every layer is exactly as it
+was. Writes are in place, so data pointers never move.
+
+Config fields honoured (PEFT 0.21 semantics):
+
+- ``r`` / ``lora_alpha``, and ``use_rslora``: scale = alpha / r, or alpha / sqrt(r).
+- ``rank_pattern`` / ``alpha_pattern``: per-module overrides. A pattern key matches a module path when
+  the path ends in it at a dotted boundary, the key read as a regex (``re.match(r"(.*\\.)?(KEY)$",
+  path)``); the first matching key, in the dict's order, wins.
+- ``fan_in_fan_out``: describes the *base* weight's layout (GPT-2's Conv1D keeps ``[in, out]``); PEFT
+  stores ``lora_A [r, in]`` and ``lora_B [out, r]`` either way, so the factors load as stored and only
+  their shapes are checked against the nn.Linear they land in.
+- ``target_modules`` / ``layers_to_transform`` / ``exclude_modules``: applied by PEFT when it saved the
+  adapter; the tensors present are the modules targeted, each of which must be a LoRALinear here.
+
+Unsupported (an :class:`UnsupportedAdapterError` naming the feature): DoRA, LoRA bias (``lora_bias`` or
+``bias != "none"``), ``modules_to_save``, trainable tokens, ``target_parameters``, layer replication,
+and the variants that change the forward (aLoRA, QALoRA, MonteCLoRA, BD-LoRA, Arrow, KaSA); layer types
+other than Linear (embeddings, convolutions). VeLoRA (a backward-only change) and MiCA (an
+initialisation) compute LoRA's own forward, so they load.
+
+A packed layer (several output slices, see ``apply_lora(packed_modules=...)``) holds one rank and one
+scale per slot: its rank is the largest of its slices' ranks (the others are zero-padded) and, when
+the slices' scales differ, each slice's ratio to the largest scale is folded into its ``lora_B``.
+"""
+import json
+import math
+import os
+import pickle
+import re
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+SAFETENSORS_FILE = "adapter_model.safetensors"
+LEGACY_BIN_FILE = "adapter_model.bin"
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded: bad shapes, ranks, names, slots or files."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """An adapter that uses a PEFT feature lora_ops does not implement; the message names the feature."""
+
+
+# Config fields whose truthy values change what the adapter computes beyond plain LoRA.
+_UNSUPPORTED_FIELDS = (
+    ("use_dora", "DoRA (use_dora)"),
+    ("lora_bias", "LoRA bias (lora_bias)"),
+    ("modules_to_save", "modules_to_save"),
+    ("trainable_token_indices", "trainable tokens (trainable_token_indices)"),
+    ("target_parameters", "parameter targets (target_parameters)"),
+    ("layer_replication", "layer replication (layer_replication)"),
+    ("alora_invocation_tokens", "Activated LoRA (alora_invocation_tokens)"),
+    ("use_qalora", "QALoRA (use_qalora)"),
+    ("monteclora_config", "MonteCLoRA (monteclora_config)"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+    ("arrow_config", "Arrow routing (arrow_config)"),
+    ("kasa_config", "KaSA (kasa_config)"),
+)
+
+# Tensor keys of unsupported features, tried before the plain lora_A / lora_B pattern.
+_UNSUPPORTED_KEYS = (
+    (re.compile(r"lora_magnitude_vector"), "DoRA (lora_magnitude_vector)"),
+    (re.compile(r"lora_embedding_[AB]"), "layer type Embedding (lora_embedding_A/B)"),
+    (re.compile(r"modules_to_save"), "modules_to_save"),
+    (re.compile(r"trainable_tokens"), "trainable tokens (trainable_token_indices)"),
+    (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "LoRA bias (lora_bias)"),
+    (re.compile(r"\.bias$"), "LoRA bias (bias != 'none': the adapter carries base-layer biases)"),
+)
+
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<factor>[AB])(?:\.[^.]+)?\.weight$")
+
+
+# ---- public API ----------------------------------------------------------------------------------------
+
+def load_peft_adapter(ctx, name, path, *, replace=False):
+    """Load the PEFT adapter directory ``path`` into ``ctx`` as ``name``; returns its slot.
+
+    ``replace=True`` swaps a loaded adapter of that name in place (same slot), after every check passed.
+    """
+    config, tensors = read_peft_directory(path)
+    return load_adapter_tensors(ctx, name, tensors, config, replace=replace, source=str(path))
+
+
+def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, source="tensors"):
+    """Load a PEFT-style state dict ``{key: tensor}`` into ``ctx`` as ``name``; returns its slot.
+
+    ``config``: an adapter_config dict or a ``peft.LoraConfig``. Without one (or without ``r`` /
+    ``lora_alpha`` in it) each module's rank is its tensors' and ``lora_alpha`` equals it (scale 1).
+    """
+    slot = _pick_slot(ctx, name, replace)
+    config = _config_dict(config)
+    check_config_supported(config)
+    modules = _group_by_module(tensors, source)
+    if not modules:
+        raise AdapterError(f"{source}: no LoRA weights (keys '<module>.lora_A.weight' / '.lora_B.weight') found")
+    plan = _plan_writes(ctx, modules, config, source)
+    _write(ctx, slot, name, plan)
+    return slot
+
+
+def unload_adapter(ctx, name):
+    """Free ``name``'s slot: weights zeroed, rank and scale set to 0, in place."""
+    if name is None:
+        raise AdapterError("unload_adapter: expected an adapter name, got None")
+    slot = ctx.slot_of(name)
+    for layer in ctx.layers.values():
+        layer.clear_slot(slot)
+    ctx.slot_names[slot] = None
+
+
+def read_peft_directory(path):
+    """(config dict, {key: tensor}) of a PEFT adapter directory, reading data only."""
+    return read_adapter_config(path), _read_weights(os.fspath(path))
+
+
+def read_adapter_config(path):
+    """The adapter_config.json of a PEFT adapter directory, as a dict."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"adapter directory {path!r} does not exist")
+    return _read_config(os.path.join(path, CONFIG_FILE))
+
+
+def check_config_supported(config):
+    """Raise UnsupportedAdapterError naming the first PEFT feature of ``config`` we do not implement."""
+    peft_type = getattr(config.get("peft_type"), "value", config.get("peft_type"))
+    if peft_type is not None and str(peft_type).upper() != "LORA":
+        raise UnsupportedAdapterError(f"peft_type={peft_type!r} is not supported: only LoRA adapters load")
+    for field, feature in _UNSUPPORTED_FIELDS:
+        if config.get(field):
+            raise UnsupportedAdapterError(f"{feature} is not supported (adapter config {field}={config[field]!r})")
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise UnsupportedAdapterError(f"LoRA bias (bias={bias!r}) is not supported: only bias='none' loads")
+
+
+# ---- files ---------------------------------------------------------------------------------------------
+
+def _read_config(file):
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"adapter config {file!r} is missing")
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{file}: not a readable JSON adapter config ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _read_weights(path):
+    safetensors_file = os.path.join(path, SAFETENSORS_FILE)
+    if os.path.isfile(safetensors_file):
+        from safetensors import safe_open
+        try:
+            # safe_open + get_tensor reads every tensor's bytes now, so a truncated file fails here.
+            with safe_open(safetensors_file, framework="pt", device="cpu") as f:
+                return {key: f.get_tensor(key) for key in f.keys()}
+        except Exception as e:  # safetensors raises its own error types
+            raise AdapterError(f"{safetensors_file}: not a readable safetensors file, truncated or "
+                               f"corrupt ({type(e).__name__}: {e})") from None
+    bin_file = os.path.join(path, LEGACY_BIN_FILE)
+    if os.path.isfile(bin_file):
+        return _read_legacy_bin(bin_file)
+    raise FileNotFoundError(f"adapter weights missing in {path!r}: expected {SAFETENSORS_FILE} "
+                            f"(or a legacy {LEGACY_BIN_FILE})")
+
+
+def _read_legacy_bin(file):
+    """A legacy pickle read with weights_only=True: tensors and plain containers only, never code."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise AdapterError(f"{file}: refused by torch.load(weights_only=True), which loads tensors only "
+                           f"and never runs code ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise AdapterError(f"{file}: not a readable torch checkpoint, truncated or corrupt ({e})") from None
+    if not isinstance(state, dict):
+        raise AdapterError(f"{file}: expected a dict of tensors, got {type(state).__name__}")
+    return state
+
+
+# ---- checks and the write plan ---------------------------------------------------------------------------
+
+def _pick_slot(ctx, name, replace):
+    if not isinstance(name, str) or not name:
+        raise AdapterError(f"name: expected a non-empty string, got {name!r}")
+    if name in ctx.slot_names:
+        if replace:
+            return ctx.slot_names.index(name)
+        raise AdapterError(f"an adapter named {name!r} is already loaded (slot {ctx.slot_names.index(name)}); "
+                           f"unload it first or pass replace=True")
+    if None not in ctx.slot_names:
+        raise AdapterError(f"no free slot for {name!r}: all max_loras={ctx.max_loras} slots hold adapters "
+                           f"({', '.join(map(repr, ctx.slot_names))}); unload one first")
+    return ctx.slot_names.index(None)
+
+
+def _config_dict(config):
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"config: expected an adapter_config dict or a peft.LoraConfig, got {type(config).__name__}")
+
+
+def _group_by_module(tensors, source):
+    """{module path: (lora_A, lora_B)}; any key that is not a plain LoRA factor is an error."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors: expected a dict of tensors, got {type(tensors).__name__}")
+    factors = {}
+    for key, t in tensors.items():
+        for pattern, feature in _UNSUPPORTED_KEYS:
+            if pattern.search(key):
+                raise UnsupportedAdapterError(f"{feature} is not supported ({source}: tensor {key!r})")
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise AdapterError(f"{source}: unexpected tensor {key!r} (expected '<module>.lora_A.weight' "
+                               f"and '<module>.lora_B.weight' only)")
+        _check_factor(key, t, source)
+        module, factor = match["module"], match["factor"]
+        pair = factors.setdefault(module, {})
+        if factor in pair:
+            raise AdapterError(f"{source}: module {module!r} has two lora_{factor} tensors")
+        pair[factor] = t
+    for module, pair in factors.items():
+        missing = {"A", "B"} - pair.keys()
+        if missing:
+            raise AdapterError(f"{source}: module {module!r} has no lora_{missing.pop()}.weight")
+    return {module: (pair["A"], pair["B"]) for module, pair in factors.items()}
+
+
+def _check_factor(key, t, source):
+    if not isinstance(t, torch.Tensor):
+        raise AdapterError(f"{source}: {key!r} is a {type(t).__name__}, not a tensor")
+    if not t.is_floating_point():
+        raise AdapterError(f"{source}: {key!r} has dtype {t.dtype}; expected a floating-point tensor")
+    if t.dim() != 2:
+        raise UnsupportedAdapterError(f"layer type other than Linear is not supported ({source}: {key!r} has "
+                                      f"shape {tuple(t.shape)}; a Linear layer's LoRA factors are 2-D)")
+    if not bool(torch.isfinite(t).all()):
+        raise AdapterError(f"{source}: {key!r} holds NaN or infinite values")
+
+
+def _pattern_value(patterns, path, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that ends ``path`` at a dotted boundary."""
+    for key, value in (patterns or {}).items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", path):
+                return value
+        except re.error as e:
+            raise AdapterError(f"rank_pattern / alpha_pattern: key {key!r} is not a valid regex ({e})") from None
+    return default
+
+
+def _module_scale(config, path, rank):
+    """(expected rank or None, scale) of module ``path`` under ``config`` (PEFT's rules)."""
+    r = _pattern_value(config.get("rank_pattern"), path, config.get("r"))
+    alpha = _pattern_value(config.get("alpha_pattern"), path, config.get("lora_alpha"))
+    r_eff = rank if r is None else int(r)
+    alpha = r_eff if alpha is None else float(alpha)
+    scale = alpha / math.sqrt(r_eff) if config.get("use_rslora") else alpha / r_eff
+    return r, scale
+
+
+def _resolve_target(ctx, path, source):
+    target = ctx.targets.get(path)
+    if target is not None:
+        return target
+    model = ctx.model()
+    module = None
+    if model is not None:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+    if module is None:
+        raise AdapterError(f"{source}: the adapter targets {path!r}, which is not a module of this model "
+                           f"(paths are relative to the model apply_lora wrapped)")
+    if isinstance(module, torch.nn.Linear):
+        raise AdapterError(f"{source}: the adapter targets {path!r}, an nn.Linear that apply_lora did not wrap; "
+                           f"add it to target_modules")
+    raise UnsupportedAdapterError(f"layer type {type(module).__name__} is not supported ({source}: the adapter "
+                                  f"targets {path!r}; only nn.Linear layers take LoRA here)")
+
+
+def _plan_writes(ctx, modules, config, source):
+    """{layer: [per slice: (A, B, rank, scale) or None]}, every shape, rank and scale checked."""
+    plan = {}
+    for path, (a, b) in modules.items():
+        layer, index = _resolve_target(ctx, path, source)
+        rank = a.shape[0]
+        expected_rank, scale = _module_scale(config, path, rank)
+        _check_shapes(layer, index, path, a, b, expected_rank, source)
+        slices = plan.setdefault(layer, [None] * len(layer.slice_widths))
+        offsets = layer.slice_offsets
+        indices = range(len(slices)) if index is None else [index]
+        for i in indices:
+            if slices[i] is not None:
+                raise AdapterError(f"{source}: {path!r} writes slice {i} of a packed layer that another key of "
+                                   f"the adapter also writes")
+            b_i = b if index is not None else b[offsets[i]:offsets[i + 1]]
+            slices[i] = (a, b_i, rank, scale)
+    return {layer: _fold_slices(layer, slices) for layer, slices in plan.items()}
+
+
+def _check_shapes(layer, index, path, a, b, expected_rank, source):
+    rank, in_features = a.shape
+    out_features = layer.out_features if index is None else layer.slice_widths[index]
+    what = f"{source}: {path!r}"
+    if rank < 1:
+        raise AdapterError(f"{what}: lora_A has rank 0 (shape {tuple(a.shape)})")
+    if expected_rank is not None and rank != int(expected_rank):
+        raise AdapterError(f"{what}: lora_A has rank {rank}, but the adapter config gives r={expected_rank} "
+                           f"(r / rank_pattern) for it")
+    if rank > layer.max_rank:
+        raise AdapterError(f"{what}: rank {rank} exceeds the layer's capacity max_rank={layer.max_rank}")
+    if in_features != layer.in_features:
+        raise AdapterError(f"{what}: lora_A has shape {tuple(a.shape)}; expected [r, {layer.in_features}] "
+                           f"(the layer's in_features)")
+    if tuple(b.shape) != (out_features, rank):
+        raise AdapterError(f"{what}: lora_B has shape {tuple(b.shape)}; expected [{out_features}, {rank}] "
+                           f"(the {'slice' if index is not None else 'layer'}'s out features, lora_A's rank)")
+
+
+def _fold_slices(layer, slices):
+    """(per-slice (A, B) in the layer's dtype or None, layer scale, layer rank)."""
+    used = [s for s in slices if s is not None]
+    rank = max(s[2] for s in used)
+    scale = max((s[3] for s in used), key=abs)
+    dtype = layer.lora_a.dtype
+    prepared = []
+    for s in slices:
+        if s is None:
+            prepared.append(None)
+            continue
+        a, b, _, slice_scale = s
+        ratio = slice_scale / scale if scale != 0 else 0.0
+        b = b.float() * ratio if ratio != 1.0 else b
+        prepared.append((a.detach().to(dtype), b.detach().to(dtype)))
+    return prepared, scale, rank
+
+
+def _write(ctx, slot, name, plan):
+    """The only writes: every layer's slot (cleared where the adapter has no weights), then the name."""
+    for layer in ctx.layers.values():
+        if layer in plan:
+            layer.write_slot(slot, *plan[layer])
+        else:
+            layer.clear_slot(slot)
+    ctx.slot_names[slot] = name

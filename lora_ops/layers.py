@@ -1,0 +1,413 @@
+"""LoRALinear, the batch context all of a model's LoRA layers share, and the helper that applies them.
+
+    ctx = lora_ops.apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"],
+                              max_loras=8, max_rank=16, max_tokens=512)
+    ctx.load_adapter("sql", "adapters/sql")           # a PEFT directory into a free slot (lora_ops.adapters)
+    ctx.set_batch([("sql", 5), (None, 3), ("sql", 2)])  # per step: each request's adapter and token count
+    logits = model(input_ids)                          # every LoRALinear reads the same metadata
+
+Data, per layer (L = max_loras slots, S output slices, R = max_rank, K/N the base's in/out features):
+``lora_a [L, S, R, K]`` and ``lora_b [L, N, R]`` (slices stacked along N) as ``nn.Parameter``s with
+``requires_grad=False``, ``scale [L]`` float32 and ``rank [L]`` int32 buffers. A slot of rank 0 does no
+work. Adapters are written in place (``copy_`` into slices of the stacks), so data pointers never move
+and a captured CUDA graph or a compiled model keeps working across adapter loads, unloads and swaps.
+
+The hot path (:meth:`LoRALinear.forward`) is the base layer plus one op call: no host sync, no
+``.item()``, no allocation that depends on data, and nothing mutable on the Python side, so
+``torch.compile(fullgraph=True)`` compiles it once (see :class:`LoRAContext` for dynamic token counts
+and batches of one token). Under ``torch.no_grad()`` / ``torch.inference_mode()`` that op adds the
+delta into the base output in place; when autograd needs gradients through the layer (its input or
+the stacks require grad) it is the out-of-place op, which has a backward.
+"""
+import re
+import weakref
+
+import torch
+from torch import nn
+
+from lora_ops import adapters
+from lora_ops.batch import LoRABatch, check_token_slots
+
+ALL_LINEAR = "all-linear"
+
+
+class _PinnedStaging:
+    """Pinned host buffers for per-token slots on their way to a GPU, reused round-robin.
+
+    A non-blocking copy reads its pinned source later, when the stream reaches it. Each buffer has an
+    event recorded after its copy, and is refilled only once that event has completed, which it has
+    unless the host runs ``depth`` steps ahead of the GPU. That is a wait on an event (no device-wide
+    synchronisation, and none at all in the usual case); it keeps a refill from racing an in-flight copy.
+    """
+
+    def __init__(self, capacity, depth=4):
+        self._buffers = [torch.empty(capacity, dtype=torch.int32).pin_memory() for _ in range(depth)]
+        self._copied = [torch.cuda.Event() for _ in range(depth)]
+        self._next = 0
+
+    def copy_to_device(self, host_slots, device_slots):
+        """device_slots[:M] <- host_slots [M] (CPU), asynchronously, through a pinned buffer."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        self._copied[i].synchronize()       # returns at once for an event never recorded or long done
+        buf = self._buffers[i][:host_slots.shape[0]]
+        buf.copy_(host_slots)
+        device_slots[:buf.shape[0]].copy_(buf, non_blocking=True)
+        self._copied[i].record()
+
+
+class LoRAContext:
+    """State shared by every :class:`LoRALinear` of a model: the slot table and the batch metadata.
+
+    - **Slots.** ``max_loras`` slots, each empty or holding one named adapter across all layers.
+      Occupancy lives here on the host (``slot_names``), so validating a load or a batch reads no
+      device data. Load with :meth:`load_adapter` / :meth:`load_adapter_tensors`, free with
+      :meth:`unload_adapter`.
+    - **Batch.** One :class:`lora_ops.LoRABatch` whose buffers (capacity ``max_tokens``) are refilled
+      in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token).
+      Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
+      tokens of the last call, in the same order.
+
+    **torch.compile.** The layers read only tensors that never change identity, shape or address (the
+    stacks, ``scale``, ``rank`` and the metadata), so loads, unloads, swaps and new slot mappings never
+    recompile. Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and
+    one compile serves every token count from 2 up. A batch of **one token** specialises (Dynamo
+    treats sizes 0 and 1 as constants), which would compile a second graph. Two ways out:
+
+    - pad a one-token step to two tokens with a request that has no adapter,
+      ``ctx.set_batch([(name, 1), (None, 1)])``, and drop the pad's output (works for any model);
+    - or ``torch._dynamo.decorators.mark_unbacked(x, dim)`` instead of ``mark_dynamic``: one graph for
+      every size including 1, for models whose Python code does not branch on the token count (Hugging
+      Face attention masks do, which is why padding is the general answer). For a causal LM put the pad
+      last: the real token never attends to it.
+    """
+
+    def __init__(self, max_loras, max_tokens, device=None):
+        self.device = torch.device(device if device is not None else "cpu")
+        self.max_loras = int(max_loras)
+        self.max_tokens = int(max_tokens)
+        self.batch = LoRABatch(self.max_tokens, self.max_loras, device=self.device)
+        # The layers read this tuple; its tensors are refilled in place, never replaced.
+        self.meta = self.batch.meta
+        self.token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)
+        self._staging = _PinnedStaging(self.max_tokens) if self.device.type == "cuda" else None
+        self.slot_names = [None] * self.max_loras
+        self.layers = {}      # module path -> LoRALinear
+        self.targets = {}     # adapter module path -> (LoRALinear, slice index, or None for the whole layer)
+        self._model = None    # weakref to the model apply_lora wrapped (for error messages)
+        for t in (*self.meta, self.token_slots):
+            # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
+            torch._dynamo.mark_static_address(t, guard=True)
+
+    # ---- slots ---------------------------------------------------------------------------------------
+
+    @property
+    def adapters(self):
+        """{adapter name: slot} of the loaded adapters."""
+        return {name: slot for slot, name in enumerate(self.slot_names) if name is not None}
+
+    def slot_of(self, name):
+        """The slot of adapter ``name``; None stands for 'no adapter' (slot -1)."""
+        if name is None:
+            return -1
+        try:
+            return self.slot_names.index(name)
+        except ValueError:
+            loaded = ", ".join(repr(n) for n in self.adapters) or "none"
+            raise ValueError(f"adapter {name!r} is not loaded (loaded: {loaded})") from None
+
+    def load_adapter(self, name, path, *, replace=False):
+        """Load the PEFT adapter directory ``path`` into a free slot as ``name``; returns the slot.
+        ``replace=True`` swaps the adapter already loaded as ``name`` in place (same slot)."""
+        return adapters.load_peft_adapter(self, name, path, replace=replace)
+
+    def load_adapter_tensors(self, name, tensors, config=None, *, replace=False):
+        """Load a PEFT-style state dict (``...lora_A.weight`` / ``...lora_B.weight``) as ``name``."""
+        return adapters.load_adapter_tensors(self, name, tensors, config, replace=replace)
+
+    def unload_adapter(self, name):
+        """Free ``name``'s slot (its weights are zeroed and its rank set to 0, in place)."""
+        adapters.unload_adapter(self, name)
+
+    def model(self):
+        return self._model() if self._model is not None else None
+
+    # ---- batch ---------------------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self):
+        return self.batch.num_tokens
+
+    def set_batch(self, requests):
+        """Per step: ``requests`` = ``[(adapter name or None, num_tokens), ...]`` in the order their tokens
+        appear in the flattened input (request-major: request 0's tokens, then request 1's, ...).
+
+        Builds the per-token slots on the host and copies them through a pinned buffer, so no host
+        synchronisation happens even on a GPU. Returns the token count.
+        """
+        slots, counts = [], []
+        for i, request in enumerate(requests):
+            name, n = _unpack_request(i, request)
+            slots.append(self.slot_of(name))
+            counts.append(n)
+        total = sum(counts)
+        if total > self.max_tokens:
+            raise ValueError(f"set_batch: {total} tokens exceed the context's capacity max_tokens={self.max_tokens}")
+        host = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
+                                       torch.tensor(counts, dtype=torch.int64), output_size=total)
+        self._fill(host)
+        return total
+
+    def set_token_slots(self, token_slots):
+        """Per step, per token: ``token_slots [M]`` int32/int64 slots in [-1, max_loras) (-1: no adapter),
+        on the CPU or on this context's device. An empty slot behaves like -1 (rank 0)."""
+        check_token_slots(token_slots, self.max_loras, self.max_tokens)
+        self._fill(token_slots)
+        return token_slots.shape[0]
+
+    def _fill(self, token_slots):
+        M = token_slots.shape[0]
+        if self._staging is not None and token_slots.device.type == "cpu":
+            self._staging.copy_to_device(token_slots, self.token_slots)
+        else:
+            self.token_slots[:M].copy_(token_slots)
+        self.batch.update(self.token_slots[:M])
+
+    def check_input(self, x2d):
+        """Eager-mode check of a layer's flattened input against the batch (skipped while compiling)."""
+        if x2d.device != self.device:
+            raise ValueError(f"LoRALinear: the input is on {x2d.device} but the LoRAContext is on {self.device}; "
+                             f"call apply_lora after moving the model to its device")
+        if x2d.shape[0] != self.batch.num_tokens:
+            raise ValueError(f"LoRALinear: the input has {x2d.shape[0]} tokens but the batch was set for "
+                             f"{self.batch.num_tokens}; call set_batch / set_token_slots for this step's tokens")
+
+
+def _unpack_request(i, request):
+    try:
+        name, n = request
+    except (TypeError, ValueError):
+        raise TypeError(f"set_batch: request {i} must be (adapter name or None, num_tokens), got {request!r}") from None
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"set_batch: request {i}'s adapter must be a name or None, got {type(name).__name__}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"set_batch: request {i}'s num_tokens must be an int >= 0, got {n!r}")
+    return name, n
+
+
+class LoRALinear(nn.Module):
+    """An ``nn.Linear`` plus the LoRA delta of each token's adapter slot, in one op call.
+
+    ``base`` is reused (its weight is not copied); ``context`` is the :class:`LoRAContext` shared by
+    the model's layers (slot capacity and batch); ``max_rank`` the largest rank a slot can hold.
+    ``slice_widths`` splits the output into packed slices (e.g. a fused q/k/v projection holding
+    adapters trained per projection); by default one slice of all ``out_features``.
+    """
+
+    def __init__(self, base, context, max_rank, slice_widths=None):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"base: expected an nn.Linear, got {type(base).__name__}")
+        if max_rank < 1:
+            raise ValueError(f"max_rank: expected >= 1, got {max_rank}")
+        N, K = base.out_features, base.in_features
+        widths = tuple(int(w) for w in (slice_widths if slice_widths is not None else (N,)))
+        if not widths or any(w <= 0 for w in widths) or sum(widths) != N:
+            raise ValueError(f"slice_widths: expected positive widths summing to out_features={N}, got {list(widths)}")
+        weight = base.weight
+        if weight.device != context.device:
+            raise ValueError(f"context: on {context.device}, but the base layer's weight is on {weight.device}")
+        L, S, R = context.max_loras, len(widths), int(max_rank)
+        self.base = base
+        self.context = context          # a plain object: shared, not a submodule, not in the state dict
+        self.slice_widths = widths
+        self.lora_a = nn.Parameter(weight.new_zeros(L, S, R, K), requires_grad=False)
+        self.lora_b = nn.Parameter(weight.new_zeros(L, N, R), requires_grad=False)
+        self.register_buffer("scale", torch.zeros(L, dtype=torch.float32, device=weight.device))
+        self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
+        self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
+
+    @property
+    def in_features(self):
+        return self.base.in_features
+
+    @property
+    def out_features(self):
+        return self.base.out_features
+
+    @property
+    def max_rank(self):
+        return self.lora_a.shape[2]
+
+    @property
+    def slice_offsets(self):
+        offsets = [0]
+        for w in self.slice_widths:
+            offsets.append(offsets[-1] + w)
+        return offsets
+
+    def forward(self, x):
+        y = self.base(x)
+        x2d = x.reshape(-1, x.shape[-1])
+        y2d = y.view(-1, y.shape[-1])
+        if not torch.compiler.is_compiling():     # Python-side checks stay out of compiled graphs
+            self.context.check_input(x2d)
+        args = (x2d, self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
+        if torch.is_grad_enabled() and (x.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
+            # Something upstream needs gradients through this layer: the out-of-place op has autograd
+            # (lora_ops.autograd); the in-place one is invisible to autograd and would drop the LoRA term.
+            return torch.ops.lora_ops.add_lora(y2d, *args).view(y.shape)
+        torch.ops.lora_ops.add_lora_(y2d, *args)
+        return y
+
+    @torch.no_grad()
+    def write_slot(self, slot, slices, scale, rank):
+        """Write one slot in place: ``slices[i]`` is ``(A [r_i, K], B [n_i, r_i])`` or None (slice unused).
+
+        Rank columns past each slice's ``r_i`` are zero-filled, so nothing of a previous adapter stays.
+        Callers validate first (lora_ops.adapters); this only asserts.
+        """
+        assert len(slices) == len(self.slice_widths) and 0 <= rank <= self.max_rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        offsets = self.slice_offsets
+        for i, pair in enumerate(slices):
+            if pair is None:
+                continue
+            a, b = pair
+            r = a.shape[0]
+            self.lora_a[slot, i, :r].copy_(a)
+            self.lora_b[slot, offsets[i]:offsets[i + 1], :r].copy_(b)
+        self.scale[slot] = float(scale)
+        self.rank[slot] = int(rank)
+        self.slot_ranks[slot] = int(rank)
+
+    @torch.no_grad()
+    def clear_slot(self, slot):
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.scale[slot] = 0.0
+        self.rank[slot] = 0
+        self.slot_ranks[slot] = 0
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.
+        scale = self.scale
+        super()._apply(fn, *args, **kwargs)
+        if self.scale.dtype != torch.float32:
+            self.scale = scale.to(device=self.scale.device)
+        return self
+
+    def extra_repr(self):
+        L, S, R, K = self.lora_a.shape
+        return f"in_features={K}, out_features={self.lora_b.shape[1]}, max_loras={L}, max_rank={R}, " \
+               f"slice_widths={list(self.slice_widths)}"
+
+
+# ---- the model-wide helper -----------------------------------------------------------------------------
+
+def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None):
+    """Wrap the ``nn.Linear`` modules that ``target_modules`` selects in :class:`LoRALinear`, in place;
+    returns their shared :class:`LoRAContext`.
+
+    ``target_modules`` follows PEFT: a list of names, each matching a module path exactly or as its
+    last dotted components (``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``); a string, as a
+    regex that must match the whole path; or ``"all-linear"`` (every nn.Linear but the output layer).
+    A selected module that is not an nn.Linear is an error.
+
+    ``packed_modules`` declares fused layers: ``{"qkv_proj": {"q_proj": 64, "k_proj": 32, "v_proj": 32}}``
+    gives every layer named ``qkv_proj`` three output slices of those widths, and adapter weights
+    trained for ``<parent>.q_proj`` etc. load into them. A fused layer is selected when its own name
+    or one of its slices' names is.
+
+    Apply after moving the model to its device and dtype (``.to()`` later works but moves the stacks).
+    """
+    packed = _normalise_packed(packed_modules)
+    selected = _select_targets(model, target_modules, packed)
+    if not selected:
+        raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}")
+    devices = {module.weight.device for _, module, _ in selected}
+    if len(devices) > 1:
+        raise ValueError(f"apply_lora: the selected layers are on several devices {sorted(map(str, devices))}; "
+                         f"one context serves one device")
+    ctx = LoRAContext(max_loras, max_tokens, device=devices.pop())
+    ctx._model = weakref.ref(model)
+    for path, module, slices in selected:
+        layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None)
+        _replace_module(model, path, layer)
+        ctx.layers[path] = layer
+        ctx.targets[path] = (layer, None)
+        for i, (slice_path, _) in enumerate(slices or ()):
+            ctx.targets[slice_path] = (layer, i)
+    return ctx
+
+
+def _normalise_packed(packed_modules):
+    """{fused name: ((slice name, width), ...)} from the user's {fused name: {slice name: width}}."""
+    packed = {}
+    for fused, slices in (packed_modules or {}).items():
+        items = tuple((str(n), int(w)) for n, w in dict(slices).items())
+        if len(items) < 2 or any(w <= 0 for _, w in items):
+            raise ValueError(f"packed_modules[{fused!r}]: expected two or more slices with positive widths, "
+                             f"got {dict(slices)!r}")
+        packed[fused] = items
+    return packed
+
+
+def _select_targets(model, target_modules, packed):
+    """[(path, module, slices)]: slices is ((slice path, width), ...) for a packed layer, else None."""
+    if isinstance(target_modules, str) and target_modules != ALL_LINEAR:
+        try:
+            re.compile(target_modules)
+        except re.error as e:
+            raise ValueError(f"target_modules: {target_modules!r} is not a valid regex ({e})") from None
+    output_layer = _output_layer(model) if target_modules == ALL_LINEAR else None
+    selected = []
+    for path, module in model.named_modules():
+        if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path):
+            continue
+        slices = _slice_paths(path, packed)
+        if target_modules == ALL_LINEAR:
+            hit = isinstance(module, nn.Linear) and module is not output_layer
+        else:
+            hit = any(_matches(target_modules, p) for p in [path, *(p for p, _ in slices or ())])
+        if not hit:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"target_modules selects {path!r}, a {type(module).__name__}: only nn.Linear layers "
+                            f"are supported (layer type {type(module).__name__} is not)")
+        if slices and sum(w for _, w in slices) != module.out_features:
+            raise ValueError(f"packed_modules: the slice widths of {path!r} sum to {sum(w for _, w in slices)}, "
+                             f"but the layer has out_features={module.out_features}")
+        selected.append((path, module, slices))
+    return selected
+
+
+def _matches(target_modules, path):
+    """PEFT's rule: a regex string must match the whole path; a list entry the path or its dotted suffix."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, path) is not None
+    return any(path == t or path.endswith("." + t) for t in target_modules)
+
+
+def _slice_paths(path, packed):
+    parent, _, name = path.rpartition(".")
+    if name not in packed:
+        return None
+    prefix = parent + "." if parent else ""
+    return tuple((prefix + slice_name, width) for slice_name, width in packed[name])
+
+
+def _output_layer(model):
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _inside_lora_linear(model, path):
+    parent = path.rpartition(".")[0]
+    return bool(parent) and isinstance(model.get_submodule(parent), LoRALinear)
+
+
+def _replace_module(model, path, new):
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)

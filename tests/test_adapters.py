@@ -1,0 +1,421 @@
+"""Adapters into slots: PEFT directories and in-memory tensors, unload, in-place writes, and every error.
+
+Loaded values are checked exactly in the stacks (fp32 stacks hold the file's values bit for bit, padded
+rank columns zero). Scales and ranks under rank_pattern / alpha_pattern / rsLoRA are checked against
+PEFT's own layers. Every failed load must leave every slot byte-identical (tests/layer_helpers.slot_state).
+"""
+import math
+import os
+import pickle
+
+import pytest
+import torch
+
+from layer_helpers import (PACKED, PROJECTIONS, assert_state_unchanged, data_ptrs, fused_copy, linear_paths,
+                           lora_config, module_shapes, peft_tensors, slot_state, toy_lm, write_adapter_dir)
+from lora_ops.adapters import AdapterError, UnsupportedAdapterError, read_peft_directory
+from lora_ops.layers import apply_lora
+
+MAX_RANK, MAX_LORAS = 8, 3
+Q0 = "model.layers.0.self_attn.q_proj"
+
+
+def lora_model(max_loras=MAX_LORAS, targets=PROJECTIONS):
+    model = toy_lm()
+    ctx = apply_lora(model, targets, max_loras=max_loras, max_rank=MAX_RANK, max_tokens=16)
+    return model, ctx
+
+
+def stored(layer, slot, slice_index=0):
+    """(A [rank, K], B [n, rank], padded A rows, padded B columns) of a slot as written."""
+    r = layer.slot_ranks[slot]
+    lo, hi = layer.slice_offsets[slice_index], layer.slice_offsets[slice_index + 1]
+    a = layer.lora_a[slot, slice_index]
+    b = layer.lora_b[slot, lo:hi]
+    return a[:r], b[:, :r], a[r:], b[:, r:]
+
+
+def assert_loaded(ctx, slot, tensors, scale, prefix="base_model.model."):
+    for path, layer in ctx.layers.items():
+        a, b, a_pad, b_pad = stored(layer, slot)
+        want_a = tensors[f"{prefix}{path}.lora_A.weight"]
+        want_b = tensors[f"{prefix}{path}.lora_B.weight"]
+        assert layer.slot_ranks[slot] == layer.rank[slot].item() == want_a.shape[0]
+        assert torch.equal(a, want_a) and torch.equal(b, want_b), path
+        assert not a_pad.any() and not b_pad.any(), f"{path}: padded rank must be zero"
+        assert layer.scale[slot].item() == pytest.approx(scale, rel=1e-7)
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_rslora", [False, True], ids=["alpha_over_r", "rslora"])
+def test_load_peft_directory(tmp_path, use_rslora):
+    model, ctx = lora_model()
+    tensors = peft_tensors(module_shapes(model), rank=4, seed=1)
+    path = write_adapter_dir(tmp_path / "sql", lora_config(4, 6, use_rslora=use_rslora), tensors)
+    assert ctx.load_adapter("sql", path) == 0
+    assert ctx.adapters == {"sql": 0}
+    assert_loaded(ctx, 0, tensors, 6 / math.sqrt(4) if use_rslora else 6 / 4)
+    for layer in ctx.layers.values():       # the other slots stay empty
+        assert layer.slot_ranks[1:] == [0, 0] and not layer.lora_a[1:].any()
+
+
+def test_load_in_memory_tensors_with_and_without_prefix():
+    model, ctx = lora_model()
+    plain = peft_tensors(module_shapes(model), rank=3, seed=2, prefix="")
+    assert ctx.load_adapter_tensors("plain", plain, {"r": 3, "lora_alpha": 9}) == 0
+    assert_loaded(ctx, 0, plain, 3.0, prefix="")
+    # No config: each module at its tensors' rank, scale 1; bf16 tensors cast to the layer's dtype.
+    half = peft_tensors(module_shapes(model), rank=5, seed=3, dtype=torch.bfloat16)
+    assert ctx.load_adapter_tensors("half", half) == 1
+    assert_loaded(ctx, 1, {k: v.float() for k, v in half.items()}, 1.0)
+
+
+def test_peft_lora_config_object_is_accepted():
+    peft = pytest.importorskip("peft")
+    model, ctx = lora_model()
+    tensors = peft_tensors(module_shapes(model), rank=4, seed=4)
+    ctx.load_adapter_tensors("cfg", tensors, peft.LoraConfig(r=4, lora_alpha=2, target_modules=PROJECTIONS))
+    assert_loaded(ctx, 0, tensors, 0.5)
+
+
+def test_adapter_targeting_some_modules_leaves_others_at_rank_zero():
+    model, ctx = lora_model()
+    tensors = peft_tensors(module_shapes(model, ["v_proj"]), rank=2, seed=5)
+    ctx.load_adapter_tensors("v_only", tensors, {"r": 2, "lora_alpha": 4})
+    for path, layer in ctx.layers.items():
+        assert layer.slot_ranks[0] == (2 if path.endswith("v_proj") else 0)
+
+
+@pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")   # PEFT agrees: 'proj'
+def test_rank_and_alpha_patterns_follow_peft(tmp_path):
+    """Per-module rank and scale under rank_pattern / alpha_pattern (suffix keys and regex keys, first
+    match wins), and under rsLoRA, equal those of PEFT's own layers for the same config."""
+    peft = pytest.importorskip("peft")
+    cases = [
+        dict(r=4, lora_alpha=8, rank_pattern={"v_proj": 2, r"layers\.1\.mlp\.down_proj": 6},
+             alpha_pattern={r"layers\.0\.self_attn\.(q|k)_proj": 3, "q_proj": 5}),
+        # "proj" ends no module path at a dotted boundary (a search would match them all).
+        dict(r=6, lora_alpha=4, use_rslora=True, rank_pattern={"gate_proj": 3}, alpha_pattern={"proj": 7}),
+    ]
+    for i, kwargs in enumerate(cases):
+        peft_model = peft.get_peft_model(toy_lm(), peft.LoraConfig(target_modules=PROJECTIONS, **kwargs))
+        peft_model.save_pretrained(tmp_path / f"case{i}")
+        model, ctx = lora_model()
+        ctx.load_adapter("p", tmp_path / f"case{i}")
+        checked = set()
+        for path, peft_layer in peft_model.base_model.model.named_modules():
+            if path in ctx.layers:
+                layer = ctx.layers[path]
+                assert layer.slot_ranks[0] == peft_layer.r["default"], path
+                assert layer.scale[0].item() == pytest.approx(peft_layer.scaling["default"], rel=1e-7), path
+                checked.add((layer.slot_ranks[0], layer.scale[0].item()))
+        assert len(checked) >= 2, "the patterns must give modules different ranks or scales"
+
+
+def test_fan_in_fan_out_loads_factors_as_stored(tmp_path):
+    """PEFT stores lora_A [r, in] and lora_B [out, r] whatever fan_in_fan_out says (the flag is about the
+    base weight's layout): they load unchanged, with shapes checked (GPT-2 parity: test_peft_parity)."""
+    model, ctx = lora_model()
+    tensors = peft_tensors(module_shapes(model), rank=4, seed=6)
+    ctx.load_adapter("f", write_adapter_dir(tmp_path / "f", lora_config(4, 4, fan_in_fan_out=True), tensors))
+    assert_loaded(ctx, 0, tensors, 1.0)
+
+
+def test_legacy_bin_loads_with_weights_only(tmp_path):
+    model, ctx = lora_model()
+    tensors = peft_tensors(module_shapes(model), rank=4, seed=7)
+    path = write_adapter_dir(tmp_path / "old", lora_config(4, 8), tensors, fmt="bin")
+    ctx.load_adapter("old", path)
+    assert_loaded(ctx, 0, tensors, 2.0)
+
+
+def test_safetensors_is_preferred_over_bin(tmp_path):
+    model, ctx = lora_model()
+    good = peft_tensors(module_shapes(model), rank=4, seed=8)
+    path = write_adapter_dir(tmp_path / "both", lora_config(4, 4), good)
+    torch.save({"not": torch.zeros(1)}, os.path.join(path, "adapter_model.bin"))
+    ctx.load_adapter("both", path)
+    assert_loaded(ctx, 0, good, 1.0)
+
+
+class _RunsCode:
+    """A pickle payload that would create a marker file if unpickled by a full (unsafe) unpickler."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    model, ctx = lora_model()
+    marker = tmp_path / "code_ran"
+    path = tmp_path / "evil"
+    write_adapter_dir(path, lora_config(4, 4), {})
+    os.remove(path / "adapter_model.safetensors")
+    tensors = peft_tensors(module_shapes(model), rank=4, seed=9)
+    tensors["payload"] = _RunsCode(str(marker))
+    with open(path / "adapter_model.bin", "wb") as f:
+        pickle.dump(tensors, f, protocol=2)
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=r"refused by torch.load\(weights_only=True\)"):
+        ctx.load_adapter("evil", path)
+    assert not marker.exists(), "the pickle's code must never run"
+    assert_state_unchanged(before, ctx)
+
+
+# ---- unload, swap, in-place writes ---------------------------------------------------------------------
+
+def test_unload_frees_the_slot_and_zeroes_it():
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
+    ctx.load_adapter_tensors("b", peft_tensors(shapes, 4, seed=2))
+    ctx.unload_adapter("a")
+    assert ctx.adapters == {"b": 1}
+    for layer in ctx.layers.values():
+        assert layer.slot_ranks[0] == 0 and layer.rank[0] == 0 and layer.scale[0] == 0
+        assert not layer.lora_a[0].any() and not layer.lora_b[0].any() and layer.lora_a[1].any()
+    assert ctx.load_adapter_tensors("c", peft_tensors(shapes, 2, seed=3)) == 0, "the freed slot is reused"
+    with pytest.raises(ValueError, match=r"adapter 'a' is not loaded \(loaded: 'c', 'b'\)"):
+        ctx.unload_adapter("a")
+
+
+def test_smaller_adapter_leaves_no_stale_weights():
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("big", peft_tensors(shapes, MAX_RANK, seed=1))
+    ctx.unload_adapter("big")
+    small = peft_tensors(shapes, 2, seed=2)
+    ctx.load_adapter_tensors("small", small)
+    assert_loaded(ctx, 0, small, 1.0)
+    ctx.load_adapter_tensors("small", peft_tensors(shapes, MAX_RANK, seed=3), replace=True)
+    smaller = peft_tensors(shapes, 1, seed=4)
+    ctx.load_adapter_tensors("small", smaller, replace=True)
+    assert_loaded(ctx, 0, smaller, 1.0)
+
+
+def test_writes_never_move_data_pointers(tmp_path):
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ptrs = data_ptrs(ctx)
+    ctx.load_adapter("a", write_adapter_dir(tmp_path / "a", lora_config(4, 8), peft_tensors(shapes, 4, seed=1)))
+    ctx.load_adapter_tensors("b", peft_tensors(shapes, MAX_RANK, seed=2))
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 2, seed=3), replace=True)
+    ctx.unload_adapter("b")
+    ctx.set_batch([("a", 3), (None, 2)])
+    assert data_ptrs(ctx) == ptrs
+
+
+def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter():
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("x", peft_tensors(shapes, 4, seed=1))
+    ctx.load_adapter_tensors("y", peft_tensors(shapes, 4, seed=2))
+    new = peft_tensors(shapes, 6, seed=3)
+    assert ctx.load_adapter_tensors("x", new, {"r": 6, "lora_alpha": 3}, replace=True) == 0
+    assert_loaded(ctx, 0, new, 0.5)
+    before = slot_state(ctx)
+    bad = peft_tensors(shapes, MAX_RANK + 1, seed=4)
+    with pytest.raises(AdapterError, match="exceeds the layer's capacity"):
+        ctx.load_adapter_tensors("x", bad, replace=True)
+    assert_state_unchanged(before, ctx)
+
+
+# ---- packed layers ---------------------------------------------------------------------------------------
+
+def test_per_projection_adapters_load_into_packed_slices():
+    """Different ranks and scales per slice: the layer's rank is the largest, the smaller slices are
+    zero-padded, and each slice's scale ratio is folded into its lora_B, so every slice's delta is exact."""
+    unfused = toy_lm()
+    fused = fused_copy(unfused)
+    ctx = apply_lora(fused, PROJECTIONS, max_loras=2, max_rank=MAX_RANK, max_tokens=16, packed_modules=PACKED)
+    ranks = {"q_proj": 6, "k_proj": 2, "v_proj": 4, "gate_proj": 3, "up_proj": 5, "down_proj": 4, "o_proj": 4}
+    config = {"r": 4, "lora_alpha": 8, "rank_pattern": {k: v for k, v in ranks.items() if v != 4},
+              "alpha_pattern": {"k_proj": -3.0, "up_proj": 20.0}}
+    tensors = peft_tensors(module_shapes(unfused), 4, seed=5, rank_of=lambda p: ranks[p.rpartition(".")[2]])
+    ctx.load_adapter_tensors("p", tensors, config)
+    for path in linear_paths(unfused):
+        layer, i = ctx.targets[path]
+        i = 0 if i is None else i          # None: the whole (unpacked) layer
+        name = path.rpartition(".")[2]
+        r = ranks[name]
+        alpha = config["alpha_pattern"].get(name, 8)
+        a = tensors[f"base_model.model.{path}.lora_A.weight"].double()
+        b = tensors[f"base_model.model.{path}.lora_B.weight"].double()
+        x = torch.randn(5, layer.in_features, dtype=torch.float64)
+        want = (alpha / r) * (x @ a.T) @ b.T
+        lo, hi = layer.slice_offsets[i], layer.slice_offsets[i + 1]
+        got = layer.scale[0].double() * (x @ layer.lora_a[0, i].double().T) @ layer.lora_b[0, lo:hi].double().T
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), path
+    for path, layer in ctx.layers.items():     # a packed layer's rank: the largest of its slices'
+        slices = [p for p, (owner, i) in ctx.targets.items() if owner is layer and i is not None] or [path]
+        assert layer.slot_ranks[0] == max(ranks[p.rpartition(".")[2]] for p in slices), path
+
+
+def test_adapter_trained_on_the_fused_layer_fills_every_slice():
+    fused = fused_copy(toy_lm())
+    ctx = apply_lora(fused, PROJECTIONS, max_loras=2, max_rank=MAX_RANK, max_tokens=16, packed_modules=PACKED)
+    path = "model.layers.0.self_attn.qkv_proj"
+    tensors = peft_tensors({path: (32, 64)}, 4, seed=6)
+    ctx.load_adapter_tensors("f", tensors, {"r": 4, "lora_alpha": 4})
+    layer = ctx.layers[path]
+    a = tensors[f"base_model.model.{path}.lora_A.weight"]
+    for i in range(3):
+        assert torch.equal(layer.lora_a[0, i, :4], a)
+    assert torch.equal(layer.lora_b[0, :, :4], tensors[f"base_model.model.{path}.lora_B.weight"])
+
+
+def test_fused_and_per_slice_keys_for_one_layer_conflict():
+    fused = fused_copy(toy_lm())
+    ctx = apply_lora(fused, PROJECTIONS, max_loras=2, max_rank=MAX_RANK, max_tokens=16, packed_modules=PACKED)
+    tensors = peft_tensors({"model.layers.0.self_attn.qkv_proj": (32, 64),
+                            "model.layers.0.self_attn.q_proj": (32, 32)}, 4, seed=7)
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match="writes slice 0 of a packed layer that another key"):
+        ctx.load_adapter_tensors("both", tensors)
+    assert_state_unchanged(before, ctx)
+
+
+# ---- errors: each names its cause, and no slot changes -------------------------------------------------
+
+def _tensors(model, rank=4, seed=11):
+    return peft_tensors(module_shapes(model), rank, seed)
+
+
+def _edit(tensors, key_suffix, fn):
+    key = f"base_model.model.{Q0}.{key_suffix}"
+    out = dict(tensors)
+    out[key] = fn(out[key])
+    return out
+
+
+ERROR_CASES = {
+    # name: (config changes, tensors edit, expected exception, message pattern)
+    "dora_config": ({"use_dora": True}, None, UnsupportedAdapterError, r"DoRA \(use_dora\)"),
+    "dora_tensor": ({}, lambda t: {**t, f"base_model.model.{Q0}.lora_magnitude_vector": torch.ones(32)},
+                    UnsupportedAdapterError, r"DoRA \(lora_magnitude_vector\)"),
+    "bias_all": ({"bias": "all"}, None, UnsupportedAdapterError, r"LoRA bias \(bias='all'\)"),
+    "lora_bias": ({"lora_bias": True}, None, UnsupportedAdapterError, r"LoRA bias \(lora_bias\)"),
+    "lora_bias_tensor": ({}, lambda t: {**t, f"base_model.model.{Q0}.lora_B.bias": torch.ones(32)},
+                         UnsupportedAdapterError, r"LoRA bias \(lora_bias\)"),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, None, UnsupportedAdapterError, "modules_to_save"),
+    "embedding_layer": ({}, lambda t: {**t, "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 64)},
+                        UnsupportedAdapterError, "layer type Embedding"),
+    "norm_layer": ({}, lambda t: {**t, **peft_tensors({"model.layers.0.norm": (32, 32)}, 4, 0)},
+                   UnsupportedAdapterError, r"layer type LayerNorm is not supported .*'model.layers.0.norm'"),
+    "conv_shaped": ({}, lambda t: _edit(t, "lora_A.weight", lambda a: a[:, :, None, None]),
+                    UnsupportedAdapterError, "layer type other than Linear"),
+    "unwrapped_linear": ({}, lambda t: {**t, **peft_tensors({"lm_head": (32, 64)}, 4, 0)},
+                         AdapterError, "'lm_head', an nn.Linear that apply_lora did not wrap"),
+    "unknown_module": ({}, lambda t: {**t, **peft_tensors({"model.nowhere": (32, 32)}, 4, 0)},
+                       AdapterError, "'model.nowhere', which is not a module of this model"),
+    "wrong_a_shape": ({}, lambda t: _edit(t, "lora_A.weight", lambda a: a[:, :31]),
+                      AdapterError, r"lora_A has shape \(4, 31\); expected \[r, 32\]"),
+    "wrong_b_shape": ({}, lambda t: _edit(t, "lora_B.weight", lambda b: b[:30]),
+                      AdapterError, r"lora_B has shape \(30, 4\); expected \[32, 4\]"),
+    "rank_above_capacity": ({"r": MAX_RANK + 2}, lambda t: peft_tensors(module_shapes(toy_lm()), MAX_RANK + 2, 3),
+                            AdapterError, f"rank {MAX_RANK + 2} exceeds the layer's capacity max_rank={MAX_RANK}"),
+    "rank_disagrees_with_config": ({"r": 8}, None, AdapterError,
+                                   r"lora_A has rank 4, but the adapter config gives r=8"),
+    "missing_lora_b": ({}, lambda t: {k: v for k, v in t.items() if k != f"base_model.model.{Q0}.lora_B.weight"},
+                       AdapterError, f"'{Q0}' has no lora_B.weight"),
+    "unexpected_key": ({}, lambda t: {**t, "base_model.model.something_else": torch.ones(2)},
+                       AdapterError, "unexpected tensor 'base_model.model.something_else'"),
+    "nan_values": ({}, lambda t: _edit(t, "lora_B.weight", lambda b: b.index_fill(0, torch.tensor([3]), float("nan"))),
+                   AdapterError, "holds NaN or infinite values"),
+    "integer_tensor": ({}, lambda t: _edit(t, "lora_A.weight", lambda a: a.to(torch.int32)),
+                       AdapterError, "has dtype torch.int32; expected a floating-point tensor"),
+    "not_lora": ({"peft_type": "IA3"}, None, UnsupportedAdapterError, r"peft_type='IA3' is not supported"),
+    "qalora": ({"use_qalora": True}, None, UnsupportedAdapterError, r"QALoRA \(use_qalora\)"),
+    "no_weights": ({}, lambda t: {}, AdapterError, "no LoRA weights"),
+    "bad_pattern_regex": ({"rank_pattern": {"(q_proj": 2}}, None, AdapterError, r"key '\(q_proj' is not a valid regex"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES.values(), ids=ERROR_CASES.keys())
+@pytest.mark.parametrize("source", ["directory", "tensors"])
+def test_invalid_adapter_is_refused_and_no_slot_changes(tmp_path, case, source):
+    config_changes, edit, exc, pattern = case
+    model, ctx = lora_model()
+    ctx.load_adapter_tensors("kept", _tensors(model, seed=1), {"r": 4, "lora_alpha": 8})
+    tensors = _tensors(model)
+    tensors = edit(tensors) if edit else tensors
+    config = {**lora_config(4, 8), **config_changes}
+    before = slot_state(ctx)
+    with pytest.raises(exc, match=pattern):
+        if source == "directory":
+            ctx.load_adapter("new", write_adapter_dir(tmp_path / "new", config, tensors))
+        else:
+            ctx.load_adapter_tensors("new", tensors, config)
+    assert_state_unchanged(before, ctx)
+
+
+def test_no_free_slot_and_duplicate_name():
+    model, ctx = lora_model(max_loras=2)
+    ctx.load_adapter_tensors("a", _tensors(model, seed=1))
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=r"an adapter named 'a' is already loaded \(slot 0\)"):
+        ctx.load_adapter_tensors("a", _tensors(model, seed=2))
+    assert_state_unchanged(before, ctx)
+    ctx.load_adapter_tensors("b", _tensors(model, seed=3))
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=r"no free slot for 'c': all max_loras=2 slots hold adapters \('a', 'b'\)"):
+        ctx.load_adapter_tensors("c", _tensors(model, seed=4))
+    assert_state_unchanged(before, ctx)
+    with pytest.raises(AdapterError, match="name: expected a non-empty string"):
+        ctx.load_adapter_tensors("", _tensors(model, seed=4))
+
+
+def test_missing_files(tmp_path):
+    model, ctx = lora_model()
+    before = slot_state(ctx)
+    with pytest.raises(FileNotFoundError, match="adapter directory .*nowhere' does not exist"):
+        ctx.load_adapter("x", tmp_path / "nowhere")
+    path = write_adapter_dir(tmp_path / "no_config", lora_config(4, 8), _tensors(model))
+    os.remove(os.path.join(path, "adapter_config.json"))
+    with pytest.raises(FileNotFoundError, match="adapter config .*adapter_config.json' is missing"):
+        ctx.load_adapter("x", path)
+    path = write_adapter_dir(tmp_path / "no_weights", lora_config(4, 8), _tensors(model))
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="adapter weights missing .* expected adapter_model.safetensors"):
+        ctx.load_adapter("x", path)
+    assert_state_unchanged(before, ctx)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 40], ids=["half", "last_byte", "header_only"])
+def test_truncated_safetensors_is_an_error(tmp_path, keep):
+    model, ctx = lora_model()
+    path = write_adapter_dir(tmp_path / "t", lora_config(4, 8), _tensors(model))
+    file = os.path.join(path, "adapter_model.safetensors")
+    data = open(file, "rb").read()
+    size = int(len(data) * keep) if isinstance(keep, float) else keep
+    with open(file, "wb") as f:
+        f.write(data[:size])
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match="not a readable safetensors file, truncated or corrupt"):
+        ctx.load_adapter("t", path)
+    assert_state_unchanged(before, ctx)
+
+
+def test_bad_config_json(tmp_path):
+    model, ctx = lora_model()
+    path = write_adapter_dir(tmp_path / "j", lora_config(4, 8), _tensors(model))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        f.write('{"r": 4,')
+    with pytest.raises(AdapterError, match="not a readable JSON adapter config"):
+        ctx.load_adapter("j", path)
+
+
+def test_directory_contents_are_read_as_data_only(tmp_path):
+    """A directory with Python files next to the adapter: nothing is imported or run."""
+    model, _ = lora_model()
+    path = write_adapter_dir(tmp_path / "d", lora_config(4, 8), _tensors(model))
+    marker = tmp_path / "imported"
+    for name in ("__init__.py", "adapter_model.py", "modeling.py"):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(f"open({str(marker)!r}, 'w')\n")
+    config, tensors = read_peft_directory(path)
+    assert config["r"] == 4 and len(tensors) == 2 * 14 and not marker.exists()

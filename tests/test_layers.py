@@ -1,0 +1,265 @@
+"""LoRALinear, the shared batch context and apply_lora.
+
+Values: a layer's output against float64 (base product + lora_ops.reference's delta, both from the same
+rounded inputs), on both CPU backends (torch kernels; Triton kernels under the interpreter) and every
+dtype, with packed slices, per-slot ranks (one at the capacity) and signed scales, a mixed batch with
+requests of no adapter, and an empty slot. Rows without an adapter must equal the base layer bit for bit.
+"""
+import pytest
+import torch
+from torch import nn
+
+import lora_ops
+from conftest import DTYPES, TOLERANCE, dtype_id, rel_err
+from layer_helpers import PACKED, data_ptrs, peft_tensors, request_slots, toy_lm
+from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
+from lora_ops.reference import lora_delta_reference
+
+K, N, MAX_RANK, MAX_LORAS = 24, 40, 8, 4
+SLICINGS = {"one_slice": None, "qkv_3_slices": {"q": 20, "k": 12, "v": 8}}
+# Slot use across a 12-token batch [3, 4, K]: every adapter, 'no adapter' twice, interleaved.
+REQUESTS = [("a", 3), (None, 2), ("b", 4), ("c", 1), (None, 0), ("a", 2)]
+
+
+def one_layer_model(slicing, dtype, device, seed=0):
+    """{"proj": LoRALinear} with adapters a (rank 2), b (rank MAX_RANK, negative alpha), c (rank 5);
+    slot 3 stays empty."""
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"proj": nn.Linear(K, N, bias=True)}).to(dtype=dtype, device=device)
+    packed = {"proj": slicing} if slicing else None
+    ctx = apply_lora(model, ["proj"], max_loras=MAX_LORAS, max_rank=MAX_RANK, max_tokens=32, packed_modules=packed)
+    shapes = {name: (K, n) for name, n in slicing.items()} if slicing else {"proj": (K, N)}
+    for seed_, (name, r, alpha) in enumerate([("a", 2, 3.0), ("b", MAX_RANK, -12.0), ("c", 5, 5.0)]):
+        tensors = peft_tensors(shapes, r, seed=seed_ + 10 * seed)
+        ctx.load_adapter_tensors(name, tensors, {"r": r, "lora_alpha": alpha})
+    return model, ctx
+
+
+def layer_reference(layer, x2d, token_slots):
+    """float64 [M, N]: x W^T + b + the LoRA delta of each token's slot."""
+    base = x2d.double() @ layer.base.weight.double().T + layer.base.bias.double()
+    delta = lora_delta_reference(x2d, layer.lora_a, layer.lora_b, layer.scale, layer.rank, token_slots,
+                                 layer.slice_widths)
+    return base.cpu() + delta
+
+
+@pytest.mark.parametrize("slicing", SLICINGS.values(), ids=SLICINGS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_forward_matches_float64(backend, checked_dtype, slicing):
+    dtype = checked_dtype
+    model, ctx = one_layer_model(slicing, dtype, backend.device)
+    layer = model["proj"]
+    x = torch.randn(3, 4, K, dtype=dtype, device=backend.device)
+    ctx.set_batch(REQUESTS)
+    with torch.no_grad():
+        y = layer(x)
+        base = layer.base(x)
+    slots = request_slots(ctx, REQUESTS)
+    assert y.shape == (3, 4, N) and y.dtype == dtype
+    y2d, base2d = y.reshape(-1, N).cpu(), base.reshape(-1, N).cpu()
+    assert rel_err(y2d, layer_reference(layer, x.reshape(-1, K), slots)) <= TOLERANCE[dtype]
+    none = slots < 0
+    assert torch.equal(y2d[none], base2d[none]), "rows without an adapter must be the base output, untouched"
+    # The delta is material: every adapter row differs from the base output.
+    assert (y2d[~none] != base2d[~none]).any(dim=1).all()
+
+
+def test_empty_slot_and_raw_token_slots(backend):
+    """Per-token slots in any order; a slot with no adapter loaded (rank 0) leaves its rows alone."""
+    model, ctx = one_layer_model(None, torch.float32, backend.device)
+    layer = model["proj"]
+    x = torch.randn(10, K, device=backend.device)
+    slots = torch.tensor([3, 0, -1, 2, 3, 1, 0, 2, -1, 1])          # slot 3 is empty
+    ctx.set_token_slots(slots)
+    with torch.no_grad():
+        y = layer(x).cpu()
+        base = layer.base(x).cpu()
+    assert rel_err(y, layer_reference(layer, x, slots)) <= TOLERANCE[torch.float32]
+    untouched = (slots == 3) | (slots == -1)
+    assert torch.equal(y[untouched], base[untouched])
+
+
+def dx_reference(layer, grad_y, token_slots):
+    """float64 d(sum(grad_y * y))/dx [M, K]: the base layer's term plus each token's LoRA term."""
+    g = grad_y.detach().double().cpu()
+    a, b = layer.lora_a.detach().double().cpu(), layer.lora_b.detach().double().cpu()
+    dx = g @ layer.base.weight.detach().double().cpu()
+    offsets = layer.slice_offsets
+    for t, s in enumerate(token_slots.tolist()):
+        r = layer.slot_ranks[s] if s >= 0 else 0
+        for i in range(len(layer.slice_widths)):
+            if r:
+                lo, hi = offsets[i], offsets[i + 1]
+                dx[t] += layer.scale[s].item() * (g[t, lo:hi] @ b[s, lo:hi, :r]) @ a[s, i, :r]
+    return dx
+
+
+def test_gradient_reaches_the_input_through_the_lora_path(backend):
+    """With grad mode on and an input that requires grad, the layer uses the out-of-place op with autograd:
+    dx holds the LoRA term (the in-place op is invisible to autograd and would drop it)."""
+    model, ctx = one_layer_model({"q": 20, "k": 12, "v": 8}, torch.float32, backend.device)
+    layer = model["proj"]
+    x = torch.randn(3, 4, K, device=backend.device, requires_grad=True)
+    grad_y = torch.randn(3, 4, N, device=backend.device)
+    ctx.set_batch(REQUESTS)
+    y = layer(x)
+    slots = request_slots(ctx, REQUESTS)
+    assert rel_err(y.detach().reshape(-1, N), layer_reference(layer, x.detach().reshape(-1, K), slots)) <= \
+        TOLERANCE[torch.float32]
+    y.backward(grad_y)
+    want = dx_reference(layer, grad_y.reshape(-1, N), slots)
+    assert rel_err(x.grad.reshape(-1, K), want) <= TOLERANCE[torch.float32]
+
+
+def test_set_batch_is_request_major_and_in_place():
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    ptrs = data_ptrs(ctx)
+    assert ctx.set_batch(REQUESTS) == 12
+    a, b, c = (ctx.slot_of(n) for n in "abc")
+    assert ctx.token_slots[:12].tolist() == [a] * 3 + [-1] * 2 + [b] * 4 + [c] + [a] * 2
+    counts = ctx.meta.slot_counts.tolist()
+    assert counts[a] == 5 and counts[b] == 4 and counts[c] == 1 and counts[MAX_LORAS] == 2
+    ctx.set_batch([("c", 7)])
+    assert ctx.num_tokens == 7 and ctx.meta.slot_counts.tolist()[c] == 7
+    assert data_ptrs(ctx) == ptrs, "set_batch must refill the metadata in place"
+
+
+@pytest.mark.parametrize("requests, match", [
+    ([("nope", 2)], r"adapter 'nope' is not loaded \(loaded: 'a', 'b', 'c'\)"),
+    ([("a", 40)], r"40 tokens exceed the context's capacity max_tokens=32"),
+    ([("a", -1)], r"request 0's num_tokens must be an int >= 0"),
+    ([("a", 2.0)], r"request 0's num_tokens must be an int >= 0"),
+    ([("a", 1), (3, 1)], r"request 1's adapter must be a name or None"),
+    (["a"], r"request 0 must be \(adapter name or None, num_tokens\)"),
+], ids=["unknown_name", "over_capacity", "negative_count", "float_count", "slot_number_as_name", "bare_name"])
+def test_set_batch_errors_leave_the_batch_alone(requests, match):
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    ctx.set_batch([("a", 2), (None, 1)])
+    before = [t.clone() for t in ctx.meta]
+    with pytest.raises((ValueError, TypeError), match=match):
+        ctx.set_batch(requests)
+    assert ctx.num_tokens == 3 and all(torch.equal(b, t) for b, t in zip(before, ctx.meta))
+
+
+def test_raw_slot_out_of_range_is_an_error():
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"slot 4 at token 1 is outside \[-1, max_loras=4\)"):
+        ctx.set_token_slots(torch.tensor([0, 4]))
+
+
+def test_forward_checks_the_token_count():
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    ctx.set_batch([("a", 5)])
+    with pytest.raises(ValueError, match="the input has 6 tokens but the batch was set for 5"):
+        model["proj"](torch.randn(2, 3, K))
+
+
+def test_base_layer_is_reused_not_copied():
+    torch.manual_seed(0)
+    base = nn.Linear(K, N)
+    ptr = base.weight.data_ptr()
+    ctx = LoRAContext(max_loras=2, max_tokens=8)
+    layer = LoRALinear(base, ctx, max_rank=4)
+    assert layer.base is base and layer.base.weight.data_ptr() == ptr
+    model = toy_lm()
+    linears = {p: m for p, m in model.named_modules() if isinstance(m, nn.Linear)}
+    ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=8)
+    for path, layer in ctx.layers.items():
+        assert layer.base is linears[path] and model.get_submodule(path) is layer
+
+
+def test_stacks_are_frozen_parameters_and_dtype_casts_keep_scale_fp32():
+    model, ctx = one_layer_model({"q": 20, "k": 12, "v": 8}, torch.float32, "cpu")
+    layer = model["proj"]
+    assert isinstance(layer.lora_a, nn.Parameter) and not layer.lora_a.requires_grad
+    assert isinstance(layer.lora_b, nn.Parameter) and not layer.lora_b.requires_grad
+    assert tuple(layer.lora_a.shape) == (MAX_LORAS, 3, MAX_RANK, K) and tuple(layer.lora_b.shape) == (MAX_LORAS, N,
+                                                                                                     MAX_RANK)
+    scale = layer.scale.clone()
+    model.to(torch.float16)
+    assert layer.lora_a.dtype == torch.float16 and layer.base.weight.dtype == torch.float16
+    assert layer.scale.dtype == torch.float32 and torch.equal(layer.scale, scale)
+    assert layer.rank.dtype == torch.int32
+    names = dict(model.named_buffers())
+    assert names["proj.scale"] is layer.scale and layer.context is ctx
+
+
+def test_ranks_per_slot_and_host_mirror():
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    expected = [2, MAX_RANK, 5, 0]
+    assert layer.rank.tolist() == expected and layer.slot_ranks == expected
+    assert layer.scale.tolist() == pytest.approx([3.0 / 2, -12.0 / MAX_RANK, 5.0 / 5, 0.0])
+
+
+# ---- apply_lora: which modules it wraps ---------------------------------------------------------------
+
+def wrapped(model, target_modules, **kw):
+    ctx = apply_lora(model, target_modules, max_loras=2, max_rank=4, max_tokens=8, **kw)
+    return sorted(ctx.layers)
+
+
+def test_target_names_match_whole_dotted_suffixes():
+    assert wrapped(toy_lm(), ["q_proj", "model.layers.1.mlp.down_proj"]) == [
+        "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
+    # "proj" is not a dotted suffix of "q_proj": PEFT's rule, so nothing matches.
+    with pytest.raises(ValueError, match=r"target_modules: \['proj'\] selects no nn.Linear in ToyLM"):
+        wrapped(toy_lm(), ["proj"])
+
+
+def test_target_regex_must_match_the_whole_path():
+    assert wrapped(toy_lm(), r".*\.1\.self_attn\.(q|v)_proj") == [
+        "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
+    with pytest.raises(ValueError, match="selects no nn.Linear"):
+        wrapped(toy_lm(), r"q_proj")        # a regex is a full match, not a search
+    with pytest.raises(ValueError, match="not a valid regex"):
+        wrapped(toy_lm(), r"(q_proj")
+
+
+def test_all_linear_skips_the_output_layer():
+    paths = wrapped(toy_lm(), "all-linear")
+    assert len(paths) == 2 * 7 and "lm_head" not in paths
+
+
+@pytest.mark.parametrize("targets, kind", [(["embed_tokens"], "Embedding"), (["norm"], "LayerNorm"),
+                                           (r"model\.layers\.0", "Block")], ids=["embedding", "norm", "block"])
+def test_non_linear_target_is_an_error_naming_the_layer_type(targets, kind):
+    model = toy_lm()
+    with pytest.raises(TypeError, match=f"a {kind}: only nn.Linear layers are supported"):
+        wrapped(model, targets)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules()), "a failed apply_lora must change nothing"
+
+
+def test_packed_layers_are_selected_by_their_slice_names():
+    from layer_helpers import fused_copy
+    fused = fused_copy(toy_lm())
+    ctx = apply_lora(fused, ["q_proj", "v_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=8,
+                     packed_modules=PACKED)
+    assert sorted(ctx.layers) == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.qkv_proj",
+                                  "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.qkv_proj"]
+    layer, index = ctx.targets["model.layers.1.self_attn.k_proj"]
+    assert layer is ctx.layers["model.layers.1.self_attn.qkv_proj"] and index == 1
+    assert layer.slice_widths == (32, 16, 16)
+
+
+def test_packed_widths_must_sum_to_the_layer():
+    from layer_helpers import fused_copy
+    with pytest.raises(ValueError, match=r"slice widths of 'model.layers.0.mlp.gate_up_proj' sum to 50"):
+        apply_lora(fused_copy(toy_lm()), ["gate_up_proj"], max_loras=2, max_rank=4, max_tokens=8,
+                   packed_modules={"gate_up_proj": {"gate_proj": 25, "up_proj": 25}})
+
+
+def test_lora_linear_argument_errors():
+    ctx = LoRAContext(max_loras=2, max_tokens=8)
+    with pytest.raises(TypeError, match="base: expected an nn.Linear, got Conv1d"):
+        LoRALinear(nn.Conv1d(2, 2, 1), ctx, max_rank=4)
+    with pytest.raises(ValueError, match=r"slice_widths: expected positive widths summing to out_features=40"):
+        LoRALinear(nn.Linear(K, N), ctx, max_rank=4, slice_widths=[20, 10])
+    with pytest.raises(ValueError, match="max_rank: expected >= 1"):
+        LoRALinear(nn.Linear(K, N), ctx, max_rank=0)
+
+
+def test_public_exports():
+    for name in ("LoRALinear", "LoRAContext", "apply_lora", "load_peft_adapter", "load_adapter_tensors",
+                 "unload_adapter"):
+        assert name in lora_ops.__all__ and hasattr(lora_ops, name)

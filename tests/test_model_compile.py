@@ -1,0 +1,243 @@
+"""torch.compile and CUDA graphs over models with LoRALinear layers.
+
+One compile (``fullgraph=True``: no graph breaks) must serve every token count from 2 up (token dim
+marked dynamic), every slot mapping, and adapter loads, unloads and in-place swaps: every test counts
+compiles and runs under ``error_on_recompile``. A batch of one token: ``mark_unbacked`` (one graph for
+every size, for models that do not branch on the size) or padding to two tokens (any model).
+
+Compiled results are compared with the same model run eagerly (same kernels, so equal within float32
+roundoff); eager values are checked against PEFT and float64 elsewhere (test_peft_parity, test_layers).
+
+The CUDA tests (skipped without a GPU) capture a model step with torch.cuda.graph, replay it with new
+slots and after an in-place adapter swap, run torch.compile(mode="reduce-overhead"), and check that a
+step (metadata refill + replay) makes no host sync under torch.cuda.set_sync_debug_mode("error").
+"""
+import contextlib
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from conftest import rel_err
+from layer_helpers import PACKED, PROJECTIONS, fused_copy, module_shapes, peft_tensors, toy_lm
+from lora_ops.layers import apply_lora
+
+EXACT = 1e-6   # compiled vs eager, same kernels: float32 roundoff at most
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own model: earlier tests' cache entries for the same forward code would
+    count as recompiles under error_on_recompile."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def toy_model(device="cpu", max_tokens=64):
+    """The fused toy LM (packed q/k/v and gate/up slices plus plain layers) with adapters a and b."""
+    model = fused_copy(toy_lm(seed=5)).to(device)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=max_tokens, packed_modules=PACKED)
+    shapes = module_shapes(toy_lm())
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1), {"r": 4, "lora_alpha": 8})
+    ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2), {"r": 8, "lora_alpha": 4, "use_rslora": True})
+    return model, ctx, shapes
+
+
+@contextlib.contextmanager
+def no_recompiles():
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+
+
+def token_ids(num_tokens, seed, vocab=64, device="cpu", mark=None):
+    """input_ids [1, num_tokens] (all requests' tokens in one row), the token dim marked dynamic."""
+    ids = torch.randint(0, vocab, (1, num_tokens), generator=torch.Generator().manual_seed(seed)).to(device)
+    (mark or torch._dynamo.mark_dynamic)(ids, 1)
+    return ids
+
+
+def check_step(compiled, model, ids):
+    out = compiled(ids)
+    assert rel_err(out, model(ids)) <= EXACT
+    return out
+
+
+def test_one_compile_serves_token_counts_slots_and_adapter_changes():
+    model, ctx, shapes = toy_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    steps = [
+        (None, [("a", 1), ("b", 1)]),                                   # 2 tokens: the smallest dynamic size
+        (None, [("b", 3), (None, 2), ("a", 4)]),
+        (lambda: ctx.load_adapter_tensors("c", peft_tensors(shapes, 2, seed=3)), [("c", 5), ("a", 2)]),
+        (lambda: ctx.unload_adapter("a"), [(None, 3), ("c", 1), ("b", 6)]),
+        (lambda: ctx.load_adapter_tensors("b", peft_tensors(shapes, 6, seed=4), replace=True), [("b", 13)]),
+        (lambda: ctx.load_adapter_tensors("a", peft_tensors(shapes, 8, seed=5)), [("a", 2), ("b", 2), ("c", 2)]),
+        (None, [(None, 37)]),
+    ]
+    with no_recompiles():
+        for i, (change, requests) in enumerate(steps):
+            if change:
+                change()
+            num_tokens = ctx.set_batch(requests)
+            check_step(compiled, model, token_ids(num_tokens, seed=i))
+        ctx.set_token_slots(torch.tensor([2, -1, 0, 1, 2, 0, -1]))           # raw per-token slots
+        check_step(compiled, model, token_ids(7, seed=99))
+    assert counter.frame_count == 1
+
+
+def test_batch_of_one_token_with_mark_unbacked():
+    """mark_unbacked: one graph for every size, 1 included (this model does not branch on the size)."""
+    mark_unbacked = torch._dynamo.decorators.mark_unbacked
+    model, ctx, _ = toy_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with no_recompiles():
+        for i, requests in enumerate([[("a", 1)], [("b", 2), (None, 3)], [(None, 1)], [("b", 1)]]):
+            num_tokens = ctx.set_batch(requests)
+            check_step(compiled, model, token_ids(num_tokens, seed=i, mark=mark_unbacked))
+    assert counter.frame_count == 1
+
+
+def test_batch_of_one_token_padded_to_two():
+    """mark_dynamic specialises size 1, so a one-token step is padded with a no-adapter token at the end;
+    the real token's output is unchanged."""
+    model, ctx, _ = toy_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with no_recompiles():
+        ctx.set_batch([("a", 3), ("b", 2)])
+        check_step(compiled, model, token_ids(5, seed=0))
+        ids = token_ids(1, seed=1, mark=lambda t, d: None)
+        ctx.set_batch([("b", 1)])
+        alone = model(ids)
+        ctx.set_batch([("b", 1), (None, 1)])
+        padded = torch.cat([ids, torch.zeros_like(ids)], dim=1)
+        torch._dynamo.mark_dynamic(padded, 1)
+        out = compiled(padded)
+        assert rel_err(out[:, :1], alone) <= EXACT
+    assert counter.frame_count == 1
+
+
+def test_llama_token_dim_dynamic_and_adapter_changes():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=8, max_tokens=64)
+    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1, prefix=""))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda ids: model(input_ids=ids).logits, backend=counter, fullgraph=True)
+
+    def step(requests, seed):
+        num_tokens = ctx.set_batch(requests)
+        ids = token_ids(num_tokens, seed, vocab=128)
+        assert rel_err(compiled(ids), model(input_ids=ids).logits) <= EXACT
+
+    with no_recompiles():
+        step([("a", 2)], 0)
+        step([(None, 3), ("a", 4)], 1)
+        ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2, prefix=""))
+        step([("b", 5), ("a", 1), (None, 6)], 2)
+        ctx.unload_adapter("a")
+        ctx.load_adapter_tensors("b", peft_tensors(shapes, 2, seed=3, prefix=""), replace=True)
+        step([("b", 9)], 3)
+        # One token, padded to two (pad last: under the causal mask the real token never sees it).
+        ctx.set_batch([("b", 1)])
+        alone = model(input_ids=torch.tensor([[7]])).logits
+        ctx.set_batch([("b", 1), (None, 1)])
+        padded = torch.tensor([[7, 0]])
+        torch._dynamo.mark_dynamic(padded, 1)
+        assert rel_err(compiled(padded)[:, :1], alone) <= EXACT
+    assert counter.frame_count == 1
+
+
+def test_inductor_compiles_once():
+    model, ctx, shapes = toy_model()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with no_recompiles():
+        for i, requests in enumerate([[("a", 2), (None, 3)], [("b", 4), ("a", 7)]]):
+            num_tokens = ctx.set_batch(requests)
+            ids = token_ids(num_tokens, seed=i)
+            assert rel_err(compiled(ids), model(ids)) <= 1e-5      # inductor fuses the base ops
+        ctx.load_adapter_tensors("a", peft_tensors(shapes, 3, seed=7), replace=True)
+        ctx.set_batch([("a", 6)])
+        ids = token_ids(6, seed=9)
+        assert rel_err(compiled(ids), model(ids)) <= 1e-5
+    assert counter.frame_count == 1
+
+
+# ---- CUDA graphs (GPU only) -------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def capture(step, static_ids):
+    """Warm up on a side stream (Triton JIT, compile), then capture ``step(static_ids)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_ids)
+    return graph, out
+
+
+@contextlib.contextmanager
+def sync_is_an_error():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda_only
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_step", "compiled_step"])
+def test_cuda_graph_replays_new_slots_and_swapped_adapters(compiled):
+    model, ctx, shapes = toy_model("cuda")
+    step = torch.compile(model, fullgraph=True) if compiled else model
+    requests = [("a", 3), (None, 2), ("b", 3)]
+    ctx.set_batch(requests)
+    static_ids = torch.randint(0, 64, (1, 8), device="cuda")
+    with torch.no_grad():
+        graph, out = capture(step, static_ids)
+        checks = [
+            (None, requests),
+            (None, [("b", 5), ("a", 3)]),                                              # new slots
+            (lambda: ctx.load_adapter_tensors("a", peft_tensors(shapes, 2, seed=9), replace=True),
+             [("a", 4), ("b", 4)]),                                                    # adapter swapped in place
+            (lambda: ctx.unload_adapter("b"), [("a", 8)]),
+        ]
+        for change, batch in checks:
+            if change:
+                change()
+            static_ids.copy_(torch.randint(0, 64, (1, 8), device="cuda"))
+            with sync_is_an_error():
+                ctx.set_batch(batch)
+                graph.replay()
+            torch.cuda.synchronize()
+            # An eager step replays the very kernels it captured; inductor fuses the base ops differently.
+            assert rel_err(out, model(static_ids)) <= (1e-5 if compiled else EXACT)
+
+
+@cuda_only
+def test_reduce_overhead_mode():
+    model, ctx, shapes = toy_model("cuda")
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, 64, (1, 8), device="cuda")
+    with torch.no_grad():
+        for i, batch in enumerate([[("a", 8)], [("b", 2), (None, 6)], [("a", 4), ("b", 4)], [("a", 8)]]):
+            if i == 3:
+                ctx.load_adapter_tensors("a", peft_tensors(shapes, 5, seed=11), replace=True)
+            ctx.set_batch(batch)
+            out = compiled(ids).clone()
+            assert rel_err(out, model(ids)) <= 1e-5

@@ -1,0 +1,202 @@
+"""Parity with PEFT: the same adapters, the same mixed batch, the same logits.
+
+A tiny Llama built from a config (random weights, nothing downloaded) gets three PEFT LoRA adapters with
+non-zero B, different ranks and alphas, one rsLoRA and one with rank_pattern / alpha_pattern; they are
+saved as PEFT directories and loaded here. A mixed batch (rows of every adapter and rows with none,
+interleaved) must match PEFT's own ``model(input_ids, adapter_names=[...])`` row by row, eagerly and
+under torch.compile. Two more models: a fused q/k/v + gate/up model holding per-projection adapters in
+packed slices against the unfused PEFT model, and GPT-2 (Conv1D, ``fan_in_fan_out=True``) adapters on the
+same model with its Conv1D layers as nn.Linear.
+
+On the CPU our side runs the torch kernels (and, in the eager tests, the Triton kernels through the
+interpreter); ``LORA_OPS_TEST_DEVICE=cuda`` runs the Triton kernels on CUDA.
+"""
+import copy
+
+import pytest
+import torch
+
+from conftest import DEVICE, TOLERANCE, rel_err
+from layer_helpers import PACKED, PROJECTIONS, fused_copy, toy_lm
+from lora_ops.layers import apply_lora
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+# transformers / peft deprecation notices about their own internals.
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+TOL = TOLERANCE[torch.float32]
+# name: LoraConfig arguments. Non-zero B comes from init_lora_weights=False (random A and B).
+ADAPTERS = {
+    "alpha": dict(r=4, lora_alpha=8),
+    "beta": dict(r=8, lora_alpha=4, use_rslora=True),
+    "gamma": dict(r=6, lora_alpha=12, rank_pattern={"v_proj": 2, r"layers\.1\.mlp\.down_proj": 3},
+                  alpha_pattern={"o_proj": -5}),
+}
+# Per row of the batch: interleaved adapters and rows with none ("__base__" for PEFT).
+ROWS = ["alpha", None, "beta", "gamma", None, "alpha", "gamma", "beta"]
+SEQ = 5
+
+
+def peft_names(rows):
+    return [name or "__base__" for name in rows]
+
+
+def make_peft_adapters(base, targets, tmp_path, adapters=ADAPTERS, **common):
+    """A PeftModel over a copy of ``base`` holding ``adapters`` (random non-zero A and B), each saved
+    as a PEFT directory; returns (peft_model, {name: directory})."""
+    torch.manual_seed(123)
+    peft_model = None
+    for name, kwargs in adapters.items():
+        config = peft.LoraConfig(target_modules=targets, init_lora_weights=False, **kwargs, **common)
+        if peft_model is None:
+            peft_model = peft.get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, config)
+    peft_model.save_pretrained(tmp_path)
+    return peft_model.eval(), {name: str(tmp_path / name) for name in adapters}
+
+
+def load_ours(model, targets, paths, max_rank=8, **kw):
+    ctx = apply_lora(model, targets, max_loras=len(paths) + 1, max_rank=max_rank, max_tokens=64, **kw)
+    for name, path in paths.items():
+        ctx.load_adapter(name, path)
+    return ctx
+
+
+def assert_rows_match(ours, theirs, rows):
+    for i, name in enumerate(rows):
+        err = rel_err(ours[i], theirs[i])
+        assert err <= TOL, f"row {i} ({name or 'no adapter'}): relative error {err:.2e} > {TOL:.0e}"
+
+
+def assert_adapters_matter(theirs, base_logits, rows):
+    """Guard against a vacuous pass: every adapter changes its rows' logits materially."""
+    for i, name in enumerate(rows):
+        diff = rel_err(theirs[i], base_logits[i])
+        if name is None:
+            assert diff == 0.0
+        else:
+            assert diff > 1e-2, f"adapter {name} barely changes the output ({diff:.1e})"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(base model, PEFT model with the three adapters, their directories, input_ids), on DEVICE."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(DEVICE).eval()
+    peft_model, paths = make_peft_adapters(base, PROJECTIONS, tmp_path_factory.mktemp("llama_adapters"))
+    input_ids = torch.randint(0, config.vocab_size, (len(ROWS), SEQ), generator=torch.Generator().manual_seed(1))
+    return base, peft_model, paths, input_ids.to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama):
+    base, peft_model, _, input_ids = llama
+    with torch.no_grad():
+        theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(ROWS)).logits
+        base_logits = base(input_ids=input_ids).logits
+    assert_adapters_matter(theirs, base_logits, ROWS)
+    return theirs
+
+
+def our_llama(llama):
+    base, _, paths, _ = llama
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, PROJECTIONS, paths)
+    ctx.set_batch([(name, SEQ) for name in ROWS])
+    return model, ctx
+
+
+@pytest.fixture
+def kernels(backend):
+    """Our side's kernels: on the CPU both the torch kernels and the Triton ones (interpreter); on CUDA the
+    Triton kernels (the model lives on DEVICE, so the CPU-only torch backend has nothing to run there)."""
+    if backend.device != DEVICE:
+        pytest.skip(f"the model is on {DEVICE}")
+    return backend
+
+
+def test_llama_mixed_batch_matches_peft(llama, llama_reference, kernels):
+    model, _ = our_llama(llama)
+    with torch.no_grad():
+        ours = model(input_ids=llama[3]).logits
+    assert_rows_match(ours, llama_reference, ROWS)
+
+
+def test_llama_mixed_batch_matches_peft_compiled(llama, llama_reference):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()       # earlier compiles of the same forward code must not count as recompiles
+    model, ctx = our_llama(llama)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    input_ids = llama[3]
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        assert_rows_match(compiled(input_ids=input_ids).logits, llama_reference, ROWS)
+        # Another mix of the same adapters: same graph, PEFT's answer for the new mix.
+        rows = list(reversed(ROWS))
+        ctx.set_batch([(name, SEQ) for name in rows])
+        ours = compiled(input_ids=input_ids).logits
+    with torch.no_grad():
+        theirs = llama[1](input_ids=input_ids, adapter_names=peft_names(rows)).logits
+    assert_rows_match(ours, theirs, rows)
+    assert counter.frame_count == 1
+
+
+def test_packed_slices_match_unfused_peft(tmp_path):
+    """A fused model (qkv_proj, gate_up_proj) holding per-projection adapters with per-slice ranks and
+    alphas (so slices get zero-padded and their scales folded) matches PEFT on the unfused model."""
+    unfused = toy_lm(seed=3).to(DEVICE)
+    adapters = {
+        "p": dict(r=4, lora_alpha=8, rank_pattern={"k_proj": 2, "up_proj": 6}, alpha_pattern={"v_proj": -3}),
+        "q": dict(r=3, lora_alpha=5, use_rslora=True),
+    }
+    peft_model, paths = make_peft_adapters(unfused, PROJECTIONS, tmp_path, adapters=adapters)
+    fused = fused_copy(unfused)
+    ctx = load_ours(fused, PROJECTIONS, paths, packed_modules=PACKED)
+    rows = ["p", None, "q", "p", "q", None]
+    input_ids = torch.randint(0, 64, (len(rows), 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ctx.set_batch([(name, 7) for name in rows])
+    with torch.no_grad():
+        theirs = peft_model(input_ids, adapter_names=peft_names(rows))
+        assert_adapters_matter(theirs, unfused(input_ids), rows)
+        assert_rows_match(fused(input_ids), theirs, rows)
+        compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+        assert_rows_match(compiled(input_ids), theirs, rows)
+
+
+def _conv1d_as_linear(model):
+    """GPT-2's Conv1D layers (weight [in, out]) replaced by equal nn.Linear layers, in place."""
+    from transformers.pytorch_utils import Conv1D
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Conv1D):
+            in_features, out_features = module.weight.shape
+            linear = torch.nn.Linear(in_features, out_features).to(module.weight)
+            with torch.no_grad():
+                linear.weight.copy_(module.weight.T)
+                linear.bias.copy_(module.bias)
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, linear)
+    return model
+
+
+def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
+    targets = ["c_attn", "c_proj", "c_fc"]
+    adapters = {"g1": dict(r=4, lora_alpha=8), "g2": dict(r=8, lora_alpha=4, use_rslora=True)}
+    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters, fan_in_fan_out=True)
+    ours = _conv1d_as_linear(copy.deepcopy(base))
+    ctx = load_ours(ours, targets, paths)
+    rows = ["g1", None, "g2", "g2", "g1"]
+    input_ids = torch.randint(0, 128, (len(rows), 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ctx.set_batch([(name, 6) for name in rows])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits
+        assert_adapters_matter(theirs, base(input_ids=input_ids).logits, rows)
+        assert_rows_match(ours(input_ids=input_ids).logits, theirs, rows)
