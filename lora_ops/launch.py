@@ -26,18 +26,24 @@ def slice_layout(slice_widths, block_n):
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg):
-    """h [M, S, R] float32 gets scale * x A^T at valid entries (added atomically with split_k > 1)."""
+    """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
-    grid = (S * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+    grid = (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+    if cfg.split_k > 1:  # per-split partial sums and one arrival counter per (column block, token tile)
+        part = h.new_empty((cfg.split_k, M, S, R))
+        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=h.device)
+    else:
+        part, arrivals = h.unsqueeze(0), sorted_token_ids
     shrink_kernels.shrink_kernel[grid](
-        x, lora_a, h, scale, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, K, L, R, sorted_token_ids.shape[0], cfg.split_k,
+        x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts,
+        M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         h.stride(0), h.stride(1), h.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ATOMIC_ADD=cfg.split_k > 1,
-        SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k > 1, SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -89,9 +95,8 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         return
     L, S, R, _ = lora_a.shape
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-    # Split-K adds partial sums atomically into zeros; unsplit, every entry the expand reads is written.
-    alloc = x.new_zeros if scfg.split_k > 1 else x.new_empty
-    h = alloc((M, S, R), dtype=torch.float32)
+    # Every entry of h the expand reads (valid tokens, r < rank) is written by the shrink.
+    h = x.new_empty((M, S, R), dtype=torch.float32)
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg)
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)

@@ -28,6 +28,7 @@ class ShrinkConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    slice_group: int = 1   # slices computed by one program (a power of two): x is read once for them
 
 
 class ExpandConfig(NamedTuple):
@@ -60,13 +61,19 @@ def block_m_for(bucket):
     return max(16, min(64, bucket))
 
 
+def slice_group_for(num_slices, block_r):
+    """All slices in one program while the dot stays at most 128 columns wide."""
+    return min(next_power_of_2(num_slices), max(1, 128 // block_r))
+
+
 def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
     block_m = block_m_for(bucket)
     block_r = rank_block(max_rank)
+    group = slice_group_for(num_slices, block_r)
     block_k = max(16, min(128, next_power_of_2(in_features)))
-    programs = num_slices * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
+    programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), 32))
-    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=4, num_stages=2)
+    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=4, num_stages=2, slice_group=group)
 
 
 def expand_config(bucket, out_features, max_rank, num_slots):

@@ -25,15 +25,17 @@ def _block_ms(bucket):
 def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     # split_k is a run-time argument (no recompile), so it is searched widely; the other knobs compile.
     br = heuristics.rank_block(max_rank)
-    for bm, bk in itertools.product(_block_ms(bucket), (64, 128, 256)):
-        programs = num_slices * cdiv(max_rank, br) * heuristics.max_token_tiles(bucket, num_slots, bm)
+    groups = sorted({1, heuristics.slice_group_for(num_slices, br), heuristics.next_power_of_2(num_slices)})
+    for bm, bk, group in itertools.product(_block_ms(bucket), (64, 128, 256), groups):
+        if group * br > 256:
+            continue
+        programs = cdiv(num_slices, group) * cdiv(max_rank, br) * heuristics.max_token_tiles(bucket, num_slots, bm)
         base = max(1, heuristics.TARGET_PROGRAMS // programs)
-        splits = sorted({1, max(1, base // 4), max(1, base // 2), base, base * 2})
-        for sk in splits:
+        for sk in sorted({1, max(1, base // 4), max(1, base // 2), base, base * 2}):
             if sk > min(32, cdiv(in_features, bk)):
                 continue
             for warps, stages in ((4, 2), (4, 3), (8, 3)):
-                yield ShrinkConfig(bm, br, bk, sk, warps, stages)
+                yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
 
 
 def expand_candidates(bucket, out_features, max_rank):
@@ -88,8 +90,6 @@ def shrink_runner(p, cfg):
     h = torch.empty(p["x"].shape[0], p["A"].shape[1], p["A"].shape[2], dtype=torch.float32, device=p["x"].device)
 
     def run():
-        if cfg.split_k > 1:
-            h.zero_()
         launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
     return run
 

@@ -5,34 +5,43 @@ import triton.language as tl
 from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
+@triton.jit(do_not_specialize=["M", "split_k", "stride_pk"])
 def shrink_kernel(
-    x_ptr, a_ptr, h_ptr, scale_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
-    M, K, num_slots, max_rank, capacity, split_k,
+    x_ptr, a_ptr, h_ptr, part_ptr, arrivals_ptr, scale_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr,
+    slot_counts_ptr,
+    M, K, num_slices, num_slots, max_rank, capacity, split_k,
     stride_xm, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
     stride_hm, stride_hs, stride_hr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC_ADD: tl.constexpr,
-    SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_pk, stride_pm, stride_ps, stride_pr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: one token tile of one slot, one block of BLOCK_R rank rows of one slice, one K split.
+    """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
+    The SLICE_GROUP x BLOCK_R rank rows form the columns of one tl.dot, so a token tile of x is read
+    once for all the slices of a packed layer (column j: slice g0 + j // BLOCK_R, rank row r0 + j % BLOCK_R).
     Pointers: x [M, K] (fp16/bf16/fp32); A [L, S, R, K] (x's dtype); h [M, S, R] float32; scale [L]
-    float32; rank [L] int32;
-    sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
-    Sizes: M tokens (not specialised: one compile serves every batch size), K features, num_slots L,
-    max_rank R, capacity of sorted_ids, split_k: K is cut into split_k ranges, one per grid index 2. Strides: every dimension of x, A and h, in elements.
-    Grid: (S * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block starts at or
-    past the slot's rank return at once: padded rank is never multiplied.
-    Writes h only at valid tokens and r < rank; other entries are left as they were.
-    ATOMIC_ADD: add into h atomically (required when split_k > 1; h must then hold zeros).
+    float32; rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1] int32
+    (lora_ops.batch). With SPLIT_K: part [split_k, M, S, R] float32 (each split's partial sums) and
+    arrivals [grid0 * grid1] int32 zeros (one arrival counter per (column block, token tile)).
+    Sizes: M tokens (not specialised: one compile serves every batch size), K features, num_slices S,
+    num_slots L, max_rank R, capacity of sorted_ids, split_k: K is cut into split_k ranges (grid axis 2;
+    a run-time value, so changing it does not recompile).
+    Strides: every dimension of x, A and h, in elements.
+    Grid: (cdiv(S, SLICE_GROUP) * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block
+    starts at or past the slot's rank return at once: padded rank blocks are never multiplied.
+    Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were.
+    SPLIT_K: split_k > 1. Each split stores its partial sums, then counts its arrival; the last split to
+    arrive adds the partials in split order and writes h. Sums are therefore deterministic (no float
+    atomics): a CUDA-graph replay, a compiled model and eager mode give bit-identical results.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
     """
     pid_sr = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     r_blocks = tl.cdiv(max_rank, BLOCK_R)
-    slice_id = pid_sr // r_blocks
+    g0 = (pid_sr // r_blocks) * SLICE_GROUP
     r0 = (pid_sr % r_blocks) * BLOCK_R
 
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
@@ -41,27 +50,37 @@ def shrink_kernel(
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
 
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
+    cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
+    col_slice = g0 + cols // BLOCK_R
+    col_r = r0 + cols % BLOCK_R
+    col_ok = (col_slice < num_slices) & (col_r < rank)
     offs_k = tl.arange(0, BLOCK_K)
     k_per_split = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
     x_rows = x_ptr + tok[:, None] * stride_xm
-    a_cols = (a_ptr + slot.to(tl.int64) * stride_al + slice_id * stride_as
-              + offs_r[None, :].to(tl.int64) * stride_ar)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_cols = (a_ptr + slot.to(tl.int64) * stride_al + col_slice[None, :].to(tl.int64) * stride_as
+              + col_r[None, :].to(tl.int64) * stride_ar)
+    acc = tl.zeros((BLOCK_M, SLICE_GROUP * BLOCK_R), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         ks = k + offs_k
         k_ok = ks < k_hi
         xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        at = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scale_ptr + slot)
 
-    h_ptrs = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs + offs_r[None, :] * stride_hr
-    if ATOMIC_ADD:
-        tl.atomic_add(h_ptrs, acc, mask=valid[:, None] & r_ok[None, :])
-    else:
-        tl.store(h_ptrs, acc, mask=valid[:, None] & r_ok[None, :])
+    mask = valid[:, None] & col_ok[None, :]
+    if SPLIT_K:
+        part_off = tok[:, None] * stride_pm + col_slice[None, :] * stride_ps + col_r[None, :] * stride_pr
+        tl.store(part_ptr + pid_k * stride_pk + part_off, acc, mask=mask)
+        # acq_rel: this split's partials are visible to whichever split arrives last.
+        arrived = tl.atomic_add(arrivals_ptr + pid_m * tl.num_programs(0) + pid_sr, 1, sem="acq_rel")
+        if arrived != split_k - 1:
+            return
+        acc = tl.zeros((BLOCK_M, SLICE_GROUP * BLOCK_R), dtype=tl.float32)
+        for k_split in range(0, split_k):
+            acc += tl.load(part_ptr + k_split * stride_pk + part_off, mask=mask, other=0.0, cache_modifier=".cg")
+    h_ptrs = h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr
+    tl.store(h_ptrs, acc, mask=mask)
