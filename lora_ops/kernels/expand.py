@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -68,14 +68,6 @@ def expand_kernel(
         h_mask = valid[:, None] & r_ok[None, :]
         ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=h_mask, other=0.0)
         bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if H_PRECISION == "bf16x2":
-            hi = ht.to(tl.bfloat16)
-            lo = (ht - hi.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(hi, bt, acc)
-            acc = tl.dot(lo, bt, acc)
-        elif H_PRECISION == "tf32":
-            acc = tl.dot(ht, bt.to(tl.float32), acc, input_precision="tf32")
-        else:
-            acc = tl.dot(ht, bt, acc, input_precision="ieee")
+        acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
 
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

@@ -3,26 +3,7 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
-
-
-@triton.jit
-def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype, accumulated in float32.
-
-    PRECISION: "ieee" (b float32: exact fp32 products), "tf32" (b float16: fp16 fits tf32 exactly, ``a``
-    keeps fp32 range), "bf16x2" (b bfloat16: ``a`` split into two bf16 terms, about 16 significant bits).
-    """
-    if PRECISION == "bf16x2":
-        hi = a.to(tl.bfloat16)
-        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(hi, b, acc)
-        acc = tl.dot(lo, b, acc)
-    elif PRECISION == "tf32":
-        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
-    else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
+from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -1,4 +1,4 @@
-"""Work-list helpers shared by the shrink and expand kernels.
+"""Helpers shared by the kernels: the work list (slot, token tile) and the fp32-by-weight dot.
 
 The grid's token axis has a fixed size computed from shapes (see lora_ops.launch); each program finds
 its (slot, token tile) here, from the per-slot counts on the device. Slots with rank 0 get no tiles,
@@ -46,3 +46,22 @@ def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.c
     tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
     valid = valid & (tok >= 0) & (tok < M)
     return tok.to(tl.int64), valid
+
+
+@triton.jit
+def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype, accumulated in float32.
+
+    PRECISION: "ieee" (b float32: exact fp32 products), "tf32" (b float16: fp16 fits tf32 exactly, ``a``
+    keeps fp32 range), "bf16x2" (b bfloat16: ``a`` split into two bf16 terms, about 16 significant bits).
+    """
+    if PRECISION == "bf16x2":
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(hi, b, acc)
+        acc = tl.dot(lo, b, acc)
+    elif PRECISION == "tf32":
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
