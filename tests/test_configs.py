@@ -80,6 +80,12 @@ def test_nearest_entry_adapts_rank_block(fake_gpu_table):
     assert cfg.block_r == heuristics.rank_block(256)
 
 
+def test_distant_entries_are_not_used(fake_gpu_table):
+    # The table's only shrink entry is for 64 tokens: a prefill bucket (8192) is too far from it.
+    assert configs.shrink_config(8000, 4096, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.shrink_config(
+        8192, 4096, 3, 16, 4)
+
+
 def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):
     assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32) == heuristics.shrink_config(64, 4096, 3, 16, 4)
     assert configs.shrink_config(40, 4096, 3, 16, 4) == heuristics.shrink_config(64, 4096, 3, 16, 4)

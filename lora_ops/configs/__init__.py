@@ -52,14 +52,20 @@ def load_table(gpu_name):
         return json.load(f)
 
 
+# A table entry further than this (sum of |log2| ratios of features, rank and token bucket, plus 0.5 for
+# another slice count) is not "near": the heuristic serves instead, so a partial table never hands a
+# decode config to a prefill shape.
+MAX_DISTANCE = 2.0
+
+
 def _nearest(entries, kind, features, num_slices, max_rank, bucket):
-    """The table entry nearest in log2 distance over (features, rank, tokens); slice count must match
-    where possible (it changes the grid's shape)."""
+    """The table entry nearest in log2 distance over (features, rank, tokens), if near enough."""
     def dist(e):
         return (abs(math.log2(e["features"] / features)) + abs(math.log2(e["rank"] / max_rank))
                 + abs(math.log2(e["tokens"] / bucket)) + (0.5 if e["slices"] != num_slices else 0.0))
     cands = [e for e in entries if e["kind"] == kind]
-    return min(cands, key=dist) if cands else None
+    best = min(cands, key=dist) if cands else None
+    return best if best is not None and dist(best) <= MAX_DISTANCE else None
 
 
 def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket):
