@@ -105,6 +105,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
         raise AdapterError(f"{source}: no LoRA weights (keys '<module>.lora_A.weight' / '.lora_B.weight') found")
     plan = _plan_writes(ctx, modules, config, source)
     _write(ctx, slot, name, plan)
+    _configs(ctx)[slot] = config      # for save_peft_adapter (use_rslora) and training (lora_dropout)
     return slot
 
 
@@ -116,6 +117,7 @@ def unload_adapter(ctx, name):
     for layer in ctx.layers.values():
         layer.clear_slot(slot)
     ctx.slot_names[slot] = None
+    _configs(ctx).pop(slot, None)
 
 
 def read_peft_directory(path):
@@ -363,3 +365,93 @@ def _write(ctx, slot, name, plan):
         else:
             layer.clear_slot(slot)
     ctx.slot_names[slot] = name
+
+
+def _configs(ctx):
+    """The context's {slot: adapter config} record (a context built by hand may lack it)."""
+    if not hasattr(ctx, "adapter_configs"):
+        ctx.adapter_configs = {}
+    return ctx.adapter_configs
+
+
+# ---- saving --------------------------------------------------------------------------------------------
+
+def save_peft_adapter(ctx, name, directory):
+    """Write the slot of adapter ``name`` as a PEFT adapter directory; returns the directory.
+
+    ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight [r, in]`` and
+    ``.lora_B.weight [out, r]`` in the stacks' dtype, a packed layer split back into its projections (a
+    slice with all-zero factors, i.e. a projection the adapter does not target, is left out).
+    ``adapter_config.json``: ``r`` / ``lora_alpha`` the most common rank and alpha across modules, with
+    ``rank_pattern`` / ``alpha_pattern`` (exact module paths) for the others; ``use_rslora`` and
+    ``lora_dropout`` as loaded. Each module's alpha is its slot scale times r (or sqrt(r) for rsLoRA),
+    so PEFT computes the scale the slot computes with. A packed layer stores one rank for all its slices
+    (the largest), so its slices are saved at that rank, zero-padded, with the folded scale; the function
+    is the same. Reloading the directory with :func:`load_peft_adapter` reproduces the slot.
+    """
+    slot = ctx.slot_of(name) if name is not None else None
+    if slot is None:
+        raise AdapterError("save_peft_adapter: expected an adapter name, got None")
+    loaded = _configs(ctx).get(slot, {})
+    use_rslora = bool(loaded.get("use_rslora"))
+    modules = _saved_modules(ctx, slot)
+    if not modules:
+        raise AdapterError(f"save_peft_adapter: adapter {name!r} has no weights in any layer")
+    ranks = {path: a.shape[0] for path, (a, _, _) in modules.items()}
+    alphas = {path: _alpha(scale, ranks[path], use_rslora) for path, (_, _, scale) in modules.items()}
+    r, alpha = _most_common(ranks.values()), _most_common(alphas.values())
+    config = {
+        "peft_type": "LORA", "task_type": loaded.get("task_type"),
+        "base_model_name_or_path": loaded.get("base_model_name_or_path"),
+        "r": r, "lora_alpha": alpha, "use_rslora": use_rslora,
+        "rank_pattern": {re.escape(p): v for p, v in ranks.items() if v != r},
+        "alpha_pattern": {re.escape(p): v for p, v in alphas.items() if v != alpha},
+        "target_modules": sorted(modules), "lora_dropout": float(loaded.get("lora_dropout") or 0.0),
+        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+    }
+    tensors = {}
+    for path, (a, b, _) in modules.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.detach().cpu().contiguous().clone()
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.detach().cpu().contiguous().clone()
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    from safetensors.torch import save_file
+    save_file(tensors, os.path.join(directory, SAFETENSORS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return directory
+
+
+def _saved_modules(ctx, slot):
+    """{module path: (A [r, in], B [out, r], scale)} of every module where the slot has weights."""
+    slice_paths = {}
+    for path, (layer, index) in ctx.targets.items():
+        if index is not None:
+            slice_paths.setdefault(layer, {})[index] = path
+    modules = {}
+    for path, layer in ctx.layers.items():
+        r = layer.slot_ranks[slot]
+        if r == 0:
+            continue
+        scale = float(layer.scale[slot])
+        a, b = layer.lora_a[slot, :, :r], layer.lora_b[slot, :, :r]
+        offsets = layer.slice_offsets
+        named = slice_paths.get(layer, {0: path})
+        for i, slice_path in sorted(named.items()):
+            a_i, b_i = a[i], b[offsets[i]:offsets[i + 1]]
+            if len(named) > 1 and not (a_i.any() or b_i.any()):
+                continue
+            modules[slice_path] = (a_i, b_i, scale)
+    return modules
+
+
+def _alpha(scale, r, use_rslora):
+    """lora_alpha giving ``scale`` at rank r; a float32 scale's roundoff is snapped to the nearest integer."""
+    alpha = scale * (math.sqrt(r) if use_rslora else r)
+    nearest = round(alpha)
+    return int(nearest) if abs(alpha - nearest) <= 1e-5 * max(1.0, abs(alpha)) else alpha
+
+
+def _most_common(values):
+    values = list(values)
+    return max(values, key=values.count)

@@ -8,9 +8,10 @@
 
 Data, per layer (L = max_loras slots, S output slices, R = max_rank, K/N the base's in/out features):
 ``lora_a [L, S, R, K]`` and ``lora_b [L, N, R]`` (slices stacked along N) as ``nn.Parameter``s with
-``requires_grad=False``, ``scale [L]`` float32 and ``rank [L]`` int32 buffers. A slot of rank 0 does no
-work. Adapters are written in place (``copy_`` into slices of the stacks), so data pointers never move
-and a captured CUDA graph or a compiled model keeps working across adapter loads, unloads and swaps.
+``requires_grad=False`` (until ``ctx.train_slots``), ``scale [L]`` float32 and ``rank [L]`` int32
+buffers. A slot of rank 0 does no work. Adapters are written in place (``copy_`` into slices of the
+stacks), so data pointers never move and a captured CUDA graph or a compiled model keeps working
+across adapter loads, unloads and swaps.
 
 The hot path (:meth:`LoRALinear.forward`) is the base layer plus one op call: no host sync, no
 ``.item()``, no allocation that depends on data, and nothing mutable on the Python side, so
@@ -18,6 +19,11 @@ The hot path (:meth:`LoRALinear.forward`) is the base layer plus one op call: no
 and batches of one token). Under ``torch.no_grad()`` / ``torch.inference_mode()`` that op adds the
 delta into the base output in place; when autograd needs gradients through the layer (its input or
 the stacks require grad) it is the out-of-place op, which has a backward.
+
+Training (lora_ops.training): ``ctx.train_slots(names)`` freezes the base, makes the stacks require grad
+and masks gradients and optimizer steps so that only the chosen slots change, several adapters trained
+in one mixed batch; in ``model.train()`` each slot's adapter sees its own ``lora_dropout``.
+``ctx.save_adapter(name, directory)`` writes a slot back as a PEFT adapter directory.
 """
 import re
 import weakref
@@ -25,7 +31,7 @@ import weakref
 import torch
 from torch import nn
 
-from lora_ops import adapters
+from lora_ops import adapters, training
 from lora_ops.batch import LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
@@ -95,6 +101,8 @@ class LoRAContext:
         self.layers = {}      # module path -> LoRALinear
         self.targets = {}     # adapter module path -> (LoRALinear, slice index, or None for the whole layer)
         self._model = None    # weakref to the model apply_lora wrapped (for error messages)
+        self.adapter_configs = {}   # slot -> the adapter config it was loaded with (saving, dropout)
+        self.dropout_p = None       # [L + 1] per-slot lora_dropout while training (lora_ops.training)
         for t in (*self.meta, self.token_slots):
             # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
             torch._dynamo.mark_static_address(t, guard=True)
@@ -131,6 +139,15 @@ class LoRAContext:
 
     def model(self):
         return self._model() if self._model is not None else None
+
+    def train_slots(self, names, *, freeze_base=True):
+        """Make the adapters ``names`` trainable: a :class:`lora_ops.training.SlotTrainer` (its
+        ``parameters()`` for the optimizer, its ``step(optimizer)`` changing only those slots)."""
+        return training.train_slots(self, names, freeze_base=freeze_base)
+
+    def save_adapter(self, name, directory):
+        """Write adapter ``name`` as a PEFT adapter directory (lora_ops.adapters.save_peft_adapter)."""
+        return adapters.save_peft_adapter(self, name, directory)
 
     # ---- batch ---------------------------------------------------------------------------------------
 
@@ -252,7 +269,11 @@ class LoRALinear(nn.Module):
         y2d = y.view(-1, y.shape[-1])
         if not torch.compiler.is_compiling():     # Python-side checks stay out of compiled graphs
             self.context.check_input(x2d)
-        args = (x2d, self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
+        x_lora = x2d
+        if self.training and self.context.dropout_p is not None:
+            # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
+            x_lora = training.slot_dropout(x2d, self.context.dropout_p, self.context.token_slots)
+        args = (x_lora, self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
         if torch.is_grad_enabled() and (x.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
             # Something upstream needs gradients through this layer: the out-of-place op has autograd
             # (lora_ops.autograd); the in-place one is invisible to autograd and would drop the LoRA term.

@@ -1,0 +1,189 @@
+"""Training several adapters in one mixed batch: trainable slots, masked optimizer steps, per-slot dropout.
+
+    ctx = lora_ops.apply_lora(model, ["q_proj", "v_proj"], max_loras=4, max_rank=8, max_tokens=256)
+    for name in ("sql", "chat", "math"):
+        lora_ops.training.add_trainable_adapter(ctx, name, r=8, lora_alpha=16, lora_dropout=0.05)
+    trainer = ctx.train_slots(["sql", "chat", "math"])      # freezes the base, hooks the stacks
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3, weight_decay=0.01)
+    model.train()
+    for batch in data:
+        ctx.set_batch(batch.requests)                      # tokens of all three adapters (and none) mixed
+        loss = loss_fn(model(batch.input_ids), batch.labels)
+        loss.backward()
+        trainer.step(optimizer)                            # only the chosen slots in this batch change
+        optimizer.zero_grad()
+    lora_ops.adapters.save_peft_adapter(ctx, "sql", "out/sql")
+
+**Why a step helper and not only a gradient mask.** A layer's adapters live in two stacks
+(``lora_a [L, S, R, K]``, ``lora_b [L, N, R]``), so the optimizer sees one tensor holding every slot.
+Zeroing the gradients of the slots not trained is necessary (a slot serving requests in the same batch
+gets real gradients) but not sufficient: AdamW's weight decay and any optimizer's momentum move a
+parameter whose gradient is zero. So the trainer does both:
+
+1. a gradient hook on each stack multiplies its gradient by the mask "chosen slot and rank column below
+   the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
+2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
+   back everywhere outside "chosen slot, within its rank, and with tokens in a batch since the last
+   step" (``torch.where``: bit-identical, no host sync). A chosen slot absent from the batch stays put,
+   as it would with its own optimizer and ``zero_grad(set_to_none=True)``.
+
+The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
+one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
+trained on fewer steps than its stack has taken sees different bias corrections. Gradients are per slot
+exactly (tests/test_training.py checks them against PEFT trained one adapter at a time).
+
+**Dropout.** In training mode (``model.train()``) each token's LoRA input is ``dropout(x, p)`` with the
+``lora_dropout`` of its slot's adapter config (PEFT's semantics: only the adapter sees the dropped x;
+the base layer sees x). The per-token probabilities come from a ``[L + 1]`` table gathered by the
+context's per-token slots, so it stays one elementwise op with no host sync, and compiles once.
+
+**torch.compile.** Compile the model's forward and loss (``fullgraph=True``) and call ``.backward()`` on
+the result: AOTAutograd compiles the backward too. The hooks run in the autograd engine on the leaf
+stacks, outside the compiled graphs; the step helper is eager.
+"""
+import math
+
+import torch
+
+
+def slot_dropout(x2d, dropout_p, token_slots):
+    """``x2d`` [M, K] with each row dropped out at its slot's probability (PEFT's nn.Dropout per adapter).
+
+    ``dropout_p`` [L + 1] float32 (entry L: tokens with no adapter, p = 0); ``token_slots`` the context's
+    per-token slot buffer (its first M entries are this batch's, -1 for no adapter).
+    """
+    M = x2d.shape[0]
+    slots = token_slots[:M].long()
+    slots = torch.where(slots < 0, dropout_p.shape[0] - 1, slots)
+    p = dropout_p[slots].to(x2d.dtype)[:, None]                        # [M, 1]
+    keep = torch.rand_like(x2d) >= p
+    # p == 1 drops everything (1 / (1 - p) would be inf times zero).
+    factor = torch.where(p < 1, 1.0 / (1.0 - p).clamp(min=torch.finfo(x2d.dtype).tiny), 0.0)
+    return x2d * keep * factor
+
+
+def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_rslora=False, lora_dropout=0.0,
+                          generator=None):
+    """Load a fresh adapter ``name`` with PEFT's default initialisation (A uniform in ±1/sqrt(in_features),
+    as nn.Linear's kaiming-uniform init, B zero: the adapter starts as a no-op); returns its slot.
+
+    ``target_modules``: PEFT-style names or paths among the context's per-projection modules (a packed
+    layer's slices count as their projections); default all of them.
+    """
+    from lora_ops.layers import _matches     # layers imports this module
+
+    config = {"peft_type": "LORA", "r": int(r), "lora_alpha": lora_alpha, "use_rslora": bool(use_rslora),
+              "lora_dropout": float(lora_dropout), "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
+    tensors = {}
+    for path, (layer, index) in ctx.targets.items():
+        if index is None and len(layer.slice_widths) > 1:
+            continue        # a packed layer's own name: its slices are the modules
+        if target_modules is not None and not _matches(target_modules, path):
+            continue
+        out_features = layer.out_features if index is None else layer.slice_widths[index]
+        bound = 1.0 / math.sqrt(layer.in_features)
+        a = torch.empty(int(r), layer.in_features).uniform_(-bound, bound, generator=generator)
+        tensors[f"{path}.lora_A.weight"] = a
+        tensors[f"{path}.lora_B.weight"] = torch.zeros(out_features, int(r))
+    if not tensors:
+        raise ValueError(f"target_modules: {target_modules!r} selects none of the context's modules")
+    config["target_modules"] = sorted({key.rsplit(".", 2)[0].rpartition(".")[2] for key in tensors})
+    return ctx.load_adapter_tensors(name, tensors, config)
+
+
+class SlotTrainer:
+    """Trains the slots of ``names`` in every LoRALinear of ``ctx``; see the module docstring.
+
+    On creation: every parameter of the context's model is frozen (``requires_grad=False``, as PEFT
+    does) unless ``freeze_base=False``; the stacks require grad and carry the gradient-mask hooks; the
+    context's per-slot dropout table is filled from the adapters' configs. :meth:`close` (or leaving a
+    ``with`` block) undoes the hooks, the stacks' ``requires_grad`` and the dropout table (the base stays
+    frozen: unfreeze it yourself if you need to).
+    """
+
+    def __init__(self, ctx, names, *, freeze_base=True):
+        names = list(names)
+        if not names or any(n is None for n in names):
+            raise ValueError(f"train_slots: expected one or more adapter names, got {names!r}")
+        self.ctx = ctx
+        self.slots = [ctx.slot_of(n) for n in names]
+        L = ctx.max_loras
+        self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
+        self._chosen[self.slots] = True
+        self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)   # slots with tokens since the last step
+        model = ctx.model()
+        if freeze_base and model is not None:
+            model.requires_grad_(False)
+        self._layers = list(ctx.layers.values())
+        self._hooks = []
+        for layer in self._layers:
+            for stack in (layer.lora_a, layer.lora_b):
+                stack.requires_grad_(True)
+                self._hooks.append(stack.register_hook(self._grad_hook(layer, stack)))
+        ctx.dropout_p = _dropout_table(ctx)
+
+    # ---- public ----------------------------------------------------------------------------------------
+
+    def parameters(self):
+        """The stacks of every layer (each holds all slots; only the chosen ones ever change)."""
+        return [stack for layer in self._layers for stack in (layer.lora_a, layer.lora_b)]
+
+    @torch.no_grad()
+    def step(self, optimizer):
+        """``optimizer.step()``, then every entry outside the chosen slots (within their ranks) that had
+        tokens since the last step is restored bit for bit."""
+        snapshots = [p.detach().clone() for p in self.parameters()]
+        optimizer.step()
+        for layer in self._layers:
+            updatable = self._trainable(layer) & self._seen[:, None]          # [L, R]
+            for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
+                stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
+        self._seen.zero_()
+
+    def close(self):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for stack in self.parameters():
+            stack.requires_grad_(False)
+            stack.grad = None
+        self.ctx.dropout_p = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- masks -----------------------------------------------------------------------------------------
+
+    def _trainable(self, layer):
+        """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
+        columns = torch.arange(layer.max_rank, device=layer.rank.device)
+        return self._chosen[:, None] & (columns < layer.rank[:, None])
+
+    def _grad_hook(self, layer, stack):
+        is_a = stack is layer.lora_a
+        counts = self.ctx.meta.slot_counts
+
+        def hook(grad):
+            # The backward runs on the forward's metadata (autograd refuses a refilled one).
+            self._seen |= counts[:self._seen.shape[0]] > 0
+            mask = self._trainable(layer)
+            mask = mask[:, None, :, None] if is_a else mask[:, None, :]
+            return grad * mask.to(grad.dtype)
+        return hook
+
+
+def train_slots(ctx, names, *, freeze_base=True):
+    """A :class:`SlotTrainer` for the adapters ``names`` of ``ctx``."""
+    return SlotTrainer(ctx, names, freeze_base=freeze_base)
+
+
+def _dropout_table(ctx):
+    """[L + 1] float32 dropout probabilities per slot (the adapter config's lora_dropout), or None if all 0."""
+    configs = getattr(ctx, "adapter_configs", {})
+    p = [float(configs.get(slot, {}).get("lora_dropout") or 0.0) for slot in range(ctx.max_loras)] + [0.0]
+    if not any(p):
+        return None
+    return torch.tensor(p, dtype=torch.float32, device=ctx.device)

@@ -1,0 +1,319 @@
+"""Training several adapters in one mixed batch (lora_ops.training) and saving them for PEFT.
+
+- Gradients: a batch mixing rows of three trained adapters, one adapter only served (in the batch, not
+  trained) and rows with none; one backward. Each trained slot's gradients must equal PEFT's, trained
+  one adapter at a time on that adapter's rows only (an independent implementation); the served slot,
+  padded rank and the base get nothing. Unfused and packed (fused q/k/v, gate/up) layers.
+- Steps: AdamW with weight decay over the stacks; after several steps everything but the trained slots
+  that had tokens (within their rank) is bit-identical, the base weights too.
+- Compile: model + loss compiled (fullgraph, aot_eager), backward through the compiled graph, token
+  counts {2, 7, 33}: one compile, recompiles fail, gradients equal eager's.
+- Saving: adapters trained here are saved in PEFT format; PEFT loads them and reproduces our logits,
+  and our loader reloads them bit for bit (a tiny Llama, and a packed model saved per projection).
+- Dropout: each slot's lora_dropout from its config, in training mode only.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from conftest import TOLERANCE, rel_err
+from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, toy_lm
+from lora_ops import training
+from lora_ops.adapters import load_peft_adapter, save_peft_adapter
+from lora_ops.layers import apply_lora
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+TOL = TOLERANCE[torch.float32]
+TRAINED = {"alpha": dict(r=4, lora_alpha=8), "beta": dict(r=8, lora_alpha=4, use_rslora=True),
+           "gamma": dict(r=2, lora_alpha=3)}
+SERVED = {"served": dict(r=6, lora_alpha=6)}
+ROWS = ["alpha", None, "beta", "served", "gamma", "alpha", None, "gamma", "beta"]
+SEQ = 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def peft_model_with(base, adapters, tmp_path):
+    """PEFT holding ``adapters`` (random non-zero A and B), each saved as a directory."""
+    torch.manual_seed(7)
+    model = None
+    for name, kwargs in adapters.items():
+        config = peft.LoraConfig(target_modules=PROJECTIONS, init_lora_weights=False, **kwargs)
+        if model is None:
+            model = peft.get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    model.save_pretrained(tmp_path)
+    return model, {name: str(tmp_path / name) for name in adapters}
+
+
+def ours_with(model, paths, packed=False, max_rank=8):
+    ctx = apply_lora(model, PROJECTIONS, max_loras=len(paths) + 2, max_rank=max_rank, max_tokens=64,
+                     packed_modules=PACKED if packed else None)
+    for name, path in paths.items():
+        ctx.load_adapter(name, path)
+    return ctx
+
+
+def batch(rows, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen),
+            torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen))
+
+
+def loss_of(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+
+
+def peft_grads(peft_model, name, rows, input_ids, labels):
+    """{module path: (dA, dB)} of adapter ``name`` trained alone on its own rows."""
+    peft_model.set_adapter(name)
+    peft_model.zero_grad(set_to_none=True)
+    mine = [i for i, n in enumerate(rows) if n == name]
+    loss_of(peft_model(input_ids[mine]), labels[mine]).backward()
+    inner = peft_model.base_model.model
+    grads = {}
+    for path, module in inner.named_modules():
+        if path.rpartition(".")[2] in PROJECTIONS:
+            grads[path] = (module.lora_A[name].weight.grad, module.lora_B[name].weight.grad)
+    return grads
+
+
+def our_grad(ctx, path, slot, r):
+    layer, index = ctx.targets[path]
+    i = index or 0
+    lo, hi = layer.slice_offsets[i], layer.slice_offsets[i + 1]
+    return layer.lora_a.grad[slot, i, :r], layer.lora_b.grad[slot, lo:hi, :r]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unfused", "packed"])
+def test_mixed_batch_grads_match_peft_per_adapter(tmp_path, packed):
+    base = toy_lm(seed=1)
+    peft_model, paths = peft_model_with(base, {**TRAINED, **SERVED}, tmp_path)
+    model = fused_copy(base) if packed else copy.deepcopy(base)
+    ctx = ours_with(model, paths, packed)
+    trainer = ctx.train_slots(list(TRAINED))
+    input_ids, labels = batch(ROWS)
+    ctx.set_batch([(name, SEQ) for name in ROWS])
+    model.train()
+    loss_of(model(input_ids), labels).backward()
+
+    for name, spec in TRAINED.items():
+        slot = ctx.slot_of(name)
+        for path, (want_a, want_b) in peft_grads(peft_model, name, ROWS, input_ids, labels).items():
+            got_a, got_b = our_grad(ctx, path, slot, spec["r"])
+            assert want_a.abs().sum() > 0 and want_b.abs().sum() > 0
+            assert rel_err(got_a, want_a) <= TOL, f"{name} {path} dA"
+            assert rel_err(got_b, want_b) <= TOL, f"{name} {path} dB"
+    trainable = torch.zeros(ctx.max_loras, 8, dtype=torch.bool)
+    for name, spec in TRAINED.items():
+        trainable[ctx.slot_of(name), :spec["r"]] = True
+    for layer in ctx.layers.values():    # the served slot, empty slots and padded rank: exactly zero
+        assert not layer.lora_a.grad[~trainable[:, None, :, None].expand_as(layer.lora_a)].any()
+        assert not layer.lora_b.grad[~trainable[:, None, :].expand_as(layer.lora_b)].any()
+        assert layer.base.weight.grad is None and not layer.base.weight.requires_grad
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+    trainer.close()
+    assert not any(p.requires_grad for layer in ctx.layers.values() for p in (layer.lora_a, layer.lora_b))
+
+
+def test_adamw_changes_only_trained_slots_with_tokens(tmp_path):
+    base = toy_lm(seed=2)
+    _, paths = peft_model_with(base, {**TRAINED, **SERVED}, tmp_path)
+    model = fused_copy(base)
+    ctx = ours_with(model, paths, packed=True)
+    trainer = ctx.train_slots(list(TRAINED))
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # gamma trains in the first two steps only: afterwards AdamW's momentum and decay must not move it.
+    steps = [ROWS, ROWS, [n for n in ROWS if n != "gamma"], [n for n in ROWS if n != "gamma"]]
+    model.train()
+    for i, rows in enumerate(steps):
+        input_ids, labels = batch(rows, seed=i)
+        ctx.set_batch([(name, SEQ) for name in rows])
+        loss_of(model(input_ids), labels).backward()
+        trainer.step(optimizer)
+        optimizer.zero_grad()
+        if i == 1:
+            after_gamma = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved = torch.zeros(ctx.max_loras, 8, dtype=torch.bool)
+    for name in ("alpha", "beta", "gamma"):
+        for layer in ctx.layers.values():
+            moved[ctx.slot_of(name), :layer.slot_ranks[ctx.slot_of(name)]] = True
+    gamma = ctx.slot_of("gamma")
+    for n, p in model.named_parameters():
+        old = before[n]
+        if n.endswith("lora_a") or n.endswith("lora_b"):
+            mask = moved[:, None, :, None] if n.endswith("lora_a") else moved[:, None, :]
+            mask = mask.expand_as(p)
+            assert torch.equal(p[~mask], old[~mask]), f"{n}: an untrained entry changed"
+            assert not torch.equal(p[mask], old[mask]), f"{n}: trained slots did not change"
+            assert torch.equal(p[gamma], after_gamma[n][gamma]), f"{n}: gamma moved without tokens"
+        else:
+            assert torch.equal(p, old), f"base parameter {n} changed"
+    trainer.close()
+
+
+def test_compiled_training_step_compiles_once(tmp_path):
+    base = toy_lm(seed=3)
+    _, paths = peft_model_with(base, TRAINED, tmp_path)
+    model = fused_copy(base)
+    ctx = ours_with(model, paths, packed=True)
+    trainer = ctx.train_slots(list(TRAINED))
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def step_loss(input_ids, labels):
+        return loss_of(model(input_ids), labels)
+
+    model.train()
+    names = list(TRAINED) + [None]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for M in (2, 7, 33):
+            slots = [names[(3 * t) % len(names)] for t in range(M)]
+            gen = torch.Generator().manual_seed(M)
+            input_ids = torch.randint(0, VOCAB, (1, M), generator=gen)
+            labels = torch.randint(0, VOCAB, (1, M), generator=gen)
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(labels, 1)
+            ctx.set_batch([(name, 1) for name in slots])
+            step_loss(input_ids, labels).backward()
+            compiled_grads = [p.grad.clone() for p in trainer.parameters()]
+            for p in trainer.parameters():
+                p.grad = None
+            loss_of(model(input_ids), labels).backward()     # the same model, eagerly
+            for got, want in zip(compiled_grads, [p.grad for p in trainer.parameters()]):
+                assert rel_err(got, want) <= 1e-6, M
+            for p in trainer.parameters():
+                p.grad = None
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} compiles for 3 token counts"
+    trainer.close()
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def train_a_little(model, ctx, names, rows, vocab, steps=3):
+    trainer = ctx.train_slots(names)
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=2e-2, weight_decay=0.01)
+    model.train()
+    for i in range(steps):
+        gen = torch.Generator().manual_seed(100 + i)
+        input_ids = torch.randint(0, vocab, (len(rows), SEQ), generator=gen)
+        ctx.set_batch([(name, SEQ) for name in rows])
+        out = model(input_ids)
+        logits = getattr(out, "logits", out)
+        loss_of(logits, torch.randint(0, vocab, (len(rows), SEQ), generator=gen)).backward()
+        trainer.step(optimizer)
+        optimizer.zero_grad()
+    trainer.close()
+    model.eval()
+
+
+def assert_peft_reproduces(base, ctx, model, directory, name, input_ids):
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(base), directory, adapter_name=name).eval()
+    ctx.set_batch([(name, input_ids.shape[1])] * input_ids.shape[0])
+    with torch.no_grad():
+        ours = model(input_ids)
+        theirs = peft_model(input_ids)
+        plain = base(input_ids)
+    ours, theirs, plain = (getattr(t, "logits", t) for t in (ours, theirs, plain))
+    assert rel_err(theirs, plain) > 1e-3, f"{name}: the trained adapter does nothing"
+    assert rel_err(ours, theirs) <= TOL, f"{name}: PEFT does not reproduce our output"
+
+
+def assert_reload_identical(ctx, name, directory):
+    slot = ctx.slot_of(name)
+    saved = {p: (layer.lora_a[slot].clone(), layer.lora_b[slot].clone(), layer.scale[slot].clone(),
+                 layer.slot_ranks[slot]) for p, layer in ctx.layers.items()}
+    load_peft_adapter(ctx, name, directory, replace=True)
+    for p, layer in ctx.layers.items():
+        a, b, scale, r = saved[p]
+        assert torch.equal(layer.lora_a[slot], a) and torch.equal(layer.lora_b[slot], b), p
+        assert layer.slot_ranks[slot] == r and rel_err(layer.scale[slot], scale) <= 1e-6, p
+
+
+def test_trained_llama_adapters_round_trip_through_peft(tmp_path):
+    base = tiny_llama()
+    model = copy.deepcopy(base)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=64)
+    gen = torch.Generator().manual_seed(5)
+    training.add_trainable_adapter(ctx, "plain", r=4, lora_alpha=8, generator=gen)
+    training.add_trainable_adapter(ctx, "rs", r=8, lora_alpha=5, use_rslora=True, generator=gen,
+                                   target_modules=["q_proj", "v_proj", "down_proj"])
+    train_a_little(model, ctx, ["plain", "rs"], ["plain", None, "rs", "plain"], vocab=128)
+    input_ids = torch.randint(0, 128, (3, 6), generator=gen)
+    for name in ("plain", "rs"):
+        directory = save_peft_adapter(ctx, name, tmp_path / name)
+        assert_peft_reproduces(base, ctx, model, directory, name, input_ids)
+        assert_reload_identical(ctx, name, directory)
+
+
+def test_packed_slices_saved_per_projection(tmp_path):
+    """A fused model's adapter (per-slice ranks and alphas: padded and folded in the slot) is saved as
+    per-projection modules that PEFT loads on the unfused model and reproduces."""
+    unfused = toy_lm(seed=4)
+    adapters = {"p": dict(r=4, lora_alpha=8, rank_pattern={"k_proj": 2}, alpha_pattern={"v_proj": -3})}
+    _, paths = peft_model_with(unfused, adapters, tmp_path / "in")
+    fused = fused_copy(unfused)
+    ctx = ours_with(fused, paths, packed=True)
+    train_a_little(fused, ctx, ["p"], ["p", None, "p"], vocab=VOCAB)
+    directory = save_peft_adapter(ctx, "p", tmp_path / "out")
+    input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(unfused), directory, adapter_name="p").eval()
+    ctx.set_batch([("p", 5)] * 3)
+    with torch.no_grad():
+        assert rel_err(fused(input_ids), peft_model(input_ids)) <= TOL
+    assert_reload_identical(ctx, "p", directory)
+
+
+def test_per_slot_dropout_in_training_mode_only():
+    model = toy_lm(seed=5)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=4, max_tokens=64)
+    gen = torch.Generator().manual_seed(8)
+    training.add_trainable_adapter(ctx, "wet", r=4, lora_alpha=4, lora_dropout=0.5, generator=gen)
+    training.add_trainable_adapter(ctx, "dry", r=4, lora_alpha=4, generator=gen)
+    for layer in ctx.layers.values():     # non-zero B, so the adapters' inputs matter
+        with torch.no_grad():
+            layer.lora_b.normal_(generator=gen)
+    trainer = ctx.train_slots(["wet", "dry"])
+    input_ids = torch.randint(0, VOCAB, (3, SEQ), generator=gen)
+    ctx.set_batch([("wet", SEQ), ("dry", SEQ), (None, SEQ)])
+    model.eval()
+    with torch.no_grad():
+        clean = model(input_ids)
+    model.train()
+    torch.manual_seed(0)
+    dropped = model(input_ids).detach()
+    assert rel_err(dropped[0], clean[0]) > 1e-2, "the p=0.5 adapter's rows saw no dropout"
+    assert rel_err(dropped[1:], clean[1:]) <= 1e-6, "rows of a p=0 adapter or no adapter changed"
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    compiled_dropped = compiled(input_ids)          # training mode: the dropout compiles too
+    assert rel_err(compiled_dropped[0], clean[0]) > 1e-2
+    assert rel_err(compiled_dropped[1:], clean[1:]) <= 1e-6 and counter.frame_count == 1
+    x = torch.randn(4000, 8, generator=gen)
+    slots = torch.tensor([0, 1, -1, 0] * 1000, dtype=torch.int32)
+    out = training.slot_dropout(x, ctx.dropout_p, slots)
+    assert torch.equal(out[slots != 0], x[slots != 0])
+    kept = out[slots == 0] != 0
+    assert abs(kept.float().mean().item() - 0.5) < 0.03
+    assert rel_err(out[slots == 0][kept], 2 * x[slots == 0][kept]) <= 1e-7
+    trainer.close()
+    assert ctx.dropout_p is None
