@@ -52,30 +52,8 @@ torch.library.impl("lora_ops::add_lora", "CUDA")(_add_lora_functional)
 
 # -- backward kernels ----------------------------------------------------------------------------------
 
-@torch.library.impl("lora_ops::lora_grad_x", "CUDA")
-def _lora_grad_x_cuda(*args):
-    return _triton_grad().lora_grad_x(*args)
-
-
-@torch.library.impl("lora_ops::segment_outer", "CUDA")
-def _segment_outer_cuda(*args):
-    return _triton_grad().segment_outer(*args)
-
-
-@torch.library.impl("lora_ops::lora_grad_x", "CPU")
-def _lora_grad_x_cpu(*args):
-    if ops.get_cpu_backend() == "triton":
-        return _triton_grad().lora_grad_x(*args)
-    checks.check_lora_grad_x(*args)
-    return cpu_grad.lora_grad_x(*args)
-
-
-@torch.library.impl("lora_ops::segment_outer", "CPU")
-def _segment_outer_cpu(*args):
-    if ops.get_cpu_backend() == "triton":
-        return _triton_grad().segment_outer(*args)
-    checks.check_segment_outer(*args)
-    return cpu_grad.segment_outer(*args)
+ops.register_kernels("lora_ops::lora_grad_x", _triton_grad, checks.check_lora_grad_x, cpu_grad.lora_grad_x)
+ops.register_kernels("lora_ops::segment_outer", _triton_grad, checks.check_segment_outer, cpu_grad.segment_outer)
 
 
 # -- the backward formula ------------------------------------------------------------------------------

@@ -21,6 +21,10 @@ def _meta(x, lora_a, token_slots, batch):
     raise TypeError(f"batch: expected a LoRABatch or BatchMeta, got {type(batch).__name__}")
 
 
+def _widths(y, slice_widths):
+    return [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+
+
 def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None, slice_widths=None):
     """y += the LoRA delta of every token's adapter slot, in place; returns y.
 
@@ -29,7 +33,7 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     [-1, L) (-1: no adapter), or batch: the metadata built from them.
     """
     meta = _meta(x, lora_a, token_slots, batch)
-    widths = [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    widths = _widths(y, slice_widths)
     torch.ops.lora_ops.add_lora_(y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
 
@@ -43,7 +47,7 @@ def shrink(x, lora_a, scale, rank, *, token_slots=None, batch=None):
 def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=None):
     """y[:, slice i] += h[:, i, :rank] @ B[slot, slice i, :rank]^T, in place; returns y."""
     meta = _meta(h, lora_b, token_slots, batch)
-    widths = [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    widths = _widths(y, slice_widths)
     torch.ops.lora_ops.expand_(y, h, lora_b, widths, rank, *meta)
     return y
 
@@ -69,6 +73,6 @@ def lora_forward(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=N
     Shapes and arguments as :func:`add_lora`.
     """
     meta = _meta(x, lora_a, token_slots, batch)
-    widths = [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    widths = _widths(y, slice_widths)
     x_lora = lora_dropout(x, dropout, training)
     return torch.ops.lora_ops.add_lora(y, x_lora, lora_a, lora_b, scale, rank, widths, *meta)

@@ -13,7 +13,9 @@ from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import shrink as shrink_kernels
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
-_H_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "bf16x2"}
+# How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
+# one choice for the forward and the backward kernels.
+F32_OPERAND_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "bf16x2"}
 
 
 def slice_layout(slice_widths, block_n):
@@ -62,7 +64,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
         y.stride(0), y.stride(1),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        SLOTS_POW2=next_power_of_2(L), H_PRECISION=_H_PRECISION[y.dtype],
+        SLOTS_POW2=next_power_of_2(L), H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

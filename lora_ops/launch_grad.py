@@ -6,10 +6,9 @@ reads tensor data on the host, so the backward is CUDA-graph safe and sync-free.
 from typing import NamedTuple
 
 from csrc_meta import checks
-from lora_ops.configs.heuristics import (TARGET_PROGRAMS, cdiv, max_token_tiles, next_power_of_2, rank_block,
-                                         token_bucket)
-# How an fp32 operand meets a weight-dtype operand on the tensor cores: one choice for forward and backward.
-from lora_ops.launch import _H_PRECISION as F32_OPERAND_PRECISION
+from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, max_token_tiles, next_power_of_2,
+                                         rank_block, token_bucket)
+from lora_ops.launch import F32_OPERAND_PRECISION
 from lora_ops.kernels import grad as grad_kernels
 
 
@@ -30,7 +29,7 @@ class SegmentOuterConfig(NamedTuple):
 
 
 def grad_x_config(num_tokens, in_features, max_rank):
-    block_m = min(token_bucket(num_tokens), 64)
+    block_m = block_m_for(token_bucket(num_tokens))
     block_n = max(16, min(128, next_power_of_2(in_features)))
     return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
 

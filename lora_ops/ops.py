@@ -34,40 +34,25 @@ def _triton():
     return launch
 
 
-@torch.library.impl("lora_ops::shrink", "CUDA")
-def _shrink_cuda(*args):
-    return _triton().shrink(*args)
+def register_kernels(op, launchers, check, cpu_kernel):
+    """Register ``op``'s kernels: CUDA tensors go to the Triton launcher of the same name in the module
+    ``launchers()`` returns (imported on first use); CPU tensors to ``cpu_kernel`` after ``check``, or to
+    the Triton launcher under ``set_cpu_backend("triton")``. One dispatch rule for every op."""
+    name = op.split("::")[1]
+
+    def on_cuda(*args):
+        return getattr(launchers(), name)(*args)
+
+    def on_cpu(*args):
+        if _cpu_backend == "triton":
+            return on_cuda(*args)
+        check(*args)
+        return cpu_kernel(*args)
+
+    torch.library.impl(op, "CUDA")(on_cuda)
+    torch.library.impl(op, "CPU")(on_cpu)
 
 
-@torch.library.impl("lora_ops::expand_", "CUDA")
-def _expand_cuda(*args):
-    _triton().expand_(*args)
-
-
-@torch.library.impl("lora_ops::add_lora_", "CUDA")
-def _add_lora_cuda(*args):
-    _triton().add_lora_(*args)
-
-
-@torch.library.impl("lora_ops::shrink", "CPU")
-def _shrink_cpu(*args):
-    if _cpu_backend == "triton":
-        return _triton().shrink(*args)
-    checks.check_shrink(*args)
-    return cpu.shrink(*args)
-
-
-@torch.library.impl("lora_ops::expand_", "CPU")
-def _expand_cpu(*args):
-    if _cpu_backend == "triton":
-        return _triton().expand_(*args)
-    checks.check_expand(*args)
-    cpu.expand_(*args)
-
-
-@torch.library.impl("lora_ops::add_lora_", "CPU")
-def _add_lora_cpu(*args):
-    if _cpu_backend == "triton":
-        return _triton().add_lora_(*args)
-    checks.check_add_lora(*args)
-    cpu.add_lora_(*args)
+register_kernels("lora_ops::shrink", _triton, checks.check_shrink, cpu.shrink)
+register_kernels("lora_ops::expand_", _triton, checks.check_expand, cpu.expand_)
+register_kernels("lora_ops::add_lora_", _triton, checks.check_add_lora, cpu.add_lora_)

@@ -52,7 +52,7 @@ FLOAT32_ROUNDOFF = 2.0 ** -24  # the kernels accumulate in float32
 
 def h_roundoff(dtype, backend):
     """Unit roundoff of h (float32) as the expand's dot sees it on ``backend`` (lora_ops.launch's
-    _H_PRECISION): float32, except in the Triton kernel for bf16 (h as two bf16 terms, about 16
+    F32_OPERAND_PRECISION): float32, except in the Triton kernel for bf16 (h as two bf16 terms, about 16
     significant bits) and for fp16 on a GPU (tf32, whose operand conversion truncates: 2**-10; the interpreter
     ignores tf32 and stays in float32).
     """
