@@ -38,6 +38,18 @@ from timing import Timer  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
 DEFAULT_TIME_BUDGET_S = 330
+# Extra timings of our op with one config choice changed: what the tuned tables and each add_lora_ path
+# give (the plain "ours" column is the library's default choice).
+VARIANTS = {
+    "heuristic": lambda: lora_ops.configs.use_tuned_tables(False),   # no tuned table: heuristic configs
+    "two_launch": lambda: lora_ops.configs.force_path("split"),       # shrink + expand at every size
+    "one_launch": lambda: lora_ops.configs.force_path("fused"),       # one launch at every size
+}
+
+
+def reset_config_choice():
+    lora_ops.configs.use_tuned_tables(True)
+    lora_ops.configs.force_path(None)
 
 
 def _csv(cast=str):
@@ -60,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=_csv(), help="layer names to keep, e.g. qkv,o")
     p.add_argument("--ranks", type=_csv(), help="rank labels to keep, e.g. 16 or mix")
     p.add_argument("--ms", type=_csv(int), help="token counts to use, e.g. 1,64,4096")
+    p.add_argument("--variants", type=_csv(), default=(),
+                   help="extra timings of ours, each checked first: " + ", ".join(VARIANTS) + " (default none)")
     p.add_argument("--only-check", action="store_true", help="correctness only (no timing), every row")
     p.add_argument("--peers", type=_csv(), default=problems.PEER_NAMES,
                    help="peers to run beside ours (default vllm,sglang; '' for none)")
@@ -222,6 +236,9 @@ class RowRunner:
             rec["notes"].append(f"peers run every slot at the padded rank {problem.R} (their only mode)")
         for name, module in self.peers.items():
             self.check(rec, name, lambda m=module: problems.peer(m, problem, inp), problem, inp, ref)
+        for variant in self.args.variants:
+            checked.append(variant)
+            self.run_variant(rec, variant, problem, inp, ref)
         del ref
         if not case.ranks.uniform:
             checked.append("alone")
@@ -244,6 +261,17 @@ class RowRunner:
             if rec.get(f"{name}_err") is None:  # its build or call raised: nothing to time
                 continue
             self.time(rec, name, lambda k, m=module: problems.peer(m, problem, inputs(k)), 2 * problem.set_bytes())
+
+    def run_variant(self, rec, variant, problem, inp, ref):
+        """Our op with one config choice changed (VARIANTS): checked on set 0, then graph-timed."""
+        VARIANTS[variant]()
+        try:
+            self.check(rec, variant, lambda: problems.ours(problem, inp), problem, inp, ref)
+            if not self.args.only_check:
+                self.time(rec, variant, lambda k: problems.ours(problem, inp if k == 0 else problem.inputs(k)),
+                          problem.set_bytes(), eager=False)
+        finally:
+            reset_config_choice()
 
     def run_alone(self, rec, problem):
         """Each used slot's tokens alone, at its own rank: checked, and (unless --only-check) timed.
@@ -308,6 +336,9 @@ def progress_line(i, n, case, rec, wall):
 
 def main(argv=None):
     args = parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; expected some of {sorted(VARIANTS)}")
     started = time.monotonic()
     device = torch.device(args.device)
     args.device = str(device)

@@ -8,6 +8,8 @@ import os
 
 IMPLS = ("ours", "vllm", "sglang")
 PEERS = ("vllm", "sglang")
+# Our op with one config choice changed (bench_lora.VARIANTS); columns and summaries appear when timed.
+VARIANTS = ("heuristic", "two_launch", "one_launch")
 
 # Token-count bins of the summaries: (label, predicate on M).
 BASE_BINS = (("M<=64", lambda M: M <= 64), ("M 256-1024", lambda M: 256 <= M <= 1024),
@@ -82,6 +84,7 @@ def _columns(rows, wide):
         ("ours/floor", lambda r: _fmt(ratio(r.get("ours_us"), r.get("floor_us")), 2)),
         ("alone-sum", lambda r: _fmt(r.get("alone_us"))),
         ("ours/alone", lambda r: _fmt(ratio(r.get("ours_us"), r.get("alone_us")), 2)),
+        *[(v, lambda r, v=v: _peer_time(r, v)) for v in VARIANTS],
         ("vllm", lambda r: _peer_time(r, "vllm")),
         ("sglang", lambda r: _peer_time(r, "sglang")),
     ]
@@ -150,7 +153,7 @@ def summarise(rows):
     out = {}
     for name, group in _groups(timed):
         g = {}
-        for impl in IMPLS + ("best_peer",):
+        for impl in IMPLS + VARIANTS + ("best_peer",):
             t = best_peer_us if impl == "best_peer" else (lambda r, i=impl: r.get(f"{i}_us"))
             per_bin = _bin_means(group, t, lambda r: r.get("base_us"))
             per_bin[f"floor {FLOOR_BIN[0]}"] = geomean(ratio(t(r), r.get("floor_us"))

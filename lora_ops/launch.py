@@ -10,6 +10,7 @@ from csrc_meta import checks
 from lora_ops import configs
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2
 from lora_ops.kernels import expand as expand_kernels
+from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
@@ -69,6 +70,28 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     )
 
 
+def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                 cfg):
+    """y[:, slices] += scale * (x A^T) B^T in one launch (small batches; see kernels.fused)."""
+    M, K = x.shape
+    L, _, R, _ = lora_a.shape
+    cols, blocks = slice_layout(slice_widths, cfg.block_n)
+    grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
+    fused_kernels.fused_add_lora_kernel[grid](
+        x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts,
+        M, K, L, R, sorted_token_ids.shape[0],
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        y.stride(0), y.stride(1),
+        SLICE_COLS=cols, SLICE_BLOCKS=blocks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     M, K = x.shape
@@ -96,6 +119,11 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
     if M == 0:
         return
     L, S, R, _ = lora_a.shape
+    fcfg = configs.fused_config(M, K, y.shape[1], S, R, L, x.device, x.dtype)
+    if fcfg is not None:
+        launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                     fcfg)
+        return
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
     # Every entry of h the expand reads (valid tokens, r < rank) is written by the shrink.
     h = x.new_empty((M, S, R), dtype=torch.float32)

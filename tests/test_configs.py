@@ -54,6 +54,9 @@ def fake_gpu_table(tmp_path, monkeypatch):
              config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict()),
         dict(kind="expand", features=14336 * 2, slices=2, rank=64, tokens=8192,
              config=heuristics.ExpandConfig(128, 64, 64, 4, 3)._asdict()),
+        dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=1,
+             config=heuristics.FusedConfig(16, 256, 16, 256, 8, 3)._asdict()),
+        dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=64, config=None),
     ]
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
@@ -103,18 +106,52 @@ def test_gpu_without_table_falls_back_to_heuristic(monkeypatch, tmp_path):
         configs._resolved.clear()
 
 
+def test_table_chooses_the_add_lora_path(fake_gpu_table):
+    """A "fused" entry names the one-launch config, or null: two launches were faster there."""
+    assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) == heuristics.FusedConfig(16, 256, 16, 256, 8, 3)
+    assert heuristics.prefers_fused(64, 4096, 16)  # the heuristic alone would take one launch here
+    assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) is None
+
+
+def test_forced_path_and_tables_off(fake_gpu_table):
+    try:
+        configs.force_path("fused")  # the table's null entry does not stop a forced one-launch path
+        assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) == heuristics.fused_config(64, 4096, 16)
+        configs.force_path("split")
+        assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) is None
+        configs.force_path(None)
+        configs.use_tuned_tables(False)
+        assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) == heuristics.fused_config(64, 4096, 16)
+        assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA) == heuristics.shrink_config(64, 4096, 3, 16, 4)
+    finally:
+        configs.force_path(None)
+        configs.use_tuned_tables(True)
+    with pytest.raises(ValueError, match="path"):
+        configs.force_path("both")
+
+
+@pytest.mark.parametrize("bucket, rank, features, fused", [(1, 16, 4096, True), (64, 64, 4096, True),
+                                                          (64, 64, 14336, False), (256, 16, 4096, False)],
+                         ids=["decode", "r64-M64", "r64-down", "M256"])
+def test_heuristic_path_choice(bucket, rank, features, fused):
+    assert (configs.fused_config(bucket, features, 4096, 1, rank, 4) is not None) == fused
+
+
 def test_shipped_tables_parse_and_hold_valid_configs():
+    make = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig}
     for path in configs.TUNED_DIR.glob("*.json"):
         table = json.loads(path.read_text())
         assert table["entries"], path
         for e in table["entries"]:
-            make = heuristics.ShrinkConfig if e["kind"] == "shrink" else heuristics.ExpandConfig
-            make(**e["config"])
+            if e["config"] is not None or e["kind"] != "fused":
+                make[e["kind"]](**e["config"])
 
 
 @pytest.mark.parametrize("bucket", [1, 64, 8192])
 def test_tuner_candidates_include_valid_configs(bucket):
     shr = list(tuning.shrink_candidates(bucket, 4096, 16, 3))
     exp = list(tuning.expand_candidates(bucket, 6144, 16))
+    fused = list(tuning.fused_candidates(bucket, 4096, 16))
     assert shr and exp and len(set(shr)) == len(shr)
+    assert bool(fused) == (bucket <= 256) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)

@@ -75,6 +75,15 @@ def draw_case(data, backend, dtype, isolation=False, min_tokens=0):
     return make_case(**spec, dtype=dtype, device=backend.device)
 
 
+@pytest.fixture(params=["fused", "split"], ids=["one_launch", "two_launches"])
+def add_lora_path(request):
+    """add_lora_'s Triton path: one launch (kernels.fused) or shrink + expand; the torch CPU kernel has one
+    path and runs under both ids."""
+    configs.force_path(request.param)
+    yield request.param
+    configs.force_path(None)
+
+
 def add_lora(case, y):
     return lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
                              slice_widths=case.slice_widths)
@@ -130,7 +139,7 @@ def assert_one_rounding_step(y_out, y_in, delta, abs_bound, terms, dtype, backen
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @given(data=st.data())
-def test_add_lora_matches_reference(backend, checked_dtype, data):
+def test_add_lora_matches_reference(backend, checked_dtype, add_lora_path, data):
     dtype = checked_dtype
     case = draw_case(data, backend, dtype)
     M, K, N, L, S, R = case.shape
@@ -244,10 +253,10 @@ def plant_nan(case, data):
     return expected
 
 
-@pytest.mark.parametrize("path", [add_lora, shrink_then_expand], ids=["fused", "shrink+expand"])
+@pytest.mark.parametrize("path", [add_lora, shrink_then_expand], ids=["add_lora", "shrink+expand"])
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 @given(data=st.data())
-def test_nan_stays_in_its_slot(backend, dtype, path, data):
+def test_nan_stays_in_its_slot(backend, dtype, path, add_lora_path, data):
     case = draw_case(data, backend, dtype, isolation=True, min_tokens=1)
     y_start = case.new_y("random")
     clean = path(case, y_start.clone())
@@ -267,6 +276,24 @@ def test_nan_stays_in_its_slot(backend, dtype, path, data):
 # ------------------------------------------------------------------------------------------------
 # Edges
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_rank_above_one_rank_block(backend, dtype, add_lora_path):
+    """Ranks past the kernels' 64-wide rank block: the rank loops take several blocks and stop at each
+    slot's own rank (rank rows past it hold NaN, so reading them shows)."""
+    M, K, N, L, S, R = 9, 37, 29, 3, 2, 80
+    case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=11,
+                     ranks=[80, 65, 3], token_slots=[0, 1, 2, -1, 0, 1, 2, 0, 1])
+    ref = case.delta_reference()  # before the poison: the reference masks rank by multiplying
+    y = case.new_y("random")
+    y_in = y.clone()
+    for s, r in enumerate([80, 65, 3]):
+        case.lora_a[s, :, r:] = math.nan
+        case.lora_b[s, :, r:] = math.nan
+    add_lora(case, y)
+    assert_delta_close(y, y_in, ref, dtype)
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+
+
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_empty_batch_is_a_no_op(backend, dtype):
     case = make_case(0, 9, 11, num_slots=3, num_slices=2, max_rank=8, dtype=dtype, device=backend.device,

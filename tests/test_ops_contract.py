@@ -6,7 +6,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import lora_ops
 from conftest import make_case
-from lora_ops import launch
+from lora_ops import configs, launch
 from lora_ops.configs.heuristics import cdiv, max_token_tiles
 
 # (M, K, N, L, S, R): decode-like, fused q/k/v-like with odd sizes, one slot, an empty batch.
@@ -68,9 +68,11 @@ class LaunchRecorder:
 def recorders(monkeypatch):
     shrink = LaunchRecorder(lora_ops.kernels.shrink.shrink_kernel)
     expand = LaunchRecorder(lora_ops.kernels.expand.expand_kernel)
+    fused = LaunchRecorder(lora_ops.kernels.fused.fused_add_lora_kernel)
     monkeypatch.setattr("lora_ops.kernels.shrink.shrink_kernel", shrink)
     monkeypatch.setattr("lora_ops.kernels.expand.expand_kernel", expand)
-    return {"shrink": shrink, "expand": expand}
+    monkeypatch.setattr("lora_ops.kernels.fused.fused_add_lora_kernel", fused)
+    return {"shrink": shrink, "expand": expand, "fused": fused}
 
 
 def meta_problem(M, K, N, L, S, R, capacity):
@@ -94,8 +96,12 @@ def call_launcher(op_name, p):
         return launch.shrink(p["x"], p["lora_a"], p["scale"], p["rank"], *p["meta"])
     if op_name == "expand_":
         return launch.expand_(p["y"], p["h"], p["lora_b"], p["slice_widths"], p["rank"], *p["meta"])
-    return launch.add_lora_(p["y"], p["x"], p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slice_widths"],
-                            *p["meta"])
+    configs.force_path(op_name.split(":")[1])
+    try:
+        return launch.add_lora_(p["y"], p["x"], p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slice_widths"],
+                                *p["meta"])
+    finally:
+        configs.force_path(None)
 
 
 # decode with many slots, odd mid sizes, prefill, one slot: (M, K, N, L, S, R)
@@ -105,14 +111,15 @@ LAUNCH_IDS = ["decode-L64", "odd-S3", "prefill", "L1"]
 
 
 @pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=LAUNCH_IDS)
-@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_"])
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_:fused", "add_lora_:split"])
 def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
     M, K, N, L, S, R = shape
     p = meta_problem(M, K, N, L, S, R, capacity=M + 3)
     call_launcher(op_name, p)  # meta tensors: any host read of data would raise here
 
-    expected = {"shrink": ["shrink"], "expand_": ["expand"], "add_lora_": ["shrink", "expand"]}[op_name]
-    assert [k for k in ("shrink", "expand") if recorders[k].launches] == expected
+    expected = {"shrink": ["shrink"], "expand_": ["expand"], "add_lora_:fused": ["fused"],
+                "add_lora_:split": ["shrink", "expand"]}[op_name]
+    assert [k for k in ("shrink", "expand", "fused") if recorders[k].launches] == expected
     for kind in expected:
         (grid, args), = recorders[kind].launches  # one launch each
         assert all(type(g) is int for g in grid), f"{kind} grid {grid!r} is not plain ints"
@@ -125,8 +132,8 @@ def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
             slice_groups = cdiv(S, args.get("SLICE_GROUP", 1))  # slices sharing one program's dot
             assert grid[0] == slice_groups * cdiv(R, args["BLOCK_R"]), f"shrink grid {grid}"
             assert grid[2] == args["split_k"], f"shrink grid {grid} vs split_k {args['split_k']}"
-        else:
-            assert grid[0] == sum(cdiv(n, args["BLOCK_N"]) for n in p["slice_widths"]), f"expand grid {grid}"
+        else:  # expand and the one-launch kernel: one program per column block of each slice
+            assert grid[0] == sum(cdiv(n, args["BLOCK_N"]) for n in p["slice_widths"]), f"{kind} grid {grid}"
         tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
         assert len(tensors) >= 7 and all(t.device.type == "meta" for t in tensors)
 

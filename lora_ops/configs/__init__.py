@@ -1,6 +1,9 @@
 """Kernel configs: heuristic defaults (no files), tuned tables per GPU shipped in the package, and an
 opt-in runtime autotune.
 
+add_lora_ runs either one launch (lora_ops.kernels.fused: small batches) or two (shrink, then expand);
+:func:`fused_config` decides, by the same resolution, and returns None for two launches.
+
 Resolution order for a (kernel, shapes, token bucket) key: a config autotuned in this process, else the
 nearest entry of the tuned table for this GPU (``tuned/<gpu name>.json``, written by
 ``python -m lora_ops.tune``), else the heuristic. Tables are tuned in 16-bit dtypes; float32 inputs use
@@ -17,20 +20,39 @@ import re
 import torch
 
 from lora_ops.configs import heuristics
-from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig, token_bucket
+from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
-__all__ = ["ShrinkConfig", "ExpandConfig", "shrink_config", "expand_config", "enable_autotune", "table_path",
-           "token_bucket"]
+__all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
+           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket"]
+
+PATHS = ("fused", "split")
 
 TUNED_DIR = pathlib.Path(__file__).with_name("tuned")
 _resolved = {}
 _autotune = {"on": False}
+_forced = {"path": None}
+_tables = {"on": True}
 
 
 def enable_autotune(on=True):
     """Opt in (or out) of runtime autotuning: the first call of each new shape bucket on a GPU times the
     candidate configs (see lora_ops.configs.tuning) and keeps the fastest. Warm up before capturing."""
     _autotune["on"] = bool(on)
+    _resolved.clear()
+
+
+def force_path(path):
+    """Make add_lora_ take one path for every shape: "fused" (one launch), "split" (shrink + expand),
+    or None (the default: chosen per shape). For tests and benchmarks."""
+    if path not in PATHS + (None,):
+        raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
+    _forced["path"] = path
+    _resolved.clear()
+
+
+def use_tuned_tables(on=True):
+    """Look up the shipped tuned tables (default) or use the heuristic alone (benchmarks compare both)."""
+    _tables["on"] = bool(on)
     _resolved.clear()
 
 
@@ -58,49 +80,76 @@ def load_table(gpu_name):
 MAX_DISTANCE = 2.0
 
 
-def _nearest(entries, kind, features, num_slices, max_rank, bucket):
-    """The table entry nearest in log2 distance over (features, rank, tokens), if near enough."""
+def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features=None):
+    """The table entry nearest in log2 distance over (features, rank, tokens), if near enough; one-launch
+    entries also weigh the output features."""
     def dist(e):
-        return (abs(math.log2(e["features"] / features)) + abs(math.log2(e["rank"] / max_rank))
-                + abs(math.log2(e["tokens"] / bucket)) + (0.5 if e["slices"] != num_slices else 0.0))
+        d = (abs(math.log2(e["features"] / features)) + abs(math.log2(e["rank"] / max_rank))
+             + abs(math.log2(e["tokens"] / bucket)) + (0.5 if e["slices"] != num_slices else 0.0))
+        if out_features and e.get("out_features"):
+            d += abs(math.log2(e["out_features"] / out_features))
+        return d
     cands = [e for e in entries if e["kind"] == kind]
     best = min(cands, key=dist) if cands else None
     return best if best is not None and dist(best) <= MAX_DISTANCE else None
 
 
-def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket):
-    make = ShrinkConfig if kind == "shrink" else ExpandConfig
+def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, out_features):
     if kind == "shrink":
-        fallback = heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots)
-    else:
-        fallback = heuristics.expand_config(bucket, features, max_rank, num_slots)
+        return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots)
+    if kind == "expand":
+        return heuristics.expand_config(bucket, features, max_rank, num_slots)
+    forced = _forced["path"]
+    if forced == "fused" or (forced is None and heuristics.prefers_fused(bucket, features, max_rank)):
+        return heuristics.fused_config(bucket, features, max_rank)
+    return None
+
+
+def _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback):
+    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
+    entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket, out_features)
+    if entry is None:
+        return fallback
+    if entry["config"] is None:  # the tuner found two launches faster here
+        return None
+    cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig}[kind](**entry["config"])
+    if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
+        cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
+    if kind == "shrink":
+        cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
+    return cfg
+
+
+def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None):
+    """(config, whether to remember it)."""
+    forced = _forced["path"] if kind == "fused" else None
+    if forced == "split":
+        return None, True
+    fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, out_features)
     if device.type != "cuda" or dtype == torch.float32:
         return fallback, True
     if _autotune["on"]:
         if torch.cuda.is_current_stream_capturing():
             return fallback, False
         from lora_ops.configs import tuning
-        return tuning.autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket), True
-    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
-    entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket)
-    if entry is None:
+        return tuning.autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket,
+                               out_features, fused_only=forced == "fused"), True
+    if not _tables["on"]:
         return fallback, True
-    cfg = make(**entry["config"])
-    if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
-        cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
-    if kind == "shrink":
-        cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
+    cfg = _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback)
+    if forced == "fused" and cfg is None:
+        cfg = fallback
     return cfg, True
 
 
-def _config(kind, device, dtype, features, num_slices, max_rank, num_slots, num_tokens):
+def _config(kind, device, dtype, features, num_slices, max_rank, num_slots, num_tokens, out_features=None):
     bucket = token_bucket(num_tokens)
-    key = (kind, device, dtype, features, num_slices, max_rank, num_slots, bucket)
-    cfg = _resolved.get(key)
-    if cfg is None:
-        cfg, keep = _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket)
-        if keep:
-            _resolved[key] = cfg
+    key = (kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features)
+    if key in _resolved:
+        return _resolved[key]
+    cfg, keep = _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features)
+    if keep:
+        _resolved[key] = cfg
     return cfg
 
 
@@ -112,3 +161,10 @@ def shrink_config(num_tokens, in_features, num_slices, max_rank, num_slots, devi
 def expand_config(num_tokens, out_features, num_slices, max_rank, num_slots, device=torch.device("cpu"),
                   dtype=torch.bfloat16):
     return _config("expand", device, dtype, out_features, num_slices, max_rank, num_slots, num_tokens)
+
+
+def fused_config(num_tokens, in_features, out_features, num_slices, max_rank, num_slots,
+                 device=torch.device("cpu"), dtype=torch.bfloat16):
+    """The one-launch kernel's config, or None where two launches (shrink, expand) serve this shape."""
+    return _config("fused", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens,
+                   out_features)

@@ -39,6 +39,23 @@ class ExpandConfig(NamedTuple):
     num_stages: int
 
 
+class FusedConfig(NamedTuple):
+    """The one-launch add_lora_ kernel (lora_ops.kernels.fused)."""
+    block_m: int
+    block_n: int
+    block_r: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The one-launch path recomputes a tile's h in every column block, reading about (BLOCK_M + rank) * K
+# values per program; past this many A values per slice (rank * K) or this token bucket, the two-launch
+# path's parallel split-K shrink wins (the tuner measures the real crossover per shape).
+FUSED_MAX_BUCKET = 64
+FUSED_MAX_RANK_K = 64 * 4096
+
+
 def token_bucket(num_tokens):
     for edge in TOKEN_BUCKETS:
         if num_tokens <= edge:
@@ -74,6 +91,15 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), 32))
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=4, num_stages=2, slice_group=group)
+
+
+def prefers_fused(bucket, in_features, max_rank):
+    return bucket <= FUSED_MAX_BUCKET and max_rank * in_features <= FUSED_MAX_RANK_K
+
+
+def fused_config(bucket, in_features, max_rank):
+    block_k = max(16, min(128, next_power_of_2(in_features)))
+    return FusedConfig(block_m_for(bucket), 128, rank_block(max_rank), block_k, num_warps=4, num_stages=3)
 
 
 def expand_config(bucket, out_features, max_rank, num_slots):

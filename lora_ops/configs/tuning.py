@@ -6,14 +6,19 @@ shapes (``num_slots`` adapters sharing the tokens, about 10% with no adapter, sh
 per launch counts. Candidates that fail to compile or exceed the GPU's resources are skipped.
 """
 import itertools
+import math
 
 import torch
 
 from lora_ops.batch import LoRABatch
 from lora_ops.configs import heuristics
-from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig, cdiv
+from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, cdiv
 
 TUNE_SLOTS = 4
+# Launch runs in a timed graph rotate over copies of the problem until they hold this many bytes, so
+# weights come from HBM as in a model (whose other layers evict them from L2), not from a warm L2.
+COLD_BYTES = 160 * 2 ** 20
+MAX_COPIES = 16
 
 
 def _block_ms(bucket):
@@ -44,6 +49,19 @@ def expand_candidates(bucket, out_features, max_rank):
             yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), warps, stages)
 
 
+def fused_candidates(bucket, in_features, max_rank):
+    """The one-launch kernel's space; empty past the buckets where it can win (one tile's h is recomputed
+    by every column block)."""
+    if bucket > 4 * heuristics.FUSED_MAX_BUCKET:
+        return
+    br = heuristics.rank_block(max_rank)
+    for bm, bn, bk in itertools.product(_block_ms(bucket), (64, 128, 256), (64, 128, 256)):
+        for warps, stages in ((4, 3), (4, 4), (8, 3)):
+            if bm * bn > 64 * 128 and warps == 4:  # the accumulator would not fit 4 warps' registers
+                continue
+            yield FusedConfig(bm, bn, br, bk, warps, stages)
+
+
 def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens, seed=0):
     """Random signed inputs of the given shapes and a batch of `num_slots` adapters, ~10% no adapter."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -66,14 +84,25 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
     return dict(x=x, A=A, B=B, y=y, scale=scale, rank=rank, meta=batch.meta, h=h, widths=list(slice_widths))
 
 
-def graph_time_us(fn, launches=10, replays=5):
-    """Median µs per call of `fn`, from CUDA-graph replays of `launches` calls (fn warmed up first)."""
-    fn()
+def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens):
+    """Enough independent copies of one synthetic problem to hold COLD_BYTES (at most MAX_COPIES)."""
+    first = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens)
+    size = sum(first[k].numel() * first[k].element_size() for k in ("x", "A", "B", "y", "h"))
+    count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / max(size, 1))))
+    return [first] + [synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens,
+                                        seed=i) for i in range(1, count)]
+
+
+def graph_time_us(fns, launches=16, replays=5):
+    """Median µs per launch from CUDA-graph replays of `launches` calls cycling over `fns` (the same
+    work on different copies of the data), each warmed up first."""
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
+        for i in range(launches):
+            fns[i % len(fns)]()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,6 +112,15 @@ def graph_time_us(fn, launches=10, replays=5):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / launches)
     return sorted(times)[len(times) // 2]
+
+
+def wall_time_us(fns):
+    """Host wall time per call (CPU / interpreter dry runs of the tuner: checks the code, not speed)."""
+    import time
+    t0 = time.perf_counter()
+    for fn in fns:
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / len(fns)
 
 
 def shrink_runner(p, cfg):
@@ -102,33 +140,88 @@ def expand_runner(p, cfg):
     return run
 
 
-def search(kind, problem, candidates):
-    """(best config, its µs, {config: µs}) over the candidates that run."""
-    runner = shrink_runner if kind == "shrink" else expand_runner
+def fused_runner(p, cfg):
+    from lora_ops import launch
+
+    def run():
+        launch.launch_fused(p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], p["widths"], *p["meta"], cfg)
+    return run
+
+
+RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner}
+
+
+def time_config(kind, problems, cfg):
+    """µs per launch of `cfg` on `problems` (copies), or None if it does not compile or run."""
+    try:
+        fns = [RUNNERS[kind](p, cfg) for p in problems]
+        return graph_time_us(fns) if problems[0]["x"].is_cuda else wall_time_us(fns)
+    except Exception:  # noqa: BLE001 — out of resources / compile failure: not a candidate
+        torch.cuda.synchronize()
+        return None
+
+
+def search(kind, problems, candidates):
+    """(best config, its µs, {config: µs}) over the candidates that run; (None, inf, {}) if none does."""
     timings = {}
     for cfg in candidates:
-        try:
-            timings[cfg] = graph_time_us(runner(problem, cfg))
-        except Exception:  # noqa: BLE001 — out of resources / compile failure: not a candidate
-            torch.cuda.synchronize()
-            continue
+        us = time_config(kind, problems, cfg)
+        if us is not None:
+            timings[cfg] = us
+    if not timings:
+        return None, math.inf, timings
     best = min(timings, key=timings.get)
     return best, timings[best], timings
 
 
 def candidates_for(kind, bucket, features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     if kind == "shrink":
-        return shrink_candidates(bucket, features, max_rank, num_slices, num_slots)
-    return expand_candidates(bucket, features, max_rank)
+        return list(shrink_candidates(bucket, features, max_rank, num_slices, num_slots))
+    if kind == "expand":
+        return list(expand_candidates(bucket, features, max_rank))
+    return list(fused_candidates(bucket, features, max_rank))
 
 
-def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket):
-    """The fastest config for one key, on a synthetic problem of the bucket's token count."""
+def split_widths(out_features, num_slices):
+    widths = [out_features // num_slices] * (num_slices - 1)
+    return widths + [out_features - sum(widths)]
+
+
+def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket, kinds):
+    """Compile (and run once) every candidate of `kinds` for one shape: fills Triton's on-disk cache, so
+    worker processes can compile in parallel and the timing process only loads. Returns the count."""
+    p = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket)
+    done = 0
+    for kind in kinds:
+        features = sum(slice_widths) if kind == "expand" else in_features
+        for cfg in candidates_for(kind, bucket, features, max_rank, len(slice_widths), num_slots):
+            try:
+                RUNNERS[kind](p, cfg)()
+                done += 1
+            except Exception:  # noqa: BLE001 — the timing pass skips it too
+                pass
+    if p["x"].is_cuda:
+        torch.cuda.synchronize()
+    return done
+
+
+def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None,
+             fused_only=False):
+    """The fastest config for one key, on synthetic problems of the bucket's token count. For "fused":
+    the fastest one-launch config, or None when shrink + expand (each at its best) is faster."""
     if kind == "shrink":
-        problem = synthetic_problem(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
+        problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
+    elif kind == "expand":
+        problems = problem_copies(device, dtype, 64, split_widths(features, num_slices), max_rank, num_slots, bucket)
     else:
-        widths = [features // num_slices] * (num_slices - 1)
-        widths.append(features - sum(widths))
-        problem = synthetic_problem(device, dtype, 64, widths, max_rank, num_slots, bucket)
-    best, _, _ = search(kind, problem, candidates_for(kind, bucket, features, max_rank, num_slices, num_slots))
-    return best
+        problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
+                                  num_slots, bucket)
+    if kind != "fused":
+        return search(kind, problems, candidates_for(kind, bucket, features, max_rank, num_slices, num_slots))[0]
+    best, fused_us, _ = search("fused", problems, candidates_for("fused", bucket, features, max_rank))
+    if fused_only or best is None:
+        return best
+    _, shrink_us, _ = search("shrink", problems, candidates_for("shrink", bucket, features, max_rank, num_slices,
+                                                                num_slots))
+    _, expand_us, _ = search("expand", problems, candidates_for("expand", bucket, out_features, max_rank))
+    return best if fused_us < shrink_us + expand_us else None

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import dot_f32_lhs, find_slice_block, find_slot_tile, load_tile_tokens
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -33,25 +33,13 @@ def expand_kernel(
     pid_m = tl.program_id(1)
     if pid_n >= SLICE_BLOCKS[len(SLICE_BLOCKS) - 1]:
         return
-    slice_id = 0
-    col_lo = 0
-    col_hi = SLICE_COLS[1]
-    block_lo = 0
-    for i in tl.static_range(1, len(SLICE_BLOCKS) - 1):
-        later = pid_n >= SLICE_BLOCKS[i]
-        slice_id = tl.where(later, i, slice_id)
-        col_lo = tl.where(later, SLICE_COLS[i], col_lo)
-        col_hi = tl.where(later, SLICE_COLS[i + 1], col_hi)
-        block_lo = tl.where(later, SLICE_BLOCKS[i], block_lo)
-
+    slice_id, offs_n, n_ok = find_slice_block(pid_n, SLICE_COLS, SLICE_BLOCKS, BLOCK_N)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
                                                   max_rank, capacity, BLOCK_M, SLOTS_POW2)
     if rank == 0:
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
 
-    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
     h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
     b_cols = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn

@@ -38,6 +38,28 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
 
 
 @triton.jit
+def find_slice_block(pid_n, SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Map column-block program ``pid_n`` to (slice, its columns [BLOCK_N], which of them exist).
+
+    SLICE_COLS: S + 1 column offsets of the output slices (0, n_0, n_0 + n_1, ..., N); SLICE_BLOCKS: S + 1
+    offsets of each slice's first column block (prefix sums of cdiv(n_i, BLOCK_N)). The caller returns
+    when ``pid_n >= SLICE_BLOCKS[-1]``.
+    """
+    slice_id = 0
+    col_lo = 0
+    col_hi = SLICE_COLS[1]
+    block_lo = 0
+    for i in tl.static_range(1, len(SLICE_BLOCKS) - 1):
+        later = pid_n >= SLICE_BLOCKS[i]
+        slice_id = tl.where(later, i, slice_id)
+        col_lo = tl.where(later, SLICE_COLS[i], col_lo)
+        col_hi = tl.where(later, SLICE_COLS[i + 1], col_hi)
+        block_lo = tl.where(later, SLICE_BLOCKS[i], block_lo)
+    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slice_id, offs_n, offs_n < col_hi
+
+
+@triton.jit
 def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.constexpr):
     """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M))."""
     offs = tl.arange(0, BLOCK_M)
