@@ -28,12 +28,20 @@ def slice_layout(slice_widths, block_n):
     return tuple(cols), tuple(blocks)
 
 
-def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg):
-    """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K)."""
+def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False):
+    """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
+
+    With ``partials_out`` (and split-K), h is [split_k, M, S, R] and gets each split's partial sums, for
+    a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     grid = (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
-    if cfg.split_k > 1:  # per-split partial sums and one arrival counter per (column block, token tile)
+    partials_out = partials_out and cfg.split_k > 1
+    if h.dim() == 4 and not partials_out:  # one split: its partial sums are h itself
+        h = h[0]
+    if partials_out:
+        part, arrivals = h, sorted_token_ids
+    elif cfg.split_k > 1:  # per-split partial sums and one arrival counter per (column block, token tile)
         part = h.new_empty((cfg.split_k, M, S, R))
         arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=h.device)
     else:
@@ -46,21 +54,23 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         h.stride(0), h.stride(1), h.stride(2),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k > 1, SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+        SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
+        DOT_PRECISION=_DOT_PRECISION[x.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
-    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32."""
+    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order."""
     M = y.shape[0]
+    parts = h if h.dim() == 4 else h.unsqueeze(0)
     L, _, R = lora_b.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
     expand_kernels.expand_kernel[grid](
-        h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, L, R, sorted_token_ids.shape[0],
-        h.stride(0), h.stride(1), h.stride(2),
+        parts, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts,
+        M, L, R, sorted_token_ids.shape[0], parts.shape[0],
+        parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
@@ -125,8 +135,9 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                      fcfg)
         return
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-    # Every entry of h the expand reads (valid tokens, r < rank) is written by the shrink.
-    h = x.new_empty((M, S, R), dtype=torch.float32)
-    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg)
+    # Every entry of h the expand reads (valid tokens, r < rank) is written by the shrink; with split-K,
+    # h holds the splits' partial sums and the expand adds them.
+    h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
+    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg, partials_out=True)
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)

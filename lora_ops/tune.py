@@ -12,6 +12,7 @@ timed one by one in this process as CUDA-graph replays.
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop early and write")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter on tiny shapes: checks the tuner's code path, times nothing real")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the entries of an existing table at --out that this run does not retune")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
@@ -53,20 +56,37 @@ def parse_args(argv=None):
 def _shape_jobs(args, buckets):
     """Smallest token buckets first: if the time budget ends the run, decode shapes (where configs matter
     most) are tuned for every layer."""
-    jobs = [(m, name, K, widths, r, b) for m in args.model for name, (K, widths) in MODELS[m].items()
+    jobs = [(m, name, K, tuple(widths), r, b) for m in args.model for name, (K, widths) in MODELS[m].items()
             if not args.layers or name in args.layers for r in args.ranks for b in buckets]
     return sorted(jobs, key=lambda job: job[5])
 
 
-def _precompile_one(job, slots, dtype_name):
+def _precompile_one(job, items, slots, dtype_name):
     from lora_ops.configs import tuning
     _, _, K, widths, r, bucket = job
-    return tuning.precompile(torch.device("cuda"), getattr(torch, dtype_name), K, widths, r, slots, bucket,
-                             ("shrink", "expand", "fused"))
+    return tuning.precompile(torch.device("cuda"), getattr(torch, dtype_name), K, widths, r, slots, bucket, items)
+
+
+def compile_work(jobs, args):
+    """{job: [(kind, config), ...]} holding each distinct compile once (split_k is a run-time argument;
+    the slice layout is compiled into the expand and one-launch kernels, the slice count into the shrink)."""
+    from lora_ops.configs import tuning
+    seen, work = set(), {}
+    for job in jobs:
+        _, _, K, widths, r, bucket = job
+        for kind, features in (("shrink", K), ("expand", sum(widths)), ("fused", K)):
+            for cfg in tuning.candidates_for(kind, bucket, features, r, len(widths), args.slots)[:args.max_candidates]:
+                compiled = cfg._replace(split_k=min(cfg.split_k, 2)) if kind == "shrink" else cfg
+                key = (kind, compiled, len(widths) if kind == "shrink" else tuple(widths))
+                if key not in seen:
+                    seen.add(key)
+                    work.setdefault(job, []).append((kind, cfg))
+    return work
 
 
 def precompile_all(jobs, args):
-    """Compile every candidate in worker processes (fills Triton's cache); returns seconds spent."""
+    """Compile every distinct candidate in worker processes (fills Triton's disk cache, so the timing pass
+    only loads); returns seconds spent."""
     import concurrent.futures
     import multiprocessing
     import os
@@ -74,12 +94,15 @@ def precompile_all(jobs, args):
     if workers <= 0:
         return 0.0
     t0 = time.time()
+    tasks = []
+    for job, items in compile_work(jobs, args).items():  # chunks of a few compiles, so workers stay busy
+        tasks += [(job, items[i:i + 4]) for i in range(0, len(items), 4)]
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = [pool.submit(_precompile_one, job, args.slots, args.dtype) for job in jobs]
+        futures = [pool.submit(_precompile_one, job, items, args.slots, args.dtype) for job, items in tasks]
         for i, _ in enumerate(concurrent.futures.as_completed(futures)):
-            progress(i + 1, len(jobs), "compiling candidates")
-    sys.stderr.write("\n")
+            progress(i + 1, len(tasks), "compiling candidates")
+    sys.stderr.write(f"\n{sum(len(items) for _, items in tasks)} distinct compiles in {time.time() - t0:.0f} s\n")
     return time.time() - t0
 
 
@@ -144,6 +167,14 @@ def main(argv=None):
                  triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
                  seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
     out = args.out or configs.table_path(gpu)
+    if args.merge and os.path.exists(out):
+        def key(e):
+            return (e["kind"], e.get("model"), e["layer"], e["rank"], e["tokens"])
+        with open(out) as f:
+            old = json.load(f)
+        new_keys = {key(e) for e in entries}
+        table["entries"] = [e for e in old["entries"] if key(e) not in new_keys] + entries
+        table["merged_from"] = {k: old.get(k) for k in ("date", "torch", "triton", "seconds")}
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
     by_layer = {}

@@ -109,7 +109,6 @@ def test_gpu_without_table_falls_back_to_heuristic(monkeypatch, tmp_path):
 def test_table_chooses_the_add_lora_path(fake_gpu_table):
     """A "fused" entry names the one-launch config, or null: two launches were faster there."""
     assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) == heuristics.FusedConfig(16, 256, 16, 256, 8, 3)
-    assert heuristics.prefers_fused(64, 4096, 16)  # the heuristic alone would take one launch here
     assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) is None
 
 
@@ -121,7 +120,8 @@ def test_forced_path_and_tables_off(fake_gpu_table):
         assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) is None
         configs.force_path(None)
         configs.use_tuned_tables(False)
-        assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) == heuristics.fused_config(64, 4096, 16)
+        assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) is None  # the heuristic: two launches
+        assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) == heuristics.fused_config(1, 4096, 16)
         assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA) == heuristics.shrink_config(64, 4096, 3, 16, 4)
     finally:
         configs.force_path(None)
@@ -130,9 +130,9 @@ def test_forced_path_and_tables_off(fake_gpu_table):
         configs.force_path("both")
 
 
-@pytest.mark.parametrize("bucket, rank, features, fused", [(1, 16, 4096, True), (64, 64, 4096, True),
-                                                          (64, 64, 14336, False), (256, 16, 4096, False)],
-                         ids=["decode", "r64-M64", "r64-down", "M256"])
+@pytest.mark.parametrize("bucket, rank, features, fused", [(1, 16, 4096, True), (1, 64, 4096, False),
+                                                          (16, 16, 4096, False), (1, 16, 14336, False)],
+                         ids=["decode-r16", "decode-r64", "M16", "decode-down"])
 def test_heuristic_path_choice(bucket, rank, features, fused):
     assert (configs.fused_config(bucket, features, 4096, 1, rank, 4) is not None) == fused
 
@@ -153,5 +153,5 @@ def test_tuner_candidates_include_valid_configs(bucket):
     exp = list(tuning.expand_candidates(bucket, 6144, 16))
     fused = list(tuning.fused_candidates(bucket, 4096, 16))
     assert shr and exp and len(set(shr)) == len(shr)
-    assert bool(fused) == (bucket <= 256) and len(set(fused)) == len(fused)
+    assert bool(fused) == (bucket <= tuning.FUSED_TUNE_MAX_BUCKET) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 # Programs to aim for with split-K at decode sizes: about two waves on a 132-SM GPU.
 TARGET_PROGRAMS = 256
+MAX_SPLIT_K = 32
 # Upper edges of the token-count buckets; past the last, the last bucket.
 TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
 
@@ -50,10 +51,11 @@ class FusedConfig(NamedTuple):
 
 
 # The one-launch path recomputes a tile's h in every column block, reading about (BLOCK_M + rank) * K
-# values per program; past this many A values per slice (rank * K) or this token bucket, the two-launch
-# path's parallel split-K shrink wins (the tuner measures the real crossover per shape).
-FUSED_MAX_BUCKET = 64
-FUSED_MAX_RANK_K = 64 * 4096
+# values per program, one program per SM doing all of K. On the H200 (2026-12-02 tuning) it only broke
+# even with two launches at one token and rank 16 (K 4096) and lost everywhere else, so the heuristic
+# takes it only there; the tuner records the shapes where it wins.
+FUSED_MAX_BUCKET = 1
+FUSED_MAX_RANK_K = 16 * 4096
 
 
 def token_bucket(num_tokens):
@@ -89,8 +91,10 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
     group = slice_group_for(num_slices, block_r)
     block_k = max(16, min(128, next_power_of_2(in_features)))
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
-    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), 32))
-    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=4, num_stages=2, slice_group=group)
+    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), MAX_SPLIT_K))
+    # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
+    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
+                        slice_group=group)
 
 
 def prefers_fused(bucket, in_features, max_rank):

@@ -15,6 +15,8 @@ from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, cdiv
 
 TUNE_SLOTS = 4
+# The one-launch kernel is tried up to this token bucket (on the H200 it lost at 16 and 64 already).
+FUSED_TUNE_MAX_BUCKET = 64
 # Launch runs in a timed graph rotate over copies of the problem until they hold this many bytes, so
 # weights come from HBM as in a model (whose other layers evict them from L2), not from a warm L2.
 COLD_BYTES = 160 * 2 ** 20
@@ -30,16 +32,13 @@ def _block_ms(bucket):
 def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     # split_k is a run-time argument (no recompile), so it is searched widely; the other knobs compile.
     br = heuristics.rank_block(max_rank)
-    groups = sorted({1, heuristics.slice_group_for(num_slices, br), heuristics.next_power_of_2(num_slices)})
+    groups = sorted({1, heuristics.slice_group_for(num_slices, br)})
     for bm, bk, group in itertools.product(_block_ms(bucket), (64, 128, 256), groups):
-        if group * br > 256:
-            continue
         programs = cdiv(num_slices, group) * cdiv(max_rank, br) * heuristics.max_token_tiles(bucket, num_slots, bm)
+        most = min(heuristics.MAX_SPLIT_K, cdiv(in_features, bk))
         base = max(1, heuristics.TARGET_PROGRAMS // programs)
-        for sk in sorted({1, max(1, base // 4), max(1, base // 2), base, base * 2}):
-            if sk > min(32, cdiv(in_features, bk)):
-                continue
-            for warps, stages in ((4, 2), (4, 3), (8, 3)):
+        for sk in sorted({min(most, s) for s in (1, max(1, base // 4), max(1, base // 2), base, base * 2)}):
+            for warps, stages in ((4, 3), (8, 3)):
                 yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
 
 
@@ -52,14 +51,11 @@ def expand_candidates(bucket, out_features, max_rank):
 def fused_candidates(bucket, in_features, max_rank):
     """The one-launch kernel's space; empty past the buckets where it can win (one tile's h is recomputed
     by every column block)."""
-    if bucket > 4 * heuristics.FUSED_MAX_BUCKET:
+    if bucket > FUSED_TUNE_MAX_BUCKET:
         return
     br = heuristics.rank_block(max_rank)
-    for bm, bn, bk in itertools.product(_block_ms(bucket), (64, 128, 256), (64, 128, 256)):
-        for warps, stages in ((4, 3), (4, 4), (8, 3)):
-            if bm * bn > 64 * 128 and warps == 4:  # the accumulator would not fit 4 warps' registers
-                continue
-            yield FusedConfig(bm, bn, br, bk, warps, stages)
+    for bn, bk in itertools.product((64, 128, 256), (128, 256)):
+        yield FusedConfig(heuristics.block_m_for(bucket), bn, br, bk, 8 if bn == 256 else 4, 3)
 
 
 def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens, seed=0):
@@ -125,10 +121,12 @@ def wall_time_us(fns):
 
 def shrink_runner(p, cfg):
     from lora_ops import launch
-    h = torch.empty(p["x"].shape[0], p["A"].shape[1], p["A"].shape[2], dtype=torch.float32, device=p["x"].device)
+    # As add_lora_ runs it: split-K partial sums out, for the expand to add.
+    h = torch.empty(cfg.split_k, p["x"].shape[0], p["A"].shape[1], p["A"].shape[2], dtype=torch.float32,
+                    device=p["x"].device)
 
     def run():
-        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
+        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg, partials_out=True)
     return run
 
 
@@ -187,19 +185,17 @@ def split_widths(out_features, num_slices):
     return widths + [out_features - sum(widths)]
 
 
-def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket, kinds):
-    """Compile (and run once) every candidate of `kinds` for one shape: fills Triton's on-disk cache, so
+def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket, items):
+    """Compile (and run once) each (kind, config) of `items` on one shape: fills Triton's on-disk cache, so
     worker processes can compile in parallel and the timing process only loads. Returns the count."""
     p = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket)
     done = 0
-    for kind in kinds:
-        features = sum(slice_widths) if kind == "expand" else in_features
-        for cfg in candidates_for(kind, bucket, features, max_rank, len(slice_widths), num_slots):
-            try:
-                RUNNERS[kind](p, cfg)()
-                done += 1
-            except Exception:  # noqa: BLE001 — the timing pass skips it too
-                pass
+    for kind, cfg in items:
+        try:
+            RUNNERS[kind](p, cfg)()
+            done += 1
+        except Exception:  # noqa: BLE001 — the timing pass skips it too
+            pass
     if p["x"].is_cuda:
         torch.cuda.synchronize()
     return done

@@ -8,8 +8,8 @@ from lora_ops.kernels.work import dot_f32_lhs, find_slice_block, find_slot_tile,
 @triton.jit(do_not_specialize=["M"])
 def expand_kernel(
     h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
-    M, num_slots, max_rank, capacity,
-    stride_hm, stride_hs, stride_hr,
+    M, num_slots, max_rank, capacity, num_parts,
+    stride_hp, stride_hm, stride_hs, stride_hr,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr,
@@ -18,11 +18,12 @@ def expand_kernel(
 ):
     """One program: one token tile of one slot times one BLOCK_N block of one output slice.
 
-    Pointers: h [M, S, R] float32 (the shrink output); B [L, N, R] (y's dtype);
+    Pointers: h [P, M, S, R] float32: the shrink output as num_parts = P partial sums (split-K partials,
+    added here in split order, so the sum is deterministic; P = 1: h itself); B [L, N, R] (y's dtype);
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
-    Strides: every dimension of h, B and y, in elements.
+    Strides: every dimension of h (stride_hp between parts), B and y, in elements.
     SLICE_COLS: S + 1 column offsets of the output slices in y and B (0, n_0, n_0 + n_1, ..., N);
     SLICE_BLOCKS: S + 1 offsets of each slice's first column block (prefix sums of cdiv(n_i, BLOCK_N)).
     Grid: (total column blocks, token-tile bound). The rank loop stops at the slot's own rank.
@@ -54,7 +55,11 @@ def expand_kernel(
         rs = r0 + offs_r
         r_ok = rs < rank
         h_mask = valid[:, None] & r_ok[None, :]
-        ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=h_mask, other=0.0)
+        part_rows = h_rows + rs[None, :] * stride_hr
+        ht = tl.load(part_rows, mask=h_mask, other=0.0)
+        for _ in range(1, num_parts):  # the splits' partial sums, in split order
+            part_rows += stride_hp
+            ht += tl.load(part_rows, mask=h_mask, other=0.0)
         bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
 

@@ -15,7 +15,7 @@ def shrink_kernel(
     stride_hm, stride_hs, stride_hr,
     stride_pk, stride_pm, stride_ps, stride_pr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
@@ -35,6 +35,9 @@ def shrink_kernel(
     SPLIT_K: split_k > 1. Each split stores its partial sums, then counts its arrival; the last split to
     arrive adds the partials in split order and writes h. Sums are therefore deterministic (no float
     atomics): a CUDA-graph replay, a compiled model and eager mode give bit-identical results.
+    PARTIALS_OUT (with SPLIT_K): each split stores its partial sums and returns; h is not written and no
+    counter is used. The consumer adds the splits in order (the expand kernel does, for add_lora_), which
+    saves the counters' zero-fill launch and the last split's extra round trip.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
     """
     pid_sr = tl.program_id(0)
@@ -75,6 +78,8 @@ def shrink_kernel(
     if SPLIT_K:
         part_off = tok[:, None] * stride_pm + col_slice[None, :] * stride_ps + col_r[None, :] * stride_pr
         tl.store(part_ptr + pid_k * stride_pk + part_off, acc, mask=mask)
+        if PARTIALS_OUT:
+            return
         # acq_rel: this split's partials are visible to whichever split arrives last.
         arrived = tl.atomic_add(arrivals_ptr + pid_m * tl.num_programs(0) + pid_sr, 1, sem="acq_rel")
         if arrived != split_k - 1:

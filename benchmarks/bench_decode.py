@@ -1,0 +1,182 @@
+"""End-to-end decode step and eager host cost: a stack of Llama-3-8B-shaped layers with and without LoRA.
+
+Decode step: `--layers` decoder blocks of Llama-3-8B's projection shapes (qkv 4096 -> 6144 packed q/k/v, o
+4096 -> 4096, gate_up 4096 -> 28672 packed gate/up, down 14336 -> 4096; attention itself is replaced by
+taking q, the MLP is SiLU-gated), bf16, a batch of `--batch` tokens spread round-robin over 4 adapters.
+The same model is timed without LoRA, then with every projection a LoRALinear (apply_lora), each step
+captured into one CUDA graph; tokens/s = batch / median replay time.
+
+Host cost: eager calls of one qkv LoRALinear at `--batch` tokens, back to back, wall time per call,
+against the bare nn.Linear; the difference is what LoRA adds on the host per layer.
+
+    python benchmarks/bench_decode.py                        # the H200 run (writes to $OUT or benchmarks/results)
+    python benchmarks/bench_decode.py --device cpu --tiny    # logic check on a CPU
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import lora_ops  # noqa: E402
+
+LLAMA = dict(hidden=4096, q=4096, kv=1024, inter=14336)
+TINY = dict(hidden=64, q=64, kv=16, inter=128)
+
+
+class Block(nn.Module):
+    """The projections of one Llama decoder block; attention is stood in for by q itself."""
+
+    def __init__(self, d, dtype, device):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.q_width = d["q"]
+        self.inter = d["inter"]
+        self.qkv_proj = nn.Linear(d["hidden"], d["q"] + 2 * d["kv"], **kw)
+        self.o_proj = nn.Linear(d["q"], d["hidden"], **kw)
+        self.gate_up_proj = nn.Linear(d["hidden"], 2 * d["inter"], **kw)
+        self.down_proj = nn.Linear(d["inter"], d["hidden"], **kw)
+        for lin in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+
+    def forward(self, x):
+        q = self.qkv_proj(x)[:, :self.q_width]
+        x = x + self.o_proj(q)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+def packed(d):
+    return {"qkv_proj": {"q_proj": d["q"], "k_proj": d["kv"], "v_proj": d["kv"]},
+            "gate_up_proj": {"gate_proj": d["inter"], "up_proj": d["inter"]}}
+
+
+def fill_adapters(ctx, rank, num_adapters, gen):
+    """Random signed adapters of `rank` in slots 0..num_adapters-1 of every layer (written in place)."""
+    for layer in ctx.layers.values():
+        layer.lora_a.normal_(0, layer.in_features ** -0.5, generator=gen)
+        layer.lora_b.normal_(0, rank ** -0.5, generator=gen)
+        layer.rank[:num_adapters] = rank
+        layer.scale[:num_adapters] = 1.0
+
+
+def graph_step_us(fn, replays):
+    """Median µs of one CUDA-graph replay of fn (warmed up first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def host_us_per_call(fn, calls, device):
+    """Wall µs per call of `calls` back-to-back eager calls (host bound when the GPU work is small)."""
+    for _ in range(10):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, for logic checks on a CPU")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    d = TINY if args.tiny else LLAMA
+    gen = torch.Generator(device=device).manual_seed(0)
+    model = nn.Sequential(*[Block(d, dtype, device) for _ in range(args.layers)])
+    x = torch.randn(args.batch, d["hidden"], device=device, dtype=dtype, generator=gen)
+    slots = torch.arange(args.batch, device=device) % 4
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+              "triton": getattr(__import__("triton"), "__version__", None), "layers": args.layers,
+              "batch": args.batch, "adapters": 4, "rows": []}
+
+    def step():
+        with torch.no_grad():
+            return model(x)
+
+    base_lin = model[0].qkv_proj
+    time_step = (lambda: graph_step_us(step, args.replays)) if cuda else (lambda: host_us_per_call(step, 5, device))
+    base_step = time_step()
+    with torch.no_grad():
+        base_host = host_us_per_call(lambda: base_lin(x), args.calls, device)
+    ctx = lora_ops.apply_lora(model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], max_loras=4,
+                              max_rank=max(args.ranks), max_tokens=args.batch, packed_modules=packed(d))
+    ctx.set_token_slots(slots)
+    lora_lin = model[0].qkv_proj
+    for rank in args.ranks:
+        fill_adapters(ctx, rank, 4, gen)
+        lora_step = time_step()
+        with torch.no_grad():
+            lora_host = host_us_per_call(lambda: lora_lin(x), args.calls, device)
+        row = {"rank": rank, "base_step_us": round(base_step, 1), "lora_step_us": round(lora_step, 1),
+               "base_tokens_per_s": round(args.batch / base_step * 1e6),
+               "lora_tokens_per_s": round(args.batch / lora_step * 1e6),
+               "slowdown": round(lora_step / base_step, 3),
+               "base_linear_host_us": round(base_host, 1), "lora_linear_host_us": round(lora_host, 1),
+               "lora_added_host_us": round(lora_host - base_host, 1)}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+    lines = [f"# Decode step, {args.layers} Llama-3-8B-shaped blocks, batch {args.batch}, 4 adapters "
+             f"({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, {result['date']})", "",
+             "CUDA-graph replay of one step (median); host: eager qkv layer calls back to back, wall per call.", "",
+             "| rank | base step µs | LoRA step µs | base tok/s | LoRA tok/s | LoRA/base | base Linear host µs | "
+             "LoRALinear host µs | LoRA adds µs |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['rank']} | {r['base_step_us']} | {r['lora_step_us']} | {r['base_tokens_per_s']} | "
+                     f"{r['lora_tokens_per_s']} | {r['slowdown']:.3f} | {r['base_linear_host_us']} | "
+                     f"{r['lora_linear_host_us']} | {r['lora_added_host_us']} |")
+    text = "\n".join(lines)
+    print(text)
+    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
+    tag = "h200" if "H200" in result["gpu"] else device.type
+    stem = os.path.join(out, f"decode_step-{tag}-{result['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
