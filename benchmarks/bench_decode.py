@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -72,25 +71,9 @@ def fill_adapters(ctx, rank, num_adapters, gen):
 
 
 def graph_step_us(fn, replays):
-    """Median µs of one CUDA-graph replay of fn (warmed up first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    """Median µs of one CUDA-graph replay of fn (the tuner's timer: warmed up, captured, replayed)."""
+    from lora_ops.configs.tuning import graph_time_us
+    return graph_time_us([fn], launches=1, replays=replays)
 
 
 def host_us_per_call(fn, calls, device):
