@@ -94,13 +94,12 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
     return best if best is not None and dist(best) <= MAX_DISTANCE else None
 
 
-def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, out_features):
+def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced):
     if kind == "shrink":
         return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots)
     if kind == "expand":
         return heuristics.expand_config(bucket, features, max_rank, num_slots)
-    forced = _forced["path"]
-    if forced == "fused" or (forced is None and heuristics.prefers_fused(bucket, features, max_rank)):
+    if forced == "fused" or heuristics.prefers_fused(bucket, features, max_rank):
         return heuristics.fused_config(bucket, features, max_rank)
     return None
 
@@ -125,7 +124,7 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     forced = _forced["path"] if kind == "fused" else None
     if forced == "split":
         return None, True
-    fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, out_features)
+    fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced)
     if device.type != "cuda" or dtype == torch.float32:
         return fallback, True
     if _autotune["on"]:
