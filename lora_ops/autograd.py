@@ -41,8 +41,9 @@ def _add_lora_functional(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
                          slot_counts):
     # Contiguous like the fake kernel's output, whatever y's layout.
     out = y.clone(memory_format=torch.contiguous_format)
-    torch.ops.lora_ops.add_lora_(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
-                                 slot_starts, slot_counts)
+    # Already below the dispatcher (real tensors, this op's own kernel): run add_lora_'s kernel directly.
+    ops.KERNELS["add_lora_"]["cuda" if out.is_cuda else "cpu"](
+        out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
     return out
 
 
@@ -72,20 +73,20 @@ def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta):
     for lo, hi in _slice_bounds(slice_widths):
         # B[:, C_i] as an A stack [L, 1, R, n_i]: a strided view, no copy.
         b_as_a = lora_b[:, lo:hi].transpose(1, 2).unsqueeze(1)
-        parts.append(torch.ops.lora_ops.shrink(grad_out[:, lo:hi], b_as_a, scale, rank, *meta))
+        parts.append(ops.call("shrink", grad_out[:, lo:hi], b_as_a, scale, rank, *meta))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def grad_lora_a(dh, x, rank, meta):
     """dA [L, S, R, K]: per slot and slice, the sum of dh^T x over the slot's tokens."""
-    return torch.stack([torch.ops.lora_ops.segment_outer(dh[:, i], x, rank, *meta) for i in range(dh.shape[1])],
+    return torch.stack([ops.call("segment_outer", dh[:, i], x, rank, *meta) for i in range(dh.shape[1])],
                        dim=1)
 
 
 def grad_lora_b(grad_out, h, rank, slice_widths, meta):
     """dB [L, N, R]: per slot and slice, the sum of dy[:, C_i]^T h[:, i] over the slot's tokens."""
     # segment_outer puts the rank on its rows: it returns dB[:, C_i]^T, [L, R, n_i].
-    parts = [torch.ops.lora_ops.segment_outer(h[:, i], grad_out[:, lo:hi], rank, *meta).transpose(1, 2)
+    parts = [ops.call("segment_outer", h[:, i], grad_out[:, lo:hi], rank, *meta).transpose(1, 2)
              for i, (lo, hi) in enumerate(_slice_bounds(slice_widths))]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
@@ -104,11 +105,11 @@ def _backward(ctx, grad_out):
     if need_x or need_a:
         dh = grad_h(grad_out, lora_b, scale, rank, widths, meta)
         if need_x:
-            dx = torch.ops.lora_ops.lora_grad_x(dh, lora_a, rank, *meta)
+            dx = ops.call("lora_grad_x", dh, lora_a, rank, *meta)
         if need_a:
             da = grad_lora_a(dh, x, rank, meta)
     if need_b:
-        h = torch.ops.lora_ops.shrink(x, lora_a, scale, rank, *meta)
+        h = ops.call("shrink", x, lora_a, scale, rank, *meta)
         db = grad_lora_b(grad_out, h, rank, widths, meta)
     dy = grad_out if need_y else None
     return dy, dx, da, db, None, None, None, None, None, None

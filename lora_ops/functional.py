@@ -1,6 +1,8 @@
 """The public functional API over the ops (one op call each; metadata built here only on request)."""
 import torch
 
+from lora_ops import ops
+
 from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta
 
 
@@ -34,21 +36,21 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
-    torch.ops.lora_ops.add_lora_(y, x, lora_a, lora_b, scale, rank, widths, *meta)
+    ops.call("add_lora_", y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
 
 
 def shrink(x, lora_a, scale, rank, *, token_slots=None, batch=None):
     """h [M, S, R] float32 = scale * x A^T at each token's slot and rank (zero elsewhere)."""
     meta = _meta(x, lora_a, token_slots, batch)
-    return torch.ops.lora_ops.shrink(x, lora_a, scale, rank, *meta)
+    return ops.call("shrink", x, lora_a, scale, rank, *meta)
 
 
 def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=None):
     """y[:, slice i] += h[:, i, :rank] @ B[slot, slice i, :rank]^T, in place; returns y."""
     meta = _meta(h, lora_b, token_slots, batch)
     widths = _widths(y, slice_widths)
-    torch.ops.lora_ops.expand_(y, h, lora_b, widths, rank, *meta)
+    ops.call("expand_", y, h, lora_b, widths, rank, *meta)
     return y
 
 

@@ -12,6 +12,11 @@ from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
+from lora_ops.triton_launch import FastLauncher
+
+SHRINK = FastLauncher(shrink_kernels.shrink_kernel)
+EXPAND = FastLauncher(expand_kernels.expand_kernel)
+FUSED = FastLauncher(fused_kernels.fused_add_lora_kernel)
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 # How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
@@ -46,13 +51,10 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=h.device)
     else:
         part, arrivals = h.unsqueeze(0), sorted_token_ids
-    shrink_kernels.shrink_kernel[grid](
-        x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        h.stride(0), h.stride(1), h.stride(2),
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+    SHRINK(
+        grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
+         *x.stride(), *lora_a.stride(), *h.stride()[:3], *part.stride()),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
         DOT_PRECISION=_DOT_PRECISION[x.dtype],
@@ -67,12 +69,9 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     L, _, R = lora_b.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
-    expand_kernels.expand_kernel[grid](
-        parts, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, L, R, sorted_token_ids.shape[0], parts.shape[0],
-        parts.stride(0), parts.stride(1), parts.stride(2), parts.stride(3),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), y.stride(1),
+    EXPAND(
+        grid, (parts, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, L, R, sorted_token_ids.shape[0], parts.shape[0], *parts.stride(), *lora_b.stride(), *y.stride()),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         SLOTS_POW2=next_power_of_2(L), H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
@@ -87,13 +86,9 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     L, _, R, _ = lora_a.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
-    fused_kernels.fused_add_lora_kernel[grid](
-        x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, K, L, R, sorted_token_ids.shape[0],
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), y.stride(1),
+    FUSED(
+        grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride()),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],

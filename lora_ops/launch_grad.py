@@ -10,6 +10,10 @@ from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, max
                                          rank_block, token_bucket)
 from lora_ops.launch import F32_OPERAND_PRECISION
 from lora_ops.kernels import grad as grad_kernels
+from lora_ops.triton_launch import FastLauncher
+
+GRAD_X = FastLauncher(grad_kernels.lora_grad_x_kernel)
+SEGMENT_OUTER = FastLauncher(grad_kernels.segment_outer_kernel)
 
 
 class GradXConfig(NamedTuple):
@@ -48,12 +52,9 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     M, K = dx.shape
     L, S, R, _ = lora_a.shape
     grid = (cdiv(K, cfg.block_n), max_token_tiles(M, L, cfg.block_m))
-    grad_kernels.lora_grad_x_kernel[grid](
-        dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, K, L, R, sorted_token_ids.shape[0],
-        dh.stride(0), dh.stride(1), dh.stride(2),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
-        dx.stride(0), dx.stride(1),
+    GRAD_X(
+        grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride()),
         NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         SLOTS_POW2=next_power_of_2(L), H_PRECISION=F32_OPERAND_PRECISION[lora_a.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -66,12 +67,9 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
     Q = v.shape[1]
     L = out.shape[0]
     grid = (cdiv(Q, cfg.block_q), cdiv(P, cfg.block_p), L)
-    grad_kernels.segment_outer_kernel[grid](
-        u, v, out, rank, sorted_token_ids, slot_starts, slot_counts,
-        M, P, Q, sorted_token_ids.shape[0],
-        u.stride(0), u.stride(1),
-        v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+    SEGMENT_OUTER(
+        grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, P, Q, sorted_token_ids.shape[0], *u.stride(), *v.stride(), *out.stride()),
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q,
         PRECISION=F32_OPERAND_PRECISION[v.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -31,7 +31,7 @@ import weakref
 import torch
 from torch import nn
 
-from lora_ops import adapters, training
+from lora_ops import adapters, ops, training
 from lora_ops.batch import LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
@@ -90,6 +90,8 @@ class LoRAContext:
 
     def __init__(self, max_loras, max_tokens, device=None):
         self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:   # "cuda" means the current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
         self.batch = LoRABatch(self.max_tokens, self.max_loras, device=self.device)
@@ -274,11 +276,11 @@ class LoRALinear(nn.Module):
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
             x_lora = training.slot_dropout(x2d, self.context.dropout_p, self.context.token_slots)
         args = (x_lora, self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
-        if torch.is_grad_enabled() and (x.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
-            # Something upstream needs gradients through this layer: the out-of-place op has autograd
-            # (lora_ops.autograd); the in-place one is invisible to autograd and would drop the LoRA term.
+        if torch.is_grad_enabled() and (y.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
+            # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
+            # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
             return torch.ops.lora_ops.add_lora(y2d, *args).view(y.shape)
-        torch.ops.lora_ops.add_lora_(y2d, *args)
+        ops.call("add_lora_", y2d, *args)
         return y
 
     @torch.no_grad()

@@ -175,7 +175,7 @@ CASES = [pytest.param(bad, op, id=f"{op}-{bad.name}") for bad in BAD for op in b
 def test_bad_argument_raises_naming_it(backend, bad, op, entry):
     args = valid_args(backend.device)
     args[bad.arg] = bad.change(args, backend.device)
-    message = bad.message_for(op).format(dev=torch.device(backend.device).type)
+    message = bad.message_for(op).format(dev=args["x"].device)   # "cpu", "cuda:0"
     with pytest.raises(bad.error, match="^" + re.escape(message)):
         ENTRY_POINTS[entry](op, args)
 

@@ -69,9 +69,9 @@ def recorders(monkeypatch):
     shrink = LaunchRecorder(lora_ops.kernels.shrink.shrink_kernel)
     expand = LaunchRecorder(lora_ops.kernels.expand.expand_kernel)
     fused = LaunchRecorder(lora_ops.kernels.fused.fused_add_lora_kernel)
-    monkeypatch.setattr("lora_ops.kernels.shrink.shrink_kernel", shrink)
-    monkeypatch.setattr("lora_ops.kernels.expand.expand_kernel", expand)
-    monkeypatch.setattr("lora_ops.kernels.fused.fused_add_lora_kernel", fused)
+    for launcher, recorder in ((launch.SHRINK, shrink), (launch.EXPAND, expand), (launch.FUSED, fused)):
+        monkeypatch.setattr(launcher, "kernel", recorder)
+        monkeypatch.setattr(launcher, "enabled", False)   # every launch through kernel[grid], recorded
     return {"shrink": shrink, "expand": expand, "fused": fused}
 
 

@@ -1,0 +1,178 @@
+"""Eager host time per call: what LoRA adds on the host to one layer, and where it goes.
+
+One LoRALinear (default: Llama-3-8B qkv, K 4096 -> 4096/1024/1024, rank 16, 4 adapters, M = 64, bf16)
+called back to back without CUDA graphs; wall time per call once the GPU work is small enough that the
+host is the bottleneck. Rows, each the median of --rounds rounds of --calls calls:
+
+  F.linear                 the base layer alone
+  LoRALinear               the layer as users call it (dispatcher skipped, fast launches)
+  ... via torch.ops        the same through the torch dispatcher (what lora_ops did before ops.call)
+  ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
+  ... both                 neither shortcut (the baseline before this change)
+  and the pieces: the argument checks, the config lookups, one expand launch each way.
+
+Usage: python benchmarks/host_overhead.py [--device cpu --tiny]  (results to benchmarks/results/)
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import lora_ops  # noqa: E402
+from csrc_meta import checks  # noqa: E402
+from lora_ops import configs, launch, ops, triton_launch  # noqa: E402
+
+
+def per_call_us(fn, calls, rounds, sync):
+    for _ in range(20):
+        fn()
+    sync()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def profile_calls(layer, x, calls):
+    """cProfile of `calls` LoRALinear calls (profiler overhead included), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    launchers = (launch.SHRINK, launch.EXPAND, launch.FUSED)
+    hits = sum(launcher.hits for launcher in launchers)
+    with torch.no_grad():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            layer(x)
+        prof.disable()
+    buf = io.StringIO()
+    print(f"fast launches enabled: {[launcher.enabled for launcher in launchers]}, "
+          f"shortcut hits during the profile: {sum(launcher.hits for launcher in launchers) - hits}", file=buf)
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return buf.getvalue()
+
+
+def build(args, device, dtype):
+    K, widths = (64, [64, 16, 16]) if args.tiny else (4096, [4096, 1024, 1024])
+    base = nn.Linear(K, sum(widths), bias=False, device=device, dtype=dtype)
+    ctx = lora_ops.LoRAContext(4, args.tokens, device=device)
+    layer = lora_ops.LoRALinear(base, ctx, args.rank, slice_widths=widths)
+    with torch.no_grad():
+        layer.lora_a.normal_(0, K ** -0.5)
+        layer.lora_b.normal_(0, args.rank ** -0.5)
+        layer.rank.fill_(args.rank)
+        layer.scale.fill_(1.0)
+    ctx.set_token_slots(torch.arange(args.tokens, device=device, dtype=torch.int32) % 4)
+    x = torch.randn(args.tokens, K, device=device, dtype=dtype)
+    return layer, x
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="also write a cProfile of LoRALinear calls")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    layer, x = build(args, device, dtype)
+    y = layer.base(x)
+    op_args = (y, x, layer.lora_a, layer.lora_b, layer.scale, layer.rank, list(layer.slice_widths),
+               *layer.context.meta)
+    M, K = x.shape
+    L, S, R, _ = layer.lora_a.shape
+    N = y.shape[1]
+
+    ecfg = configs.expand_config(M, N, S, R, L, device, dtype)
+    h = torch.zeros(M, S, R, dtype=torch.float32, device=device)
+
+    def expand():
+        launch.launch_expand(y, h, layer.lora_b, list(layer.slice_widths), layer.rank, *layer.context.meta, ecfg)
+
+    real_needs_dispatcher = ops.needs_dispatcher
+
+    def state(fast=True, dispatcher=False):
+        triton_launch.set_fast_launch(fast)
+        ops.needs_dispatcher = (lambda t: True) if dispatcher else real_needs_dispatcher
+
+    # name: (state, call). Rounds interleave the variants, so a drift of the host's speed hits them alike.
+    variants = {
+        "F.linear": ({}, lambda: F.linear(x, layer.base.weight)),
+        "LoRALinear": ({}, lambda: layer(x)),
+        "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
+        "LoRALinear, Triton's launch path": (dict(fast=False), lambda: layer(x)),
+        "LoRALinear via torch.ops, Triton's launch path (before)": (dict(fast=False, dispatcher=True), lambda: layer(x)),
+        "op add_lora_ (torch.ops)": ({}, lambda: torch.ops.lora_ops.add_lora_(*op_args)),
+        "checks only": ({}, lambda: checks.check_add_lora(*op_args)),
+        "config lookups (3)": ({}, lambda: (configs.fused_config(M, K, N, S, R, L, device, dtype),
+                                            configs.shrink_config(M, K, S, R, L, device, dtype),
+                                            configs.expand_config(M, N, S, R, L, device, dtype))),
+    }
+    if cuda:
+        variants["launch.add_lora_ (checks, configs, launches)"] = ({}, lambda: launch.add_lora_(*op_args))
+        variants["one expand launch, fast"] = ({}, expand)
+        variants["one expand launch, Triton's path"] = (dict(fast=False), expand)
+    samples = {name: [] for name in variants}
+    with torch.no_grad():
+        try:
+            for _ in range(args.rounds):
+                for name, (kw, fn) in variants.items():
+                    state(**kw)
+                    samples[name].append(per_call_us(fn, args.calls, 1, sync))
+        finally:
+            state()
+    rows = {name: statistics.median(v) for name, v in samples.items()}
+
+    profile = profile_calls(layer, x, args.calls) if args.profile else None
+    added = rows["LoRALinear"] - rows["F.linear"]
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+              "triton": getattr(__import__("triton"), "__version__", None), "tokens": M, "rank": args.rank,
+              "in_features": K, "out_features": N, "rows_us": {k: round(v, 2) for k, v in rows.items()},
+              "lora_added_us": round(added, 2)}
+    lines = [f"# Eager host time per call ({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, "
+             f"{result['date']})", "",
+             f"qkv-shaped LoRALinear K {K} -> N {N} ({S} slices), rank {args.rank}, 4 adapters, M = {M}, {dtype}; "
+             f"back-to-back eager calls under no_grad, wall µs per call (median of {args.rounds} x {args.calls}).",
+             "", "| call | µs |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in rows.items()]
+    lines += ["", f"LoRA adds {added:.1f} µs per layer call on the host (LoRALinear - F.linear)."]
+    text = "\n".join(lines)
+    print(text)
+    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
+    os.makedirs(out, exist_ok=True)
+    tag = "h200" if "H200" in result["gpu"] else device.type
+    stem = os.path.join(out, f"host_overhead-{tag}-{result['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    if profile:
+        with open(stem + "-profile.txt", "w") as f:
+            f.write(profile)
+
+
+if __name__ == "__main__":
+    main()

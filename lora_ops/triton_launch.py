@@ -1,0 +1,107 @@
+"""Kernel launches with less host time: Triton's launch path, cut short once a specialisation is known.
+
+Triton's ``kernel[grid](...)`` binds every argument, asks the compiler's native code for its
+specialisation (dtype and 16-byte alignment of pointers; integers equal to 1 or divisible by 16),
+builds a cache key from that list and the options, and only then calls the compiled kernel's C
+launcher. On the H200 host that Python path costs 25-40 µs per launch (Triton 3.6), more than the
+kernel itself at decode sizes.
+
+:class:`FastLauncher` keeps, per kernel, the compiled kernel Triton chose for each *argument key*: the
+exact value of every integer, the dtype and alignment of every tensor, and the constexprs and options.
+Triton's specialisation is a function of exactly those, so an equal key means the same compiled
+kernel; a new key goes through Triton's own path once. A hit calls the C launcher directly.
+
+The shortcut is off (every launch takes Triton's path) under the interpreter, on Triton versions whose
+launcher calling convention it was not written for, while a Triton launch hook is set (profilers such
+as Proton rely on it), and with ``LORA_OPS_FAST_LAUNCH=0``. It skips Triton's check that the kernel's
+global variables did not change since compilation (our kernels read none) and ignores a change of
+``triton.knobs.runtime.debug`` after the first launch of a key.
+"""
+import os
+
+import torch
+
+_SUPPORTED_TRITON = ((3, 4), (3, 9))  # launcher calling convention checked in these releases (inclusive)
+MAX_KEYS = 4096                       # per kernel; the key holds the token count, so bound the table
+
+
+def _triton_allows_shortcut():
+    try:
+        import triton
+        from triton import knobs
+    except ImportError:
+        return False
+    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    if not _SUPPORTED_TRITON[0] <= version <= _SUPPORTED_TRITON[1]:
+        return False
+    return not knobs.runtime.interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _current_device():
+    return torch.cuda.current_device()     # the device Triton launches on, as in its own path
+
+
+def _current_stream(device):
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hooks_set():
+    """Whether a launch hook is installed: a callable, or (Triton >= 3.5) a HookChain holding one."""
+    from triton import knobs
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+_LAUNCHERS = []
+
+
+def set_fast_launch(on):
+    """Turn the shortcut on (where Triton allows it) or off for every FastLauncher; benchmarks compare."""
+    for launcher in _LAUNCHERS:
+        launcher.enabled = bool(on) and _triton_allows_shortcut()
+
+
+class FastLauncher:
+    """``FastLauncher(kernel)(grid, tensors, ints, **constexprs)`` launches ``kernel`` like
+    ``kernel[grid](*tensors, *ints, **constexprs)``: the kernel's parameters are its pointers, then its
+    integers, then its constexprs (num_warps / num_stages go with the constexprs). Returns nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.enabled = _triton_allows_shortcut() and os.environ.get("LORA_OPS_FAST_LAUNCH", "1") != "0"
+        self._params = None
+        self._compiled = {}     # argument key -> (compiled kernel, constexpr values in signature order)
+        self.hits = 0           # launches that took the shortcut (tests read it)
+        _LAUNCHERS.append(self)
+
+    def __call__(self, grid, tensors, ints, **constexprs):
+        if not self.enabled or _hooks_set():
+            self.kernel[grid](*tensors, *ints, **constexprs)
+            return
+        device = _current_device()
+        # ints hashed as a tuple: exact values (bools are not ints here: Triton types them apart).
+        key = (device, tuple(constexprs.items()), ints, tuple(type(i) is bool for i in ints),
+               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._first_launch(key, grid, tensors, ints, constexprs)
+            return
+        compiled, tail = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], g1, g2, _current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *tensors, *ints, *tail)
+        self.hits += 1
+
+    def _first_launch(self, key, grid, tensors, ints, constexprs):
+        compiled = self.kernel[grid](*tensors, *ints, **constexprs)
+        if not all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            return                  # not a compiled kernel Triton handed back: this key stays on Triton's path
+        if self._params is None:
+            self._params = list(self.kernel.signature.parameters.values())
+        # The C launcher takes every parameter in signature order and skips the constexprs itself.
+        tail = tuple(constexprs[p.name] if p.name in constexprs else p.default
+                     for p in self._params[len(tensors) + len(ints):])
+        if len(self._compiled) >= MAX_KEYS:
+            self._compiled.clear()
+        self._compiled[key] = (compiled, tail)

@@ -1,0 +1,200 @@
+"""The host-time shortcuts: lora_ops.triton_launch.FastLauncher and lora_ops.ops.call.
+
+FastLauncher is tested twice: against a stand-in kernel on any machine (which launches take Triton's
+path, what the shortcut passes to the C launcher), and with the real kernels on a GPU (results against
+the float64 reference across token counts, misaligned views and dtypes, with the shortcut taken).
+"""
+import inspect
+
+import pytest
+import torch
+
+import lora_ops
+from conftest import DEVICE, TOLERANCE, make_case, rel_err
+from lora_ops import launch, ops, triton_launch
+
+
+class FakeCompiled:
+    """What Triton's kernel[grid](...) returns: a compiled kernel whose .run is the C launcher."""
+    function = "cu-function"
+    packed_metadata = "packed"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeKernel:
+    """A @triton.jit stand-in: signature (x_ptr, n, stride, BLOCK: constexpr, FLAG: constexpr = 7)."""
+
+    def __init__(self):
+        self.signature = inspect.signature(lambda x_ptr, n, stride, BLOCK, FLAG=7: None)
+        self.slow_launches = []
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.slow_launches.append((grid, args, kwargs))
+            self.compiled.append(FakeCompiled())
+            return self.compiled[-1]
+        return launch_
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    kernel = FakeKernel()
+    launcher = triton_launch.FastLauncher(kernel)
+    launcher.enabled = True
+    return kernel, launcher
+
+
+def test_second_launch_of_a_key_goes_to_the_c_launcher(fake):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    launcher((3, 2), (x,), (10, 1), BLOCK=16, num_warps=4)
+    assert len(kernel.slow_launches) == 1 and launcher.hits == 0
+    launcher((5,), (x,), (10, 1), BLOCK=16, num_warps=4)
+    assert len(kernel.slow_launches) == 1 and launcher.hits == 1
+    (run,) = kernel.compiled[0].runs
+    # grid padded to 3-D, the stream, the compiled function and metadata, no launch metadata or hooks,
+    # then every parameter in signature order: runtime args, then constexprs (defaults filled in).
+    assert run == (5, 1, 1, 1234, "cu-function", "packed", None, None, None, x, 10, 1, 16, 7)
+
+
+@pytest.mark.parametrize("change", ["int value", "tensor dtype", "tensor alignment", "constexpr", "option",
+                                    "bool for int"])
+def test_a_changed_specialisation_takes_tritons_path(fake, change):
+    kernel, launcher = fake
+    base = torch.zeros(64)
+    args, kwargs = [base, 32, 1], dict(BLOCK=16, num_warps=4)
+    launcher((1,), (args[0],), (args[1], args[2]), **kwargs)
+    if change == "int value":
+        args[1] = 33                    # Triton specialises ints on divisibility by 16 and on == 1
+    elif change == "tensor dtype":
+        args[0] = base.to(torch.float16)
+    elif change == "tensor alignment":
+        args[0] = base[1:]              # 4 bytes past a 16-byte boundary
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    elif change == "option":
+        kwargs["num_warps"] = 8
+    else:
+        args[2] = True                  # equal to 1 but a different Triton type
+    launcher((1,), (args[0],), (args[1], args[2]), **kwargs)
+    assert len(kernel.slow_launches) == 2 and launcher.hits == 0
+
+
+def test_hooks_or_disabled_always_take_tritons_path(fake, monkeypatch):
+    kernel, launcher = fake
+    x = torch.zeros(8)
+    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: True)   # e.g. a profiler's launch hook
+    for _ in range(3):
+        launcher((1,), (x,), (8, 1), BLOCK=8)
+    launcher.enabled = False
+    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    launcher((1,), (x,), (8, 1), BLOCK=8)
+    assert len(kernel.slow_launches) == 4 and launcher.hits == 0
+
+
+@pytest.mark.parametrize("hook, is_set", [(None, False), ("empty chain", False), ("chain", True), ("callable", True)])
+def test_launch_hooks_are_detected(monkeypatch, hook, is_set):
+    from triton import knobs
+
+    class Chain:   # Triton >= 3.5 keeps the hooks in a HookChain, never None
+        def __init__(self, calls):
+            self.calls = calls
+
+    value = {"empty chain": Chain([]), "chain": Chain([print]), "callable": print}.get(hook)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", value)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    assert triton_launch._hooks_set() is is_set
+
+
+def test_key_table_is_bounded(fake, monkeypatch):
+    kernel, launcher = fake
+    monkeypatch.setattr(triton_launch, "MAX_KEYS", 4)
+    x = torch.zeros(8)
+    for n in range(10):
+        launcher((1,), (x,), (n, 1), BLOCK=8)
+    assert len(launcher._compiled) <= 4
+
+
+def test_interpreter_turns_the_shortcut_off():
+    if DEVICE == "cuda":
+        pytest.skip("the interpreter is off on the GPU run")
+    assert not launch.SHRINK.enabled and not launch.EXPAND.enabled
+
+
+# ---- ops.call: straight to the kernel, or through the dispatcher when something needs it ----------
+
+def _case():
+    return make_case(9, 24, 20, num_slots=3, num_slices=2, max_rank=8, dtype=torch.float32, device=DEVICE, seed=3)
+
+
+def _add(case, y):
+    return ops.call("add_lora_", y, case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                    list(case.slice_widths), *case.meta)
+
+
+def test_call_matches_the_op_and_bumps_the_version():
+    case = _case()
+    y_direct = case.new_y("random")
+    y_op = y_direct.clone()
+    version = y_direct._version
+    _add(case, y_direct)
+    torch.ops.lora_ops.add_lora_(y_op, case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                 list(case.slice_widths), *case.meta)
+    assert torch.equal(y_direct, y_op)
+    assert y_direct._version > version
+
+
+def test_call_goes_through_the_dispatcher_under_a_dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    case = _case()
+    with Seen() as mode:
+        _add(case, case.new_y("random"))
+    assert any("lora_ops.add_lora_" in name for name in mode.ops), mode.ops
+
+
+def test_needs_dispatcher_when_autograd_must_see_the_call():
+    t = torch.zeros(2, requires_grad=True)
+    assert ops.needs_dispatcher(t)
+    with torch.no_grad():
+        assert not ops.needs_dispatcher(t)
+    assert ops.needs_dispatcher(torch.nn.Parameter(torch.zeros(2), requires_grad=False))  # a subclass
+    assert not ops.needs_dispatcher(torch.zeros(2))
+
+
+# ---- the real kernels on a GPU with the shortcut taken -------------------------------------------
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (the shortcut is off elsewhere)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_results_with_the_shortcut(dtype):
+    hits_before = launch.SHRINK.hits + launch.EXPAND.hits + launch.FUSED.hits
+    for M in (1, 3, 64, 65, 300, 64, 3, 1):      # repeated sizes hit the key table
+        for offset in (0, 1):                    # offset 1: x and y misaligned by one element
+            case = make_case(M, 96, 80, num_slots=4, num_slices=2, max_rank=16, dtype=dtype, device="cuda",
+                             seed=M + offset)
+            x = torch.empty(M * 96 + offset, dtype=dtype, device="cuda")[offset:].view(M, 96)
+            x.copy_(case.x)
+            y = torch.full((M * 80 + offset,), float("nan"), dtype=dtype, device="cuda")[offset:].view(M, 80)
+            y.zero_()
+            lora_ops.add_lora(y, x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                              slice_widths=case.slice_widths)
+            assert rel_err(y, case.delta_reference()) <= TOLERANCE[dtype], (M, offset)
+    assert launch.SHRINK.hits + launch.EXPAND.hits + launch.FUSED.hits > hits_before
