@@ -44,12 +44,17 @@ VARIANTS = {
     "heuristic": lambda: lora_ops.configs.use_tuned_tables(False),   # no tuned table: heuristic configs
     "two_launch": lambda: lora_ops.configs.force_path("split"),       # shrink + expand at every size
     "one_launch": lambda: lora_ops.configs.force_path("fused"),       # one launch at every size
+    # The whole layer as lora_linear; the time recorded is lora_linear's minus the base layer's.
+    "overlap": lambda: lora_ops.launch.set_overlap("always"),         # shrink beside the base GEMM
+    "in_order": lambda: lora_ops.launch.set_overlap("never"),         # GEMM, shrink, expand in order
 }
+LAYER_VARIANTS = ("overlap", "in_order")
 
 
 def reset_config_choice():
     lora_ops.configs.use_tuned_tables(True)
     lora_ops.configs.force_path(None)
+    lora_ops.launch.set_overlap("never")
 
 
 def _csv(cast=str):
@@ -245,6 +250,9 @@ class RowRunner:
             self.run_alone(rec, problem)
         if not self.args.only_check:
             self.time_row(rec, problem, inp)
+            for variant in LAYER_VARIANTS:   # what the delta adds to the layer: lora_linear - base
+                if rec.get(f"{variant}_layer_us") is not None and rec.get("base_us") is not None:
+                    rec[f"{variant}_us"] = rec[f"{variant}_layer_us"] - rec["base_us"]
         rec["ok"] = all(rec.get(f"{name}_ok") for name in checked)
         return rec
 
@@ -265,6 +273,12 @@ class RowRunner:
     def run_variant(self, rec, variant, problem, inp, ref):
         """Our op with one config choice changed (VARIANTS): checked on set 0, then graph-timed."""
         VARIANTS[variant]()
+        if variant in LAYER_VARIANTS:
+            try:
+                self.run_layer_variant(rec, variant, problem, inp, ref)
+            finally:
+                reset_config_choice()
+            return
         try:
             self.check(rec, variant, lambda: problems.ours(problem, inp), problem, inp, ref)
             if not self.args.only_check:
@@ -272,6 +286,31 @@ class RowRunner:
                           problem.set_bytes(), eager=False)
         finally:
             reset_config_choice()
+
+    def run_layer_variant(self, rec, variant, problem, inp, ref):
+        """lora_linear (base GEMM + delta): its output minus F.linear's is checked as the delta; the
+        layer is graph-timed as {variant}_layer_us (run() subtracts the base layer's time)."""
+        weights = {}
+
+        def weight(k):
+            if k not in weights:
+                weights[k] = problem.base_inputs(k)[1]
+            return weights[k]
+
+        y0 = inp.y.clone()
+        try:
+            def build():
+                call = problems.layer(problem, inp, weight(0))
+                inp.y.copy_(torch.nn.functional.linear(inp.x, weight(0)))   # "before": the base output
+                return lambda: inp.y.copy_(call())
+            self.check(rec, variant, build, problem, inp, ref)
+        finally:
+            inp.y.copy_(y0)
+        if not self.args.only_check:
+            extra = problem.N * problem.K * problem.esize
+            self.time(rec, f"{variant}_layer",
+                      lambda k: problems.layer(problem, inp if k == 0 else problem.inputs(k), weight(k)),
+                      problem.set_bytes() + extra, eager=False)
 
     def run_alone(self, rec, problem):
         """Each used slot's tokens alone, at its own rank: checked, and (unless --only-check) timed.

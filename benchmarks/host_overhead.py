@@ -115,7 +115,7 @@ def main(argv=None):
 
     def state(fast=True, dispatcher=False):
         triton_launch.set_fast_launch(fast)
-        ops.needs_dispatcher = (lambda t: True) if dispatcher else real_needs_dispatcher
+        ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
 
     # name: (state, call). Rounds interleave the variants, so a drift of the host's speed hits them alike.
     variants = {

@@ -180,6 +180,13 @@ def ours(problem, inp):
     return lambda: op(*args)
 
 
+def layer(problem, inp, w):
+    """One call of lora_linear: the base layer F.linear(x, W) and the delta in one op (a new output)."""
+    op = torch.ops.lora_ops.lora_linear
+    args = (inp.x, w, None, inp.lora_a, inp.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
+    return lambda: op(*args)
+
+
 def base(x, w):
     """The layer's own product F.linear(x, W), W [N, K]."""
     return lambda: F.linear(x, w)

@@ -39,12 +39,16 @@ def _meta_ok(num_slots, num_tokens, sorted_token_ids, slot_starts, slot_counts):
             and slot_starts.shape == (num_slots + 1,) and slot_counts.shape == (num_slots + 1,))
 
 
-def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                 out_rows=None):
+    """``out_rows``: y stands for an output of that many rows (lora_linear passes the weight [N, K])."""
     try:
         dt, dev = x.dtype, x.device
         M, K = x.shape
         L, S, R, K_a = lora_a.shape
         M_y, N = y.shape
+        if out_rows is not None:
+            M_y = out_rows
         if not (type(M) is int and type(K) is int and type(N) is int and type(M_y) is int):
             return False
         return (dt in FLOAT_DTYPES and y.dtype is dt and lora_a.dtype is dt and lora_b.dtype is dt
@@ -54,6 +58,18 @@ def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
                 and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
                 and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dev, y, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts))
+    except _QUICK_ERRORS:
+        return False
+
+
+def _lora_linear_ok(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                    slot_counts):
+    try:
+        N, K = weight.shape
+        return (type(N) is int and weight.dtype is x.dtype and K == x.shape[1] and weight.device == x.device
+                and (bias is None or (bias.dtype is x.dtype and bias.shape == (N,) and bias.device == x.device))
+                and _add_lora_ok(weight, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                 slot_starts, slot_counts, out_rows=x.shape[0]))
     except _QUICK_ERRORS:
         return False
 
@@ -206,6 +222,31 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     check_lora_b(y, lora_b, slice_widths, L, S, R)
     check_slot_params(lora_a, scale, rank)
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
+
+
+def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                      slot_counts):
+    """weight [N, K] and bias [N] (or None) of the base layer, in x's dtype and on its device; then the
+    LoRA arguments as add_lora_ checks them, against the output [M, N] the op returns."""
+    if _lora_linear_ok(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                       slot_counts):
+        return
+    check_float("x", x, 2)
+    check_float("weight", weight, 2)
+    check_same_dtype("x", x, weight=weight)
+    check_same_device("x", x, weight=weight)
+    if weight.shape[1] != x.shape[1]:
+        _fail(ValueError, f"weight: expected shape [N, K] with K = {x.shape[1]} (x's features), "
+                          f"got {tuple(weight.shape)}")
+    if bias is not None:
+        check_float("bias", bias, 1)
+        check_same_dtype("x", x, bias=bias)
+        check_same_device("x", x, bias=bias)
+        if bias.shape[0] != weight.shape[0]:
+            _fail(ValueError, f"bias: expected {weight.shape[0]} entries (weight's rows), got {bias.shape[0]}")
+    # The output the op returns, for add_lora_'s checks (only reached on unusual or bad input).
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    check_add_lora(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
 
 
 def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):

@@ -22,6 +22,14 @@ def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_
                           slot_counts)
 
 
+@torch.library.register_fake("lora_ops::lora_linear")
+def lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                     slot_counts):
+    checks.check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                             slot_starts, slot_counts)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @torch.library.register_fake("lora_ops::add_lora")
 def add_lora_functional_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                              slot_counts):

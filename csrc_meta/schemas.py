@@ -12,6 +12,8 @@ expand_    y[t, slice i] += h[t, i, :rank] @ lora_b[s_t, slice i, :rank]^T      
 add_lora_  y[t, slice i] += scale[s_t] (x[t] lora_a[s_t, i, :rank]^T) lora_b[s_t, slice i, :rank]^T
                                                             (in place; the hot path: one call a layer)
 Rows whose slot is -1 are left untouched.
+lora_linear  out = x weight^T + bias + the add_lora_ delta         (a whole LoRALinear for inference: the
+                    base GEMM and the LoRA kernels in one op, so the shrink can run beside the GEMM)
 
 Autograd (lora_ops.autograd registers the kernels and the backward formula):
 add_lora       out = y + the add_lora_ delta, out of place; differentiable in y, x, lora_a, lora_b
@@ -30,6 +32,8 @@ OPS = {
     "expand_": f"expand_(Tensor(a!) y, Tensor h, Tensor lora_b, int[] slice_widths, Tensor rank, {_META}) -> ()",
     "add_lora_": ("add_lora_(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
                   f"int[] slice_widths, {_META}) -> ()"),
+    "lora_linear": ("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor scale, "
+                    f"Tensor rank, int[] slice_widths, {_META}) -> Tensor"),
     "add_lora": ("add_lora(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
                  f"int[] slice_widths, {_META}) -> Tensor"),
     "lora_grad_x": f"lora_grad_x(Tensor dh, Tensor lora_a, Tensor rank, {_META}) -> Tensor",

@@ -91,16 +91,8 @@ def grad_lora_b(grad_out, h, rank, slice_widths, meta):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _setup_context(ctx, inputs, output):
-    _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
-    ctx.save_for_backward(x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
-    ctx.slice_widths = list(slice_widths)
-
-
-def _backward(ctx, grad_out):
-    x, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
-    need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-    widths = ctx.slice_widths
+def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b):
+    """(dx, dA, dB) of the LoRA delta for the incoming gradient ``grad_out`` (None where not needed)."""
     dx = da = db = None
     if need_x or need_a:
         dh = grad_h(grad_out, lora_b, scale, rank, widths, meta)
@@ -111,8 +103,44 @@ def _backward(ctx, grad_out):
     if need_b:
         h = ops.call("shrink", x, lora_a, scale, rank, *meta)
         db = grad_lora_b(grad_out, h, rank, widths, meta)
+    return dx, da, db
+
+
+def _setup_context(ctx, inputs, output):
+    _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
+    ctx.save_for_backward(x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    ctx.slice_widths = list(slice_widths)
+
+
+def _backward(ctx, grad_out):
+    x, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
+    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
     dy = grad_out if need_y else None
     return dy, dx, da, db, None, None, None, None, None, None
 
 
 torch.library.register_autograd("lora_ops::add_lora", _backward, setup_context=_setup_context)
+
+
+# -- lora_linear: the base layer's gradients plus the delta's -------------------------------------------
+
+def _setup_lora_linear(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, *meta = inputs
+    ctx.save_for_backward(x, weight, lora_a, lora_b, scale, rank, *meta)
+    ctx.slice_widths = list(slice_widths)
+
+
+def _backward_lora_linear(ctx, grad_out):
+    x, weight, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
+    if need_x:
+        # The base layer's dx = grad_out @ W, added to the delta's in the GEMM's epilogue (no extra pass).
+        dx = torch.addmm(dx, grad_out, weight)
+    dw = grad_out.t() @ x if need_w else None
+    dbias = grad_out.sum(0) if need_bias else None
+    return dx, dw, dbias, da, db, None, None, None, None, None, None
+
+
+torch.library.register_autograd("lora_ops::lora_linear", _backward_lora_linear, setup_context=_setup_lora_linear)

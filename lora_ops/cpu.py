@@ -54,6 +54,14 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         y[ids] = _expanded(y[ids], h, lora_b[slot, :, :r], slice_widths)
 
 
+@torch.no_grad()
+def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                slot_counts):
+    y = torch.nn.functional.linear(x, weight, bias)
+    add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    return y
+
+
 def _expanded(y_rows, h, b, slice_widths):
     """y_rows + h @ B^T slice by slice, computed in float32 and rounded once to y's dtype."""
     out = y_rows.float()

@@ -5,6 +5,7 @@ never on tensor data, so they are CUDA-graph safe; the programs find their work 
 (lora_ops.kernels.work). Nothing here reads tensor data on the host.
 """
 import torch
+import torch.nn.functional as F
 
 from csrc_meta import checks
 from lora_ops import configs
@@ -120,6 +121,10 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                           slot_counts)
+    _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+
+
+def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     M, K = x.shape
     if M == 0:
         return
@@ -136,3 +141,64 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg, partials_out=True)
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
+
+
+# ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
+
+OVERLAP_MODES = ("never", "auto", "always")
+# Off by default: on the H200 (bench_lora --variants overlap,in_order, 2026-12-02) cuBLAS's GEMM leaves no
+# room for the shrink's programs at decode sizes, so the side stream saved nothing there (qkv r16 M=64:
+# 11.9 µs beside vs 12.0 µs in order) and cost a few µs at some mid sizes; see DESIGN §4.
+_overlap = {"mode": "never"}
+_side_streams = {}    # device index -> the stream the shrink runs on beside the base GEMM
+
+
+def set_overlap(mode):
+    """When lora_linear runs the shrink on a side stream beside the base GEMM: "never" (default),
+    "auto" (while a CUDA graph is being captured, where fork and join cost nothing at replay), or
+    "always"."""
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"mode: expected one of {OVERLAP_MODES}, got {mode!r}")
+    _overlap["mode"] = mode
+
+
+def _overlaps(x):
+    """Streams are CUDA's: CPU tensors (the interpreter) run the two launches in order."""
+    mode = _overlap["mode"]
+    return x.is_cuda and (mode == "always" or (mode == "auto" and torch.cuda.is_current_stream_capturing()))
+
+
+def _side_stream(device):
+    stream = _side_streams.get(device.index)
+    if stream is None:
+        # High priority: the shrink's few programs start as soon as the GEMM leaves room for them.
+        stream = _side_streams[device.index] = torch.cuda.Stream(device, priority=-1)
+    return stream
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                slot_counts):
+    """F.linear(x, weight, bias) + the LoRA delta. The shrink only needs x, so (see set_overlap) it runs on
+    a side stream while the GEMM runs: the delta then costs the expand alone on the critical path."""
+    checks.check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                             slot_starts, slot_counts)
+    M, K = x.shape
+    L, S, R, _ = lora_a.shape
+    N = weight.shape[0]
+    if M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None or not _overlaps(x):
+        y = F.linear(x, weight, bias)
+        _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+        return y
+    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+    h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    # Allocations stay on the main stream; the side stream joins back before anything reads h or frees x.
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
+                      partials_out=True)
+    y = F.linear(x, weight, bias)
+    main.wait_stream(side)
+    ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
+    launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
+    return y

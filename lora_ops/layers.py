@@ -30,6 +30,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lora_ops import adapters, ops, training
 from lora_ops.batch import LoRABatch, check_token_slots
@@ -266,22 +267,34 @@ class LoRALinear(nn.Module):
         return offsets
 
     def forward(self, x):
-        y = self.base(x)
         x2d = x.reshape(-1, x.shape[-1])
-        y2d = y.view(-1, y.shape[-1])
         if not torch.compiler.is_compiling():     # Python-side checks stay out of compiled graphs
             self.context.check_input(x2d)
+        dropout = self.training and self.context.dropout_p is not None
+        args = (self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
+        if not dropout and self._plain_base():
+            # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
+            # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
+            out = ops.call("lora_linear", x2d, self.base.weight, self.base.bias, *args)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        y = self.base(x)
+        y2d = y.view(-1, y.shape[-1])
         x_lora = x2d
-        if self.training and self.context.dropout_p is not None:
+        if dropout:
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
             x_lora = training.slot_dropout(x2d, self.context.dropout_p, self.context.token_slots)
-        args = (x_lora, self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
         if torch.is_grad_enabled() and (y.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
-            return torch.ops.lora_ops.add_lora(y2d, *args).view(y.shape)
-        ops.call("add_lora_", y2d, *args)
+            return torch.ops.lora_ops.add_lora(y2d, x_lora, *args).view(y.shape)
+        ops.call("add_lora_", y2d, x_lora, *args)
         return y
+
+    def _plain_base(self):
+        """The base is a bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM itself."""
+        base = self.base
+        return (type(base) is nn.Linear and not base._forward_hooks and not base._forward_pre_hooks
+                and not _global_forward_hooks and not _global_forward_pre_hooks)
 
     @torch.no_grad()
     def write_slot(self, slot, slices, scale, rank):

@@ -65,14 +65,20 @@ def register_kernels(op, launchers, check, cpu_kernel):
     KERNELS[name] = {"cuda": on_cuda, "cpu": on_cpu}
 
 
-def needs_dispatcher(t):
-    """Whether an op call whose first tensor is ``t`` must go through torch.ops: while tracing
-    (torch.compile, export), for tensor subclasses (fake, functional, user subclasses), under a
+def needs_dispatcher(args):
+    """Whether an op call on ``args`` must go through torch.ops: while tracing (torch.compile, export),
+    for tensor subclasses (fake, functional, user subclasses; judged by the first argument), under a
     TorchDispatchMode (FlopCounterMode, debug modes) or a functorch transform (vmap, grad), and where
-    autograd must see the call (grad mode on and ``t`` requires grad)."""
-    return (torch.compiler.is_compiling() or type(t) is not torch.Tensor
-            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
-            or (t.requires_grad and torch.is_grad_enabled()))
+    autograd must see the call (grad mode on and some argument requires grad)."""
+    first = args[0]
+    if (torch.compiler.is_compiling() or type(first) is not torch.Tensor
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()):
+        return True
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return True
+    return False
 
 
 def call(name, *args):
@@ -82,7 +88,7 @@ def call(name, *args):
     with its checks; an in-place op bumps its output's version counter as the dispatcher would."""
     first = args[0]
     device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
-    if device is None or needs_dispatcher(first):
+    if device is None or needs_dispatcher(args):
         return getattr(torch.ops.lora_ops, name)(*args)
     out = KERNELS[name][device](*args)
     if name in MUTATES_FIRST:
@@ -93,3 +99,4 @@ def call(name, *args):
 register_kernels("lora_ops::shrink", _triton, checks.check_shrink, cpu.shrink)
 register_kernels("lora_ops::expand_", _triton, checks.check_expand, cpu.expand_)
 register_kernels("lora_ops::add_lora_", _triton, checks.check_add_lora, cpu.add_lora_)
+register_kernels("lora_ops::lora_linear", _triton, checks.check_lora_linear, cpu.lora_linear)

@@ -360,3 +360,32 @@ def test_compile_one_graph_with_backward_for_every_token_count(backend):
         for name in LEAVES:
             assert rel_err(leaves[name].grad, ref[name]) <= TOLERANCE[torch.float32], (M, name)
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} compiles for 3 token counts"
+
+
+# ---- lora_linear (the whole layer in one op): its gradients are the base layer's plus the delta's ----
+
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "strided_x", "all_minus_one", "no_tokens"])
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
+    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=backend.device, seed=23)
+    M, K, N = case.shape[:3]
+    weight = signed((N, K), case) * K ** -0.5
+    bias = signed((N,), case)
+    leaves = {"x": same_layout_copy(case.x), "weight": weight, "bias": bias, "lora_a": case.lora_a.clone(),
+              "lora_b": case.lora_b.clone()}
+    for t in leaves.values():
+        t.requires_grad_(True)
+    out = torch.ops.lora_ops.lora_linear(leaves["x"], leaves["weight"], leaves["bias"], leaves["lora_a"],
+                                         leaves["lora_b"], case.scale, case.rank, case.slice_widths, *case.meta)
+    grad_out = signed((M, N), case)
+    out.backward(grad_out)
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in leaves.items()}
+    ref_out = lora_forward_reference(F.linear(ref["x"], ref["weight"], ref["bias"]), ref["x"], ref["lora_a"],
+                                     ref["lora_b"], case.scale, case.rank, case.token_slots, case.slice_widths)
+    ref_out.backward(grad_out.double())
+    tol = TOLERANCE[dtype]
+    assert rel_err(out, ref_out) <= tol, "forward"
+    for name, t in leaves.items():
+        expected = torch.zeros_like(ref[name]) if ref[name].grad is None else ref[name].grad
+        err = rel_err(t.grad, expected)
+        assert err <= tol, f"d{name}: relative error {err:.3g} > {tol:g}"

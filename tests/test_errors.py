@@ -242,3 +242,32 @@ def test_bad_token_slots_or_batch_raise(backend, op, make_kwargs, error, message
     args = valid_args(backend.device)
     with pytest.raises(error, match="^" + re.escape(message)):
         call_with_slots(op, args, **make_kwargs(args, backend.device))
+
+
+LINEAR_BAD = [
+    ("weight_wrong_features", dict(weight=lambda a: torch.randn(N, K + 1, device=a["x"].device)), ValueError,
+     "weight: expected shape [N, K] with K = 6"),
+    ("weight_dtype", dict(weight=lambda a: torch.randn(N, K, device=a["x"].device, dtype=torch.float16)),
+     TypeError, "weight: expected dtype torch.float32"),
+    ("weight_1d", dict(weight=lambda a: torch.randn(N, device=a["x"].device)), ValueError,
+     "weight: expected a 2-D tensor"),
+    ("bias_wrong_length", dict(bias=lambda a: torch.randn(N + 1, device=a["x"].device)), ValueError,
+     "bias: expected 10 entries"),
+    ("bias_on_meta", dict(bias=lambda a: torch.randn(N, device="meta")), ValueError, "bias: expected a tensor on"),
+    ("lora_b_wrong_rank", dict(lora_b=lambda a: torch.randn(L, N, R + 1, device=a["x"].device)), ValueError,
+     "lora_b: expected shape [L, N, R]"),
+    ("widths_not_summing_to_N", dict(slice_widths=lambda a: [4, 5]), ValueError, "slice_widths: expected positive"),
+]
+
+
+@pytest.mark.parametrize("change,error,message", [pytest.param(*c[1:], id=c[0]) for c in LINEAR_BAD])
+def test_lora_linear_bad_argument_raises_naming_it(backend, change, error, message):
+    args = valid_args(backend.device)
+    args["weight"] = torch.randn(N, K, device=backend.device)
+    args["bias"] = torch.randn(N, device=backend.device)
+    for name, make in change.items():
+        args[name] = make(args)
+    meta = (args["sorted_token_ids"], args["slot_starts"], args["slot_counts"])
+    with pytest.raises(error, match="^" + re.escape(message)):
+        torch.ops.lora_ops.lora_linear(args["x"], args["weight"], args["bias"], args["lora_a"], args["lora_b"],
+                                       args["scale"], args["rank"], args["slice_widths"], *meta)

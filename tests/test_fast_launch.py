@@ -172,12 +172,13 @@ def test_call_goes_through_the_dispatcher_under_a_dispatch_mode():
 
 
 def test_needs_dispatcher_when_autograd_must_see_the_call():
-    t = torch.zeros(2, requires_grad=True)
-    assert ops.needs_dispatcher(t)
+    plain, wants_grad = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    assert ops.needs_dispatcher((wants_grad, plain))
+    assert ops.needs_dispatcher((plain, plain, 3, wants_grad))     # any argument, not only the first
     with torch.no_grad():
-        assert not ops.needs_dispatcher(t)
-    assert ops.needs_dispatcher(torch.nn.Parameter(torch.zeros(2), requires_grad=False))  # a subclass
-    assert not ops.needs_dispatcher(torch.zeros(2))
+        assert not ops.needs_dispatcher((wants_grad, plain))
+    assert ops.needs_dispatcher((torch.nn.Parameter(torch.zeros(2), requires_grad=False),))  # a subclass
+    assert not ops.needs_dispatcher((plain, plain, [1, 2]))
 
 
 # ---- the real kernels on a GPU with the shortcut taken -------------------------------------------

@@ -29,6 +29,10 @@ def op_args(op_name, case):
     if op_name == "expand_":
         h = requiring_grad(torch.randn(M, S, R, generator=case.gen).to(case.x.device))
         return (case.new_y("random"), h, lora_b, case.slice_widths, case.rank, *meta)
+    if op_name == "lora_linear":
+        weight = requiring_grad(torch.randn(N, K, generator=case.gen).to(case.x.device))
+        bias = requiring_grad(torch.randn(N, generator=case.gen).to(case.x.device))
+        return (x, weight, bias, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
     return (case.new_y("random"), x, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
 
 
@@ -36,7 +40,7 @@ def op_args(op_name, case):
 # check backprops through them anyway and torch warns about that.
 @pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered:UserWarning")
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_"])
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_", "lora_linear"])
 def test_opcheck(backend, op_name, shape):
     case = make_case(*shape, dtype=torch.float32, device=backend.device, seed=11)
     op = getattr(torch.ops.lora_ops, op_name).default
