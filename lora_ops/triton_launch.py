@@ -8,8 +8,9 @@ kernel itself at decode sizes.
 
 :class:`FastLauncher` keeps, per kernel, the compiled kernel Triton chose for each *argument key*: the
 exact value of every integer, the dtype and alignment of every tensor, and the constexprs and options.
-Triton's specialisation is a function of exactly those, so an equal key means the same compiled
-kernel; a new key goes through Triton's own path once. A hit calls the C launcher directly.
+Triton's specialisation is a function of exactly those (bar the type of a bool passed where an int of
+equal value was, which computes the same), so an equal key means an equivalent compiled kernel; a new
+key goes through Triton's own path once. A hit calls the C launcher directly.
 
 The shortcut is off (every launch takes Triton's path) under the interpreter, on Triton versions whose
 launcher calling convention it was not written for, while a Triton launch hook is set (profilers such
@@ -79,9 +80,8 @@ class FastLauncher:
             self.kernel[grid](*tensors, *ints, **constexprs)
             return
         device = _current_device()
-        # ints hashed as a tuple: exact values (bools are not ints here: Triton types them apart).
-        key = (device, tuple(constexprs.items()), ints, tuple(type(i) is bool for i in ints),
-               tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+        # ints by exact value (a bool equal to an int shares its key: same value, same arithmetic).
+        key = (device, tuple(constexprs.items()), ints, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
         entry = self._compiled.get(key)
         if entry is None:
             self._first_launch(key, grid, tensors, ints, constexprs)
