@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -76,17 +77,22 @@ def graph_step_us(fn, replays):
     return graph_time_us([fn], launches=1, replays=replays)
 
 
-def host_us_per_call(fn, calls, device):
-    """Wall µs per call of `calls` back-to-back eager calls (host bound when the GPU work is small)."""
+def host_us_per_call(fn, calls, device, rounds=5):
+    """Wall µs per call of back-to-back eager calls (host bound when the GPU work is small): the median
+    over `rounds` rounds of `calls // rounds` calls, so one slow stretch of the host does not decide it."""
     for _ in range(10):
         fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e6 / calls
+    per_round = max(1, calls // rounds)
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6 / per_round)
+    return statistics.median(times)
 
 
 def main(argv=None):

@@ -16,6 +16,7 @@ timed region. CUDA events around forward + backward, median over the repeats.
     python benchmarks/grad_check.py --device cpu --tiny     # logic check on a CPU
 """
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -196,7 +197,8 @@ def timing_row(layer, repeats):
 
 
 def markdown(checks, timings, meta):
-    lines = [f"# lora_forward gradients ({meta['device']}, torch {meta['torch']})", "",
+    lines = [f"# lora_forward gradients ({meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, "
+             f"{meta['date']})", "",
              f"Slot ranks {meta['slot_ranks']} (capacity {max(meta['slot_ranks'])}), scales {SLOT_SCALES}, "
              "10% of tokens with slot -1. Relative Frobenius errors against float64.", "",
              "| layer | dtype | M | out | dx | dA | dB | tol | ok |", "|---|---|---|---|---|---|---|---|---|"]
@@ -227,7 +229,9 @@ def main(argv=None):
     ranks = tuple(max(1, r // TINY_RANK_DIVISOR) for r in SLOT_RANKS) if args.tiny else SLOT_RANKS
     assert len(ranks) == NUM_SLOTS
     meta = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                torch=torch.__version__, slot_ranks=list(ranks), tiny=args.tiny)
+                torch=torch.__version__, triton=getattr(__import__("triton"), "__version__", None),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                slot_ranks=list(ranks), tiny=args.tiny)
 
     checks, timings = [], []
     for dtype in dtypes:
