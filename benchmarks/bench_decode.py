@@ -26,10 +26,12 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _p in (HERE, REPO):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import lora_ops  # noqa: E402
+import report  # noqa: E402
 
 LLAMA = dict(hidden=4096, q=4096, kv=1024, inter=14336)
 TINY = dict(hidden=64, q=64, kv=16, inter=128)
@@ -157,14 +159,8 @@ def main(argv=None):
                      f"{r['lora_linear_host_us']} | {r['lora_added_host_us']} |")
     text = "\n".join(lines)
     print(text)
-    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
-    os.makedirs(out, exist_ok=True)
-    tag = "h200" if "H200" in result["gpu"] else device.type
-    stem = os.path.join(out, f"decode_step-{tag}-{result['date'][:10]}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
+    report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"), "decode_step",
+                           result, text)
 
 
 if __name__ == "__main__":

@@ -15,36 +15,24 @@ Usage: python benchmarks/host_overhead.py [--device cpu --tiny]  (results to ben
 """
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+for _p in (HERE, os.path.dirname(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import lora_ops  # noqa: E402
+import report  # noqa: E402
+from bench_decode import host_us_per_call  # noqa: E402
 from csrc_meta import checks  # noqa: E402
 from lora_ops import configs, launch, ops, triton_launch  # noqa: E402
-
-
-def per_call_us(fn, calls, rounds, sync):
-    for _ in range(20):
-        fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(times)
 
 
 def profile_calls(layer, x, calls):
@@ -96,7 +84,6 @@ def main(argv=None):
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     layer, x = build(args, device, dtype)
     y = layer.base(x)
     op_args = (y, x, layer.lora_a, layer.lora_b, layer.scale, layer.rank, list(layer.slice_widths),
@@ -140,7 +127,7 @@ def main(argv=None):
             for _ in range(args.rounds):
                 for name, (kw, fn) in variants.items():
                     state(**kw)
-                    samples[name].append(per_call_us(fn, args.calls, 1, sync))
+                    samples[name].append(host_us_per_call(fn, args.calls, device, rounds=1))
         finally:
             state()
     rows = {name: statistics.median(v) for name, v in samples.items()}
@@ -161,14 +148,8 @@ def main(argv=None):
     lines += ["", f"LoRA adds {added:.1f} µs per layer call on the host (LoRALinear - F.linear)."]
     text = "\n".join(lines)
     print(text)
-    out = args.out or os.environ.get("OUT") or os.path.join(HERE, "results")
-    os.makedirs(out, exist_ok=True)
-    tag = "h200" if "H200" in result["gpu"] else device.type
-    stem = os.path.join(out, f"host_overhead-{tag}-{result['date'][:10]}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
+    stem = report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"),
+                                  "host_overhead", result, text)
     if profile:
         with open(stem + "-profile.txt", "w") as f:
             f.write(profile)

@@ -212,6 +212,19 @@ def notes_text(rows):
 # --- files
 
 
+def write_run_files(out_dir, kind, result, text):
+    """``{kind}-{gpu tag}-{date}.json`` (``result``) and ``.md`` (``text``) in ``out_dir``; returns the stem.
+    ``result`` holds "gpu" (a name, or "cpu") and "date" ("YYYY-MM-DD ...")."""
+    os.makedirs(out_dir, exist_ok=True)
+    tag = "h200" if "H200" in result["gpu"] else ("cpu" if result["gpu"] == "cpu" else "gpu")
+    stem = os.path.join(out_dir, f"{kind}-{tag}-{result['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    return stem
+
+
 def write_json(path, env, rows, summary):
     with open(path, "w") as f:
         json.dump({"env": env, "rows": rows, "summary": summary}, f, indent=1, default=str)
