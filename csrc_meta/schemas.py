@@ -12,8 +12,8 @@ expand_    y[t, slice i] += h[t, i, :rank] @ lora_b[s_t, slice i, :rank]^T      
 add_lora_  y[t, slice i] += scale[s_t] (x[t] lora_a[s_t, i, :rank]^T) lora_b[s_t, slice i, :rank]^T
                                                             (in place; the hot path: one call a layer)
 Rows whose slot is -1 are left untouched.
-lora_linear  out = x weight^T + bias + the add_lora_ delta         (a whole LoRALinear for inference: the
-                    base GEMM and the LoRA kernels in one op, so the shrink can run beside the GEMM)
+lora_linear  out = x weight^T + bias + the add_lora_ delta         (a whole LoRALinear layer in one op: the
+                    base GEMM and the LoRA kernels; differentiable in x, weight, bias, lora_a, lora_b)
 
 Autograd (lora_ops.autograd registers the kernels and the backward formula):
 add_lora       out = y + the add_lora_ delta, out of place; differentiable in y, x, lora_a, lora_b

@@ -2,7 +2,6 @@
 import torch
 
 from lora_ops import ops
-
 from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta
 
 

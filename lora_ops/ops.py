@@ -83,15 +83,16 @@ def needs_dispatcher(args):
 
 def call(name, *args):
     """``torch.ops.lora_ops.<name>(*args)``, straight to the registered kernel when the dispatcher adds
-    nothing (see :func:`needs_dispatcher`): in eager mode the dispatcher costs ~50 µs of host time per
-    call on the H200 host, twice a whole Triton launch. The kernel is the one the dispatcher would run,
-    with its checks; an in-place op bumps its output's version counter as the dispatcher would."""
+    nothing (see :func:`needs_dispatcher`): in eager mode the dispatcher costs ~25 µs of host time per
+    call on the H200 host (benchmarks/host_overhead.py), about one whole Triton launch. The kernel is the
+    one the dispatcher would run, with its checks; an in-place op bumps its output's version counter as
+    the dispatcher would."""
     first = args[0]
     device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
     if device is None or needs_dispatcher(args):
         return getattr(torch.ops.lora_ops, name)(*args)
     out = KERNELS[name][device](*args)
-    if name in MUTATES_FIRST:
+    if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
         torch.autograd.graph.increment_version(first)
     return out
 

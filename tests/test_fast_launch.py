@@ -150,6 +150,18 @@ def test_call_matches_the_op_and_bumps_the_version():
     assert y_direct._version > version
 
 
+def test_call_under_inference_mode():
+    """Inference tensors have no version counter: the in-place op must not try to bump it."""
+    case = _case()
+    expected = case.new_y("random")
+    with torch.inference_mode():
+        y = expected.clone()
+        _add(case, y)
+    torch.ops.lora_ops.add_lora_(expected, case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                 list(case.slice_widths), *case.meta)
+    assert torch.equal(y, expected)
+
+
 def test_call_goes_through_the_dispatcher_under_a_dispatch_mode():
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -64,6 +64,32 @@ def test_forward_matches_float64(backend, checked_dtype, slicing):
     assert (y2d[~none] != base2d[~none]).any(dim=1).all()
 
 
+@pytest.mark.parametrize("route", ["inference_mode", "hooked_base", "grad_enabled"])
+def test_every_forward_route_gives_the_same_output(backend, route):
+    """LoRALinear runs lora_linear for a plain nn.Linear base (no_grad reference here), the base layer
+    then the in-place op when the base carries a hook, and autograd ops when grad is needed: one result."""
+    model, ctx = one_layer_model(SLICINGS["qkv_3_slices"], torch.float32, backend.device)
+    layer = model["proj"]
+    x = torch.randn(12, K, device=backend.device)
+    ctx.set_batch(REQUESTS)
+    with torch.no_grad():
+        expected = layer(x)
+    if route == "inference_mode":
+        with torch.inference_mode():
+            y = layer(x)
+    elif route == "hooked_base":
+        seen = []
+        handle = layer.base.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+        with torch.no_grad():
+            y = layer(x)
+        handle.remove()
+        assert seen == [(12, N)], "the base layer's own forward (and its hook) must run"
+    else:
+        y = layer(x.requires_grad_())
+        assert y.requires_grad
+    assert torch.equal(y.detach(), expected)
+
+
 def test_empty_slot_and_raw_token_slots(backend):
     """Per-token slots in any order; a slot with no adapter loaded (rank 0) leaves its rows alone."""
     model, ctx = one_layer_model(None, torch.float32, backend.device)
