@@ -155,3 +155,7 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert shr and exp and len(set(shr)) == len(shr)
     assert bool(fused) == (bucket <= tuning.FUSED_TUNE_MAX_BUCKET) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)
+    # The expand also tries rank blocks narrower than the heuristic's, never wider.
+    wide = list(tuning.expand_candidates(bucket, 6144, 256))
+    assert {c.block_r for c in wide} == {16, 32, 64} and len(set(wide)) == len(wide)
+    assert {c.block_r for c in exp} == {16}
