@@ -40,15 +40,14 @@ def _meta_ok(num_slots, num_tokens, sorted_token_ids, slot_starts, slot_counts):
 
 
 def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                 out_rows=None):
-    """``out_rows``: y stands for an output of that many rows (lora_linear passes the weight [N, K])."""
+                 out_shape=None):
+    """``out_shape``: the output's (M, N) when ``y`` only stands for its dtype and device (lora_linear
+    passes the base weight [N, K])."""
     try:
         dt, dev = x.dtype, x.device
         M, K = x.shape
         L, S, R, K_a = lora_a.shape
-        M_y, N = y.shape
-        if out_rows is not None:
-            M_y = out_rows
+        M_y, N = y.shape if out_shape is None else out_shape
         if not (type(M) is int and type(K) is int and type(N) is int and type(M_y) is int):
             return False
         return (dt in FLOAT_DTYPES and y.dtype is dt and lora_a.dtype is dt and lora_b.dtype is dt
@@ -69,7 +68,7 @@ def _lora_linear_ok(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, 
         return (type(N) is int and weight.dtype is x.dtype and K == x.shape[1] and weight.device == x.device
                 and (bias is None or (bias.dtype is x.dtype and bias.shape == (N,) and bias.device == x.device))
                 and _add_lora_ok(weight, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
-                                 slot_starts, slot_counts, out_rows=x.shape[0]))
+                                 slot_starts, slot_counts, out_shape=(x.shape[0], N)))
     except _QUICK_ERRORS:
         return False
 

@@ -215,6 +215,12 @@ def _unpack_request(i, request):
     return name, n
 
 
+def _plain_linear(module):
+    """A bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM in place of its forward."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and not _global_forward_hooks and not _global_forward_pre_hooks)
+
+
 class LoRALinear(nn.Module):
     """An ``nn.Linear`` plus the LoRA delta of each token's adapter slot, in one op call.
 
@@ -272,12 +278,13 @@ class LoRALinear(nn.Module):
             self.context.check_input(x2d)
         dropout = self.training and self.context.dropout_p is not None
         args = (self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
-        if not dropout and self._plain_base():
+        base = self.base
+        if not dropout and _plain_linear(base):
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
             # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
-            out = ops.call("lora_linear", x2d, self.base.weight, self.base.bias, *args)
+            out = ops.call("lora_linear", x2d, base.weight, base.bias, *args)
             return out.view(*x.shape[:-1], out.shape[-1])
-        y = self.base(x)
+        y = base(x)
         y2d = y.view(-1, y.shape[-1])
         x_lora = x2d
         if dropout:
@@ -289,12 +296,6 @@ class LoRALinear(nn.Module):
             return torch.ops.lora_ops.add_lora(y2d, x_lora, *args).view(y.shape)
         ops.call("add_lora_", y2d, x_lora, *args)
         return y
-
-    def _plain_base(self):
-        """The base is a bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM itself."""
-        base = self.base
-        return (type(base) is nn.Linear and not base._forward_hooks and not base._forward_pre_hooks
-                and not _global_forward_hooks and not _global_forward_pre_hooks)
 
     @torch.no_grad()
     def write_slot(self, slot, slices, scale, rank):

@@ -189,6 +189,26 @@ def test_valid_arguments_pass(backend, op):
     call_with_slots(op, args, token_slots=slots([2, -1, 0, 1], backend.device))
 
 
+def test_quick_checks_accept_the_valid_case(backend):
+    """Each check's quick test of the valid case must pass it (else every call pays the detailed checks):
+    K != N here, so a quick test that mixes up the output's and the weight's dimensions fails."""
+    from csrc_meta import checks
+    a = valid_args(backend.device)
+    meta = (a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
+    weight, bias = torch.randn(N, K, device=backend.device), torch.randn(N, device=backend.device)
+    assert K != N
+    assert checks._add_lora_ok(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"], a["slice_widths"],
+                               *meta)
+    assert checks._shrink_ok(a["x"], a["lora_a"], a["scale"], a["rank"], *meta)
+    assert checks._lora_linear_ok(a["x"], weight, bias, a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                  a["slice_widths"], *meta)
+    assert checks._lora_linear_ok(a["x"], weight, None, a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                  a["slice_widths"], *meta)
+    dh = torch.randn(M, S, R, device=backend.device)
+    assert checks._lora_grad_x_ok(dh, a["lora_a"], a["rank"], *meta)
+    assert checks._segment_outer_ok(dh[:, 0], a["x"], a["rank"], *meta)
+
+
 def test_every_op_has_bad_cases():
     for op in OPS:
         assert sum(op in bad.ops() for bad in BAD) >= 15, op
