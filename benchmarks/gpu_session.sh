@@ -17,7 +17,8 @@ T0=$(date +%s)
 step() {  # step NAME LIMIT_S COMMAND...: run, log to $R/NAME.log, print the exit status and the time
     local name=$1 limit=$2; shift 2
     timeout "$limit" "$@" > "$R/$name.log" 2>&1
-    echo "[$(( $(date +%s) - T0 )) s] $name rc=$?"
+    local rc=$?
+    echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc"
 }
 TESTS="tests/test_fast_launch.py tests/test_overlap.py tests/test_layers.py tests/test_autograd.py"
 [ "$MODE" = full ] && TESTS="tests"
