@@ -6,8 +6,8 @@ reads tensor data on the host, so the backward is CUDA-graph safe and sync-free.
 from typing import NamedTuple
 
 from csrc_meta import checks
-from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, max_token_tiles, next_power_of_2,
-                                         rank_block, token_bucket)
+from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, feature_block, max_token_tiles,
+                                         next_power_of_2, rank_block, token_bucket)
 from lora_ops.launch import F32_OPERAND_PRECISION
 from lora_ops.kernels import grad as grad_kernels
 from lora_ops.triton_launch import FastLauncher
@@ -34,14 +34,14 @@ class SegmentOuterConfig(NamedTuple):
 
 def grad_x_config(num_tokens, in_features, max_rank):
     block_m = block_m_for(token_bucket(num_tokens))
-    block_n = max(16, min(128, next_power_of_2(in_features)))
+    block_n = feature_block(in_features)
     return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
 
 
 def segment_outer_config(p, q, num_slots):
     """Narrow the Q blocks until the grid fills the GPU: each program reduces a whole slot's tokens."""
     block_p = rank_block(p)
-    block_q = max(16, min(128, next_power_of_2(q)))
+    block_q = feature_block(q)
     while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS:
         block_q //= 2
     return SegmentOuterConfig(block_t=64, block_p=block_p, block_q=block_q, num_warps=4, num_stages=2)

@@ -65,6 +65,11 @@ def token_bucket(num_tokens):
     return TOKEN_BUCKETS[-1]
 
 
+def feature_block(features):
+    """The block along a feature dimension (K, N): the next power of two, clamped to [16, 128]."""
+    return max(16, min(128, next_power_of_2(features)))
+
+
 def rank_block(max_rank):
     # tl.dot needs every dimension >= 16; 64 keeps the fp32 accumulator tile in registers.
     return max(16, min(64, next_power_of_2(max_rank)))
@@ -89,7 +94,7 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
     block_m = block_m_for(bucket)
     block_r = rank_block(max_rank)
     group = slice_group_for(num_slices, block_r)
-    block_k = max(16, min(128, next_power_of_2(in_features)))
+    block_k = feature_block(in_features)
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), MAX_SPLIT_K))
     # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
@@ -102,10 +107,10 @@ def prefers_fused(bucket, in_features, max_rank):
 
 
 def fused_config(bucket, in_features, max_rank):
-    block_k = max(16, min(128, next_power_of_2(in_features)))
+    block_k = feature_block(in_features)
     return FusedConfig(block_m_for(bucket), 128, rank_block(max_rank), block_k, num_warps=4, num_stages=3)
 
 
 def expand_config(bucket, out_features, max_rank, num_slots):
-    block_n = max(16, min(128, next_power_of_2(out_features)))
+    block_n = feature_block(out_features)
     return ExpandConfig(block_m_for(bucket), block_n, rank_block(max_rank), num_warps=4, num_stages=2)
