@@ -42,8 +42,8 @@ def _add_lora_functional(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
     # Contiguous like the fake kernel's output, whatever y's layout.
     out = y.clone(memory_format=torch.contiguous_format)
     # Already below the dispatcher (real tensors, this op's own kernel): run add_lora_'s kernel directly.
-    ops.KERNELS["add_lora_"]["cuda" if out.is_cuda else "cpu"](
-        out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    ops.kernel_for("add_lora_", out)(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                     slot_starts, slot_counts)
     return out
 
 

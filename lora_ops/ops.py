@@ -37,8 +37,8 @@ def _triton():
 
 # op name -> {"cuda": kernel, "cpu": kernel}, the functions registered below
 KERNELS = {}
-# Ops that write their first argument in place (their schemas mark it Tensor(a!)).
-MUTATES_FIRST = ("add_lora_", "expand_")
+# Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
+MUTATES_FIRST = set()
 
 
 def register_kernels(op, launchers, check, cpu_kernel):
@@ -63,6 +63,14 @@ def register_kernels(op, launchers, check, cpu_kernel):
     torch.library.impl(op, "CUDA")(on_cuda)
     torch.library.impl(op, "CPU")(on_cpu)
     KERNELS[name] = {"cuda": on_cuda, "cpu": on_cpu}
+    first = getattr(torch.ops.lora_ops, name).default._schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write:
+        MUTATES_FIRST.add(name)
+
+
+def kernel_for(name, t):
+    """The kernel registered for op ``name`` on ``t``'s device (CUDA or CPU), or None for another device."""
+    return KERNELS[name].get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None)
 
 
 def needs_dispatcher(args):
@@ -88,10 +96,10 @@ def call(name, *args):
     one the dispatcher would run, with its checks; an in-place op bumps its output's version counter as
     the dispatcher would."""
     first = args[0]
-    device = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
-    if device is None or needs_dispatcher(args):
+    kernel = kernel_for(name, first)
+    if kernel is None or needs_dispatcher(args):
         return getattr(torch.ops.lora_ops, name)(*args)
-    out = KERNELS[name][device](*args)
+    out = kernel(*args)
     if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
         torch.autograd.graph.increment_version(first)
     return out

@@ -148,6 +148,7 @@ def test_call_matches_the_op_and_bumps_the_version():
                                  list(case.slice_widths), *case.meta)
     assert torch.equal(y_direct, y_op)
     assert y_direct._version > version
+    assert ops.MUTATES_FIRST == {"add_lora_", "expand_"}   # read from the schemas' Tensor(a!)
 
 
 def test_call_under_inference_mode():
