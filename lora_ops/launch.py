@@ -185,7 +185,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     N = weight.shape[0]
-    if M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None or not _overlaps(x):
+    # The cheap test first: by default (no overlap) _add_lora resolves the path itself, once.
+    if not _overlaps(x) or M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None:
         y = F.linear(x, weight, bias)
         _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
         return y
