@@ -151,6 +151,13 @@ def check_same_dtype(ref_name, ref, **others):
             _fail(TypeError, f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
 
 
+def check_like(name, t, dims, ref_name, ref):
+    """``t`` is a ``dims``-D float tensor of ``ref``'s dtype, on ``ref``'s device."""
+    check_float(name, t, dims)
+    check_same_dtype(ref_name, ref, **{name: t})
+    check_same_device(ref_name, ref, **{name: t})
+
+
 def check_slot_params(lora_a, scale, rank):
     """scale [L] float32 and rank [L] int32 match the slot stack's L."""
     L = lora_a.shape[0]
@@ -183,9 +190,7 @@ def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_
 
 def check_lora_a(x, lora_a):
     check_float("x", x, 2)
-    check_float("lora_a", lora_a, 4)
-    check_same_dtype("x", x, lora_a=lora_a)
-    check_same_device("x", x, lora_a=lora_a)
+    check_like("lora_a", lora_a, 4, "x", x)
     if lora_a.shape[3] != x.shape[1]:
         _fail(ValueError, f"lora_a: expected shape [L, S, R, K] with K = {x.shape[1]} (x's features), "
                           f"got {tuple(lora_a.shape)}")
@@ -194,9 +199,7 @@ def check_lora_a(x, lora_a):
 
 
 def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank):
-    check_float("lora_b", lora_b, 3)
-    check_same_dtype("y", y, lora_b=lora_b)
-    check_same_device("y", y, lora_b=lora_b)
+    check_like("lora_b", lora_b, 3, "y", y)
     N = y.shape[1]
     if tuple(lora_b.shape) != (num_slots, N, max_rank):
         _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], got {tuple(lora_b.shape)}")
@@ -231,16 +234,12 @@ def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths
                        slot_counts):
         return
     check_float("x", x, 2)
-    check_float("weight", weight, 2)
-    check_same_dtype("x", x, weight=weight)
-    check_same_device("x", x, weight=weight)
+    check_like("weight", weight, 2, "x", x)
     if weight.shape[1] != x.shape[1]:
         _fail(ValueError, f"weight: expected shape [N, K] with K = {x.shape[1]} (x's features), "
                           f"got {tuple(weight.shape)}")
     if bias is not None:
-        check_float("bias", bias, 1)
-        check_same_dtype("x", x, bias=bias)
-        check_same_device("x", x, bias=bias)
+        check_like("bias", bias, 1, "x", x)
         if bias.shape[0] != weight.shape[0]:
             _fail(ValueError, f"bias: expected {weight.shape[0]} entries (weight's rows), got {bias.shape[0]}")
     # The output the op returns, for add_lora_'s checks (only reached on unusual or bad input).
