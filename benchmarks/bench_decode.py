@@ -17,18 +17,13 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (HERE, REPO):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402

@@ -21,11 +21,7 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (HERE, REPO):  # this checkout's lora_ops and the helper modules beside this file
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from repo_path import HERE, REPO  # noqa: E402  (first: this checkout's lora_ops)
 
 import torch  # noqa: E402
 

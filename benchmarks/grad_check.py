@@ -23,11 +23,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (HERE, REPO):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -17,16 +17,12 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _p in (HERE, os.path.dirname(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
