@@ -68,16 +68,26 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     M = y.shape[0]
     parts = h if h.dim() == 4 else h.unsqueeze(0)
     L, _, R = lora_b.shape
-    cols, blocks = slice_layout(slice_widths, cfg.block_n)
-    grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
+    if parts.shape[0] > 1 and not takes_partials(cfg, R):
+        raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
+                         f"{parts.shape[0]} partial sums")
+    cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
+    grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m))
     EXPAND(
         grid, (parts, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, L, R, sorted_token_ids.shape[0], parts.shape[0], *parts.stride(), *lora_b.stride(), *y.stride()),
-        SLICE_COLS=cols, SLICE_BLOCKS=blocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        SLOTS_POW2=next_power_of_2(L), H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+        SLICE_COLS=cols, SLICE_CHUNKS=chunks,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
+        ONE_RANK_BLOCK=R <= cfg.block_r, SLOTS_POW2=next_power_of_2(L),
+        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def takes_partials(expand_cfg, max_rank):
+    """Whether the expand can add the shrink's split-K partial sums itself: only where the whole rank is
+    one block (kernels.expand); the rank loop wants h summed."""
+    return max_rank <= expand_cfg.block_r
 
 
 def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
@@ -135,12 +145,20 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                      fcfg)
         return
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-    # Every entry of h the expand reads (valid tokens, r < rank) is written by the shrink; with split-K,
-    # h holds the splits' partial sums and the expand adds them.
-    h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
-    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg, partials_out=True)
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
+    h = _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
+
+
+def _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg):
+    """The shrink's output for the expand: every entry it reads (valid tokens, r < rank) written; with
+    split-K, the splits' partial sums where the expand adds them, else their sum."""
+    M = x.shape[0]
+    _, S, R, _ = lora_a.shape
+    partials = takes_partials(ecfg, R)
+    h = x.new_empty((scfg.split_k if partials else 1, M, S, R), dtype=torch.float32)
+    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg, partials_out=partials)
+    return h
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
@@ -191,15 +209,13 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
         _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
         return y
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-    h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
+    ecfg = configs.expand_config(M, N, S, R, L, x.device, weight.dtype)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     # Allocations stay on the main stream; the side stream joins back before anything reads h or frees x.
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=True)
+        h = _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg)
     y = F.linear(x, weight, bias)
     main.wait_stream(side)
-    ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
     return y

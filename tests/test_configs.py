@@ -78,9 +78,15 @@ def test_table_entry_is_used_on_its_gpu(fake_gpu_table):
 
 
 def test_nearest_entry_adapts_rank_block(fake_gpu_table):
-    cfg = configs.expand_config(5000, 2 * 14336, 2, 256, 4, CUDA, torch.bfloat16)
+    cfg = configs.expand_config(5000, 2 * 14336, 2, 32, 4, CUDA, torch.bfloat16)
     assert (cfg.block_m, cfg.block_n) == (128, 64)
-    assert cfg.block_r == heuristics.rank_block(256)
+    assert cfg.block_r == heuristics.rank_block(32)
+
+
+def test_expand_entry_of_the_other_rank_path_is_not_used(fake_gpu_table):
+    # The rank-64 entry was tuned on the one-rank-block path; rank 256 runs the rank loop.
+    cfg = configs.expand_config(5000, 2 * 14336, 2, 256, 4, CUDA, torch.bfloat16)
+    assert cfg == heuristics.expand_config(4096, 2 * 14336, 256, 4)
 
 
 def test_distant_entries_are_not_used(fake_gpu_table):
@@ -155,7 +161,10 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert shr and exp and len(set(shr)) == len(shr)
     assert bool(fused) == (bucket <= tuning.FUSED_TUNE_MAX_BUCKET) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)
-    # The expand also tries rank blocks narrower than the heuristic's, never wider.
+    # Above rank 64 (the rank loop) the expand also tries a narrower rank block; up to 64 the whole rank
+    # is one block, and from 256 tokens a program may stream several column blocks.
     wide = list(tuning.expand_candidates(bucket, 6144, 256))
-    assert {c.block_r for c in wide} == {16, 32, 64} and len(set(wide)) == len(wide)
-    assert {c.block_r for c in exp} == {16}
+    assert {c.block_r for c in wide} == {32, 64} and len(set(wide)) == len(wide)
+    assert {c.n_loop for c in wide} == {1}
+    assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
+    assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1})

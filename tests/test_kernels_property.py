@@ -18,7 +18,8 @@ import interp_bf16
 import lora_ops
 from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, dtype_id,
                       expand_reference, h_roundoff, make_case, rel_err, ulp)
-from lora_ops import configs
+from lora_ops import configs, launch
+from lora_ops.configs.heuristics import ExpandConfig
 from lora_ops.reference import shrink_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
@@ -220,6 +221,39 @@ def test_expand_matches_reference(backend, checked_dtype, data):
     assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4, dtype, backend)
 
 
+# The expand kernel's two code paths (kernels.expand): the whole rank in one block (h split once, N_LOOP
+# column blocks streamed with y prefetched; h as two split-K partial sums) and the rank loop (h summed);
+# each with one and several column blocks per program.
+EXPAND_PATH_CONFIGS = {
+    "one_block-1_col_block": (ExpandConfig(16, 16, 16, 4, 2, 1), 16),
+    "one_block-3_col_blocks": (ExpandConfig(16, 16, 32, 4, 2, 3), 24),
+    "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40),
+    "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40),
+}
+
+
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+@pytest.mark.parametrize("path", EXPAND_PATH_CONFIGS, ids=str)
+def test_expand_kernel_paths(backend, dtype, path):
+    if backend.name != "triton":
+        pytest.skip("the Triton expand kernel's configs")
+    cfg, R = EXPAND_PATH_CONFIGS[path]
+    M, K, N, L, S = 37, 9, 75, 4, 3
+    case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=3, ranks=[R, R // 2 + 1, 0, 3],
+                     slice_widths=[41, 29, 5], capacity=M + 5)
+    y = case.new_y("random")
+    y_in = y.clone()
+    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(2 if launch.takes_partials(cfg, R) else 1)])
+    past_rank = torch.arange(R, device=case.lora_b.device) >= case.rank[:, None, None].to(case.lora_b.device)
+    case.lora_b.masked_fill_(past_rank, math.nan)  # must not be read
+    ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots,
+                           case.slice_widths)
+    launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
+    assert_delta_close(y, y_in, ref, dtype)
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+    assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
+
+
 # ------------------------------------------------------------------------------------------------
 # Isolation: a NaN in one slot's weights (or one token's x) reaches exactly the outputs it should
 # ------------------------------------------------------------------------------------------------
@@ -395,3 +429,13 @@ def test_bf16_patch_is_scoped():
             assert InterpreterBuilder.__dict__["create_dot"] is not before["create_dot"]
             raise RuntimeError("boom")
     assert {name: InterpreterBuilder.__dict__[name] for name in before} == before
+
+
+def test_rank_loop_refuses_partial_sums(backend):
+    if backend.name != "triton":
+        pytest.skip("the Triton expand launcher")
+    cfg, R = EXPAND_PATH_CONFIGS["rank_loop-1_col_block"]
+    case = make_case(4, 9, 11, 2, 1, R, device=backend.device)
+    parts = torch.zeros(2, 4, 1, R, device=backend.device)
+    with pytest.raises(ValueError, match="h: the expand's rank loop"):
+        launch.launch_expand(case.new_y("zero"), parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)

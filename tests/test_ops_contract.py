@@ -136,8 +136,9 @@ def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
             slice_groups = cdiv(S, args.get("SLICE_GROUP", 1))  # slices sharing one program's dot
             assert grid[0] == slice_groups * cdiv(R, args["BLOCK_R"]), f"shrink grid {grid}"
             assert grid[2] == args["split_k"], f"shrink grid {grid} vs split_k {args['split_k']}"
-        else:  # expand and the one-launch kernel: one program per column block of each slice
-            assert grid[0] == sum(cdiv(n, args["BLOCK_N"]) for n in p["slice_widths"]), f"{kind} grid {grid}"
+        else:  # expand and the one-launch kernel: one program per column chunk (N_LOOP blocks) of each slice
+            chunk = args["BLOCK_N"] * args.get("N_LOOP", 1)
+            assert grid[0] == sum(cdiv(n, chunk) for n in p["slice_widths"]), f"{kind} grid {grid}"
         tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
         assert len(tensors) >= 7 and all(t.device.type == "meta" for t in tensors)
 

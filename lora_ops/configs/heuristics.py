@@ -38,6 +38,7 @@ class ExpandConfig(NamedTuple):
     block_r: int
     num_warps: int
     num_stages: int
+    n_loop: int = 1        # column blocks one program streams through (kernels.expand)
 
 
 class FusedConfig(NamedTuple):
@@ -111,6 +112,27 @@ def fused_config(bucket, in_features, max_rank):
     return FusedConfig(block_m_for(bucket), 128, rank_block(max_rank), block_k, num_warps=4, num_stages=3)
 
 
+# From 256 tokens a program may stream up to 8 column blocks (H200, 2026-12-02: Llama gate_up r64 at 4096
+# tokens 270 -> 183 µs, qkv r64 at 1024 tokens 17.7 -> 13.8 µs), as long as about EXPAND_MIN_PROGRAMS
+# programs remain to fill the GPU (qkv r16 at 256 tokens has 384 blocks in all: 4 per program took 2x).
+EXPAND_MAX_N_LOOP = 8
+EXPAND_N_LOOP_MIN_BUCKET = 256
+EXPAND_MIN_PROGRAMS = 512
+
+
 def expand_config(bucket, out_features, max_rank, num_slots):
-    block_n = feature_block(out_features)
-    return ExpandConfig(block_m_for(bucket), block_n, rank_block(max_rank), num_warps=4, num_stages=2)
+    block_r = rank_block(max_rank)
+    if max_rank > block_r:
+        # The rank loop: a GEMM with K = rank, bound by re-reading h and B per output tile, so large
+        # batches take large tiles (H200, 2026-12-02: Phi-4-mini gate_up r320 at 4096 tokens 544 -> 479 µs).
+        if bucket >= 4096:
+            return ExpandConfig(128, 256, block_r, num_warps=8, num_stages=3)
+        return ExpandConfig(block_m_for(bucket), feature_block(out_features), block_r, num_warps=4, num_stages=3)
+    block_m, block_n = block_m_for(bucket), feature_block(out_features)
+    n_loop = 1
+    if bucket >= EXPAND_N_LOOP_MIN_BUCKET:
+        block_n = min(64 if max_rank > 32 else 128, block_n)
+        blocks = cdiv(out_features, block_n) * max_token_tiles(bucket, num_slots, block_m)
+        while n_loop < EXPAND_MAX_N_LOOP and blocks // (2 * n_loop) >= EXPAND_MIN_PROGRAMS:
+            n_loop *= 2
+    return ExpandConfig(block_m, block_n, block_r, num_warps=4, num_stages=2, n_loop=n_loop)

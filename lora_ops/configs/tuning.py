@@ -45,15 +45,18 @@ def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUN
 
 
 def expand_candidates(bucket, out_features, max_rank):
-    # Rank blocks below the heuristic's too: the kernel loops over rank in BLOCK_R steps up to each slot's
-    # own rank, and a narrower h / B tile leaves registers for more programs per SM (not yet tuned on
-    # the H200: the shipped table predates this; the r64 expand ran 1.75x slower than r16 at equal bytes).
+    # Up to rank 64 the whole rank is one block and from 256 tokens a program streams n_loop column blocks
+    # (kernels.expand); above rank 64 the rank loop runs and large output tiles pay (fewer re-reads of h, B).
     full = heuristics.rank_block(max_rank)
-    for bm, bn, br in itertools.product(_block_ms(bucket), (64, 128, 256), sorted({16, 32, full})):
-        if br > full:
-            continue
-        for warps, stages in ((4, 2), (8, 2), (4, 3)):
-            yield ExpandConfig(bm, bn, br, warps, stages)
+    if max_rank > full:
+        for bm, bn, br in itertools.product(_block_ms(bucket), (128, 256), (32, full)):
+            for warps, stages in ((4, 3), (8, 3)):
+                yield ExpandConfig(bm, bn, br, warps, stages)
+        return
+    n_loops = (1, 4, 8) if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else (1,)
+    for bm, bn, n_loop in itertools.product(_block_ms(bucket), (64, 128), n_loops):
+        for warps, stages in ((4, 2), (8, 2)):
+            yield ExpandConfig(bm, bn, full, warps, stages, n_loop)
 
 
 def fused_candidates(bucket, in_features, max_rank):

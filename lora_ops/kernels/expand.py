@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, find_slice_block, find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, split_f32
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -12,29 +12,35 @@ def expand_kernel(
     stride_hp, stride_hm, stride_hs, stride_hr,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
-    SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
+    SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,    ONE_RANK_BLOCK: tl.constexpr, SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
-    """One program: one token tile of one slot times one BLOCK_N block of one output slice.
+    """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
     Pointers: h [P, M, S, R] float32: the shrink output as num_parts = P partial sums (split-K partials,
-    added here in split order, so the sum is deterministic; P = 1: h itself); B [L, N, R] (y's dtype);
+    added here in split order, so the sum is deterministic; P = 1: h itself). The rank loop takes P = 1
+    only (the launcher has the shrink add its splits): a loop over the parts inside it would keep the
+    compiler from pipelining it. P is a run-time value: as a constexpr the compiler unrolled the parts'
+    loop, issued all the loads at once and spilled (decode rows +25%). B [L, N, R] (y's dtype);
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
     Strides: every dimension of h (stride_hp between parts), B and y, in elements.
     SLICE_COLS: S + 1 column offsets of the output slices in y and B (0, n_0, n_0 + n_1, ..., N);
-    SLICE_BLOCKS: S + 1 offsets of each slice's first column block (prefix sums of cdiv(n_i, BLOCK_N)).
-    Grid: (total column blocks, token-tile bound). The rank loop stops at the slot's own rank.
-    H_PRECISION: how the fp32 h meets B on the tensor cores: "ieee" (float32 inputs), "tf32" (float16:
-    h keeps fp32 range), "bf16x2" (bfloat16: h split into two bf16 terms, about 16 significant bits).
+    SLICE_CHUNKS: S + 1 offsets of each slice's first chunk (prefix sums of cdiv(n_i, N_LOOP * BLOCK_N)).
+    Grid: (total chunks, token-tile bound).
+    ONE_RANK_BLOCK (R <= BLOCK_R): the tile's h is loaded and split once, then the program streams its
+    N_LOOP column blocks of B and y, prefetching the next block of y while it adds into this one: y is the
+    bulk of the bytes, and one program per (tile, block) left too few loads in flight to reach bandwidth.
+    Otherwise each column block runs a rank loop in BLOCK_R steps up to the slot's own rank (a GEMM with
+    K = rank), then reads y, adds and writes it.
+    H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if pid_n >= SLICE_BLOCKS[len(SLICE_BLOCKS) - 1]:
+    if pid_n >= SLICE_CHUNKS[len(SLICE_CHUNKS) - 1]:
         return
-    slice_id, offs_n, n_ok = find_slice_block(pid_n, SLICE_COLS, SLICE_BLOCKS, BLOCK_N)
+    slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
                                                   max_rank, capacity, BLOCK_M, SLOTS_POW2)
     if rank == 0:
@@ -42,25 +48,57 @@ def expand_kernel(
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
 
     offs_r = tl.arange(0, BLOCK_R)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
     h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
+    b_slot = b_ptr + slot.to(tl.int64) * stride_bl
+    y_rows = y_ptr + tok[:, None] * stride_ym
 
-    # y is the bulk of the bytes: issue its load first so it is in flight during the rank loop.
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
-    mask = valid[:, None] & n_ok[None, :]
-    y_old = tl.load(y_ptrs, mask=mask, other=0.0)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        rs = r0 + offs_r
-        r_ok = rs < rank
+    if ONE_RANK_BLOCK:
+        # y is the bulk of the bytes: the first block's load is in flight while h is read.
+        n_ok = offs_n < col_hi
+        y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
+                         other=0.0)
+        r_ok = offs_r < rank
         h_mask = valid[:, None] & r_ok[None, :]
-        part_rows = h_rows + rs[None, :] * stride_hr
+        part_rows = h_rows + offs_r[None, :] * stride_hr
         ht = tl.load(part_rows, mask=h_mask, other=0.0)
         for _ in range(1, num_parts):  # the splits' partial sums, in split order
             part_rows += stride_hp
             ht += tl.load(part_rows, mask=h_mask, other=0.0)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
-
-    tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        h_hi, h_lo = split_f32(ht, H_PRECISION)
+        b_rows = b_slot + offs_r[:, None] * stride_br
+        for j in range(N_LOOP):
+            y_old = y_next
+            mask = valid[:, None] & n_ok[None, :]
+            y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
+            bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_ok[:, None] & n_ok[None, :],
+                         other=0.0)
+            next_n = offs_n + BLOCK_N
+            next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
+            y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
+                             mask=valid[:, None] & next_ok[None, :], other=0.0)
+            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            offs_n = next_n
+            n_ok = next_ok
+    else:
+        for j in range(N_LOOP):
+            n_ok = offs_n < col_hi
+            b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                rs = r0 + offs_r
+                r_ok = rs < rank
+                # Rows of invalid tokens read token 0's h (in bounds; their results are never stored): one
+                # mask fewer in the loop.
+                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_ok[None, :], other=0.0)
+                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                h_hi, h_lo = split_f32(ht, H_PRECISION)
+                acc = dot_split(h_hi, h_lo, bt, acc, H_PRECISION)
+            # y after the rank loop: holding it through the loop cost the registers that larger tiles need
+            # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
+            mask = valid[:, None] & n_ok[None, :]
+            y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
+            y_old = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            offs_n += BLOCK_N

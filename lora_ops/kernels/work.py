@@ -38,52 +38,86 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
 
 
 @triton.jit
-def find_slice_block(pid_n, SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Map column-block program ``pid_n`` to (slice, its columns [BLOCK_N], which of them exist).
+def find_slice_chunk(pid_n, SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Map column-chunk program ``pid_n`` to (slice, its chunk's first column, the slice's column end).
 
-    SLICE_COLS: S + 1 column offsets of the output slices (0, n_0, n_0 + n_1, ..., N); SLICE_BLOCKS: S + 1
-    offsets of each slice's first column block (prefix sums of cdiv(n_i, BLOCK_N)). The caller returns
-    when ``pid_n >= SLICE_BLOCKS[-1]``.
+    SLICE_COLS: S + 1 column offsets of the output slices (0, n_0, n_0 + n_1, ..., N); SLICE_CHUNKS: S + 1
+    offsets of each slice's first chunk of CHUNK columns (prefix sums of cdiv(n_i, CHUNK)). The caller
+    returns when ``pid_n >= SLICE_CHUNKS[-1]``.
     """
     slice_id = 0
     col_lo = 0
     col_hi = SLICE_COLS[1]
-    block_lo = 0
-    for i in tl.static_range(1, len(SLICE_BLOCKS) - 1):
-        later = pid_n >= SLICE_BLOCKS[i]
+    chunk_lo = 0
+    for i in tl.static_range(1, len(SLICE_CHUNKS) - 1):
+        later = pid_n >= SLICE_CHUNKS[i]
         slice_id = tl.where(later, i, slice_id)
         col_lo = tl.where(later, SLICE_COLS[i], col_lo)
         col_hi = tl.where(later, SLICE_COLS[i + 1], col_hi)
-        block_lo = tl.where(later, SLICE_BLOCKS[i], block_lo)
-    offs_n = col_lo + (pid_n - block_lo) * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunk_lo = tl.where(later, SLICE_CHUNKS[i], chunk_lo)
+    return slice_id, col_lo + (pid_n - chunk_lo) * CHUNK, col_hi
+
+
+@triton.jit
+def find_slice_block(pid_n, SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Map column-block program ``pid_n`` to (slice, its columns [BLOCK_N], which of them exist)."""
+    slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_BLOCKS, BLOCK_N)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
     return slice_id, offs_n, offs_n < col_hi
 
 
 @triton.jit
 def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.constexpr):
-    """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M))."""
+    """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M)).
+
+    Invalid entries get token 0 (M >= 1 whenever a kernel runs), so a load that skips the row mask stays
+    in bounds."""
     offs = tl.arange(0, BLOCK_M)
     rows = row0 + offs
     valid = (offs < rows_left) & (rows < capacity)
     tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
     valid = valid & (tok >= 0) & (tok < M)
-    return tok.to(tl.int64), valid
+    return tl.where(valid, tok, 0).to(tl.int64), valid
 
 
 @triton.jit
-def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype, accumulated in float32.
+def split_f32(a, PRECISION: tl.constexpr):
+    """A float32 tensor as the tensor-core operand(s) ``dot_split`` takes for PRECISION:
 
-    PRECISION: "ieee" (b float32: exact fp32 products), "tf32" (b float16: fp16 fits tf32 exactly, ``a``
-    keeps fp32 range), "bf16x2" (b bfloat16: ``a`` split into two bf16 terms, about 16 significant bits).
+    "ieee" (b float32): a itself, exact fp32 products; "tf32" (b float16: fp16 fits tf32 exactly, ``a``
+    keeps fp32 range): a itself; "bf16x2" (b bfloat16): two bf16 terms hi + lo, about 16 significant
+    bits, two MMAs; "bf16" (b bfloat16): one bf16 term, 8 significant bits, one MMA (where the MMA rate
+    bounds the kernel: high ranks). Returns (hi, lo); lo is hi where unused.
     """
     if PRECISION == "bf16x2":
         hi = a.to(tl.bfloat16)
         lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+    elif PRECISION == "bf16":
+        hi = a.to(tl.bfloat16)
+        lo = hi
+    else:
+        hi = a
+        lo = a
+    return hi, lo
+
+
+@triton.jit
+def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b from ``split_f32(a, PRECISION)``, ``b`` in the weights' dtype, accumulated in float32."""
+    if PRECISION == "bf16x2":
         acc = tl.dot(hi, b, acc)
         acc = tl.dot(lo, b, acc)
+    elif PRECISION == "bf16":
+        acc = tl.dot(hi, b, acc)
     elif PRECISION == "tf32":
-        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+        acc = tl.dot(hi, b.to(tl.float32), acc, input_precision="tf32")
     else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(hi, b, acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype (see :func:`split_f32`)."""
+    hi, lo = split_f32(a, PRECISION)
+    return dot_split(hi, lo, b, acc, PRECISION)
