@@ -1,12 +1,12 @@
 #!/bin/bash
-# One device call that checks and times what the issues ask for, in order of cost, each step under its
-# own time limit, everything under $OUT/r and packed into $OUT/results.tgz (the device tool returns at most
-# a handful of files). Run from the repo root on the GPU machine, the peers' builds carried in .peers:
+# Device calls that check and time what the issues ask for, each step under its own time limit, everything
+# under $OUT/r and packed into $OUT/results.tgz (the device tool returns at most a handful of files). Each
+# part fits one call (the device tool allows 600 s per call). Run from the repo root on the GPU machine,
+# the peers' builds carried in .peers:
 #
-#     bash benchmarks/gpu_session.sh [quick|full]        # quick ~6 min, full ~12 min (two calls' worth)
-#
-# quick: GPU tests of the launch paths, the core grid with the peers, decode step, host time, training.
-# full:  adds the high-rank and mixed grids and the whole GPU test suite.
+#     bash benchmarks/gpu_session.sh quick     # GPU tests of the kernels and launch paths, core grid with
+#                                              # the peers, host time, decode step (~7 min)
+#     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step (~7 min)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -20,20 +20,20 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $R/NAME.log, print the exi
     local rc=$?
     echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc"
 }
-TESTS="tests/test_fast_launch.py tests/test_overlap.py tests/test_layers.py tests/test_autograd.py"
-[ "$MODE" = full ] && TESTS="tests"
-step tests 300 env LORA_OPS_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider $TESTS
-step core 200 python benchmarks/bench_lora.py --grid core --time-budget 170 --out "$R"
-if [ "$MODE" = full ]; then
-    step highrank 200 python benchmarks/bench_lora.py --grid highrank --time-budget 170 --out "$R"
-    step mixed 120 python benchmarks/bench_lora.py --grid mixed --time-budget 100 --out "$R"
+if [ "$MODE" = quick ]; then
+    step tests 90 bash -c 'export LORA_OPS_TEST_DEVICE=cuda; P="python -m pytest -q -p no:cacheprovider"
+        $P tests/test_kernels_property.py -k "expand or split_k or rank_above or nan_stays"
+        $P tests/test_fast_launch.py tests/test_training.py' 
+    step core 215 python benchmarks/bench_lora.py --grid core --time-budget 190 --out "$R"
+    step host 75 python benchmarks/host_overhead.py --out "$R"
+    step decode 80 python benchmarks/bench_decode.py --out "$R"
+else
+    step highrank 150 python benchmarks/bench_lora.py --grid highrank --time-budget 130 --out "$R"
+    step grad 110 python benchmarks/grad_check.py --out "$R"
+    step mixed 100 python benchmarks/bench_lora.py --grid mixed --time-budget 85 --out "$R"
 fi
-step decode 90 python benchmarks/bench_decode.py --out "$R"
-step host 90 python benchmarks/host_overhead.py --out "$R"
-step grad 150 python benchmarks/grad_check.py --out "$R"
 tar czf "$OUT/results.tgz" -C "$OUT" r
-tail -3 "$R/tests.log"
-sed -n '/geometric/,$p' "$R/core.log" | head -12
-tail -3 "$R/decode.log"
-tail -3 "$R/host.log"
-tail -6 "$R/grad.log"
+for log in tests core host decode highrank grad mixed; do
+    [ -f "$R/$log.log" ] || continue
+    echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
+done
