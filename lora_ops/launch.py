@@ -146,19 +146,18 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         return
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
-    h = _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg)
+    h = _shrink_buffer(x, lora_a, scfg, ecfg)
+    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
+                  partials_out=h.shape[0] > 1)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
 
 
-def _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg):
-    """The shrink's output for the expand: every entry it reads (valid tokens, r < rank) written; with
-    split-K, the splits' partial sums where the expand adds them, else their sum."""
-    M = x.shape[0]
+def _shrink_buffer(x, lora_a, scfg, ecfg):
+    """h for the shrink to fill and the expand to read: every entry the expand reads (valid tokens,
+    r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, else [1, M, S, R]."""
     _, S, R, _ = lora_a.shape
-    partials = takes_partials(ecfg, R)
-    h = x.new_empty((scfg.split_k if partials else 1, M, S, R), dtype=torch.float32)
-    launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg, partials_out=partials)
-    return h
+    parts = scfg.split_k if takes_partials(ecfg, R) else 1
+    return x.new_empty((parts, x.shape[0], S, R), dtype=torch.float32)
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
@@ -210,11 +209,14 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
         return y
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
     ecfg = configs.expand_config(M, N, S, R, L, x.device, weight.dtype)
+    h = _shrink_buffer(x, lora_a, scfg, ecfg)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    # Allocations stay on the main stream; the side stream joins back before anything reads h or frees x.
+    # h is allocated on the main stream, which reads it; the side stream joins back before anything reads
+    # h or frees x. (The shrink's own split-K scratch, when it sums the splits, lives and dies on the side.)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        h = _shrink_out(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, scfg, ecfg)
+        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
+                      partials_out=h.shape[0] > 1)
     y = F.linear(x, weight, bias)
     main.wait_stream(side)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
