@@ -4,6 +4,8 @@ Grids depend on shapes and capacities only (token count M, slot capacity L, max 
 never on tensor data, so they are CUDA-graph safe; the programs find their work on the device
 (lora_ops.kernels.work). Nothing here reads tensor data on the host.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,12 @@ F32_OPERAND_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfl
 
 def slice_layout(slice_widths, block_n):
     """(column offsets, column-block offsets) of the output slices, S + 1 entries each."""
+    return _slice_layout(tuple(slice_widths), block_n)
+
+
+@functools.lru_cache(maxsize=1024)
+def _slice_layout(slice_widths, block_n):
+    # Remembered: a model has a few layer layouts, and this ran on every launch (~5 µs of host time).
     cols, blocks = [0], [0]
     for n in slice_widths:
         cols.append(cols[-1] + n)

@@ -4,6 +4,7 @@ The token count enters only through its bucket (:data:`TOKEN_BUCKETS`), so every
 shares one config: a new batch size never changes a constexpr (no recompiles) and configs never change
 between CUDA-graph replays.
 """
+import functools
 from typing import NamedTuple
 
 # Programs to aim for with split-K at decode sizes: about two waves on a 132-SM GPU.
@@ -18,7 +19,9 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+@functools.lru_cache(maxsize=256)
 def next_power_of_2(n):
+    # Remembered: launchers ask for the slot count's power on every launch.
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
