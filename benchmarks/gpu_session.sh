@@ -6,7 +6,8 @@
 #
 #     bash benchmarks/gpu_session.sh quick     # GPU tests of the kernels and launch paths, core grid with
 #                                              # the peers, host time, decode step (~7 min)
-#     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step (~7 min)
+#     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step and
+#                                              # its profile (~8 min)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -30,10 +31,11 @@ if [ "$MODE" = quick ]; then
 else
     step highrank 150 python benchmarks/bench_lora.py --grid highrank --time-budget 130 --out "$R"
     step grad 110 python benchmarks/grad_check.py --out "$R"
+    step profile 60 python benchmarks/train_profile.py --out "$R"
     step mixed 100 python benchmarks/bench_lora.py --grid mixed --time-budget 85 --out "$R"
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode highrank grad mixed; do
+for log in tests core host decode highrank grad profile mixed; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
