@@ -13,7 +13,8 @@ def expand_kernel(
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,    ONE_RANK_BLOCK: tl.constexpr, SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
+    ONE_RANK_BLOCK: tl.constexpr, SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -21,7 +22,8 @@ def expand_kernel(
     added here in split order, so the sum is deterministic; P = 1: h itself). The rank loop takes P = 1
     only (the launcher has the shrink add its splits): a loop over the parts inside it would keep the
     compiler from pipelining it. P is a run-time value: as a constexpr the compiler unrolled the parts'
-    loop, issued all the loads at once and spilled (decode rows +25%). B [L, N, R] (y's dtype);
+    loop and issued all the loads at once, which spilled at rank 64 with many splits (DESIGN §4).
+    B [L, N, R] (y's dtype);
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
