@@ -76,7 +76,8 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     M = y.shape[0]
     parts = h if h.dim() == 4 else h.unsqueeze(0)
     L, _, R = lora_b.shape
-    if parts.shape[0] > 1 and not takes_partials(cfg, R):
+    one_rank_block = takes_partials(cfg, R)
+    if parts.shape[0] > 1 and not one_rank_block:
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
                          f"{parts.shape[0]} partial sums")
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
@@ -86,7 +87,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
         (M, L, R, sorted_token_ids.shape[0], parts.shape[0], *parts.stride(), *lora_b.stride(), *y.stride()),
         SLICE_COLS=cols, SLICE_CHUNKS=chunks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-        ONE_RANK_BLOCK=R <= cfg.block_r, SLOTS_POW2=next_power_of_2(L),
+        ONE_RANK_BLOCK=one_rank_block, SLOTS_POW2=next_power_of_2(L),
         H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -107,8 +107,9 @@ def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced):
 def _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback):
     table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
     entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket, out_features)
-    if entry is None or (kind == "expand" and _rank_loops(entry["rank"]) != _rank_loops(max_rank)):
-        return fallback  # the expand runs another code path (kernels.expand) at the entry's rank
+    other_path = kind == "expand" and entry and heuristics.rank_loops(entry["rank"]) != heuristics.rank_loops(max_rank)
+    if entry is None or other_path:  # the expand runs another code path (kernels.expand) at the entry's rank
+        return fallback
     if entry["config"] is None:  # the tuner found two launches faster here
         return None
     cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig}[kind](**entry["config"])
@@ -117,10 +118,6 @@ def _from_table(kind, device, features, num_slices, max_rank, bucket, out_featur
     if kind == "shrink":
         cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
     return cfg
-
-
-def _rank_loops(max_rank):
-    return max_rank > heuristics.rank_block(max_rank)
 
 
 def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None):

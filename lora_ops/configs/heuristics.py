@@ -79,6 +79,11 @@ def rank_block(max_rank):
     return max(16, min(64, next_power_of_2(max_rank)))
 
 
+def rank_loops(max_rank):
+    """Whether the expand runs its rank loop for this rank (kernels.expand): ranks past one rank block."""
+    return max_rank > rank_block(max_rank)
+
+
 def max_token_tiles(num_tokens, num_slots, block_m):
     """Upper bound on (slot, token tile) pairs: each slot adds at most one partial tile; each tile holds
     at least one token. The grid's token axis has this size (programs past the real work return)."""
@@ -125,7 +130,7 @@ EXPAND_MIN_PROGRAMS = 512
 
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
-    if max_rank > block_r:
+    if rank_loops(max_rank):
         # The rank loop: a GEMM with K = rank, bound by re-reading h and B per output tile, so large
         # batches take large tiles (H200, 2026-12-02: Phi-4-mini gate_up r320 at 4096 tokens 544 -> 479 µs).
         if bucket >= 4096:

@@ -48,7 +48,7 @@ def expand_candidates(bucket, out_features, max_rank):
     # Up to rank 64 the whole rank is one block and from 256 tokens a program streams n_loop column blocks
     # (kernels.expand); above rank 64 the rank loop runs and large output tiles pay (fewer re-reads of h, B).
     full = heuristics.rank_block(max_rank)
-    if max_rank > full:
+    if heuristics.rank_loops(max_rank):
         for bm, bn, br in itertools.product(_block_ms(bucket), (128, 256), (32, full)):
             for warps, stages in ((4, 3), (8, 3)):
                 yield ExpandConfig(bm, bn, br, warps, stages)
