@@ -341,8 +341,9 @@ def test_empty_batch_is_a_no_op(backend, dtype):
 
 
 # The rank loop computes rows of a tile's invalid tokens from token 0's h (unwritten memory here) and never
-# stores them; in fp16 the interpreter warns when such a row overflows on its way to the (masked) store.
+# stores them; the interpreter (numpy) warns when such a row holds inf/NaN garbage.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("R", [16, 80], ids=["expand_adds_splits", "shrink_adds_splits"])
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_split_k_matches_reference(backend, dtype, R):
