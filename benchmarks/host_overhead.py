@@ -110,7 +110,7 @@ def main(argv=None):
         "op add_lora_ (torch.ops)": ({}, lambda: torch.ops.lora_ops.add_lora_(*op_args)),
         "checks only": ({}, lambda: checks.check_add_lora(*op_args)),
         "config lookups (3)": ({}, lambda: (configs.fused_config(M, K, N, S, R, L, device, dtype),
-                                            configs.shrink_config(M, K, S, R, L, device, dtype),
+                                            configs.shrink_config(M, K, S, R, L, device, dtype, out_features=N),
                                             configs.expand_config(M, N, S, R, L, device, dtype))),
     }
     if cuda:

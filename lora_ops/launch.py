@@ -87,10 +87,23 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
         (M, L, R, sorted_token_ids.shape[0], parts.shape[0], *parts.stride(), *lora_b.stride(), *y.stride()),
         SLICE_COLS=cols, SLICE_CHUNKS=chunks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-        ONE_RANK_BLOCK=one_rank_block, SLOTS_POW2=next_power_of_2(L),
+        ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
         H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+# Registers per thread a chunk of partial sums may hold in flight (kernels.expand, PART_CHUNK): eight
+# 64 x 16 fp32 tiles at 4 warps; two 64 x 64 ones.
+PART_CHUNK_VALUES_PER_THREAD = 64
+MAX_PART_CHUNK = 8
+
+
+def part_chunk(expand_cfg):
+    """How many split-K partial sums the expand loads at once (a power of two, 1..MAX_PART_CHUNK)."""
+    per_part = max(1, expand_cfg.block_m * expand_cfg.block_r // (32 * expand_cfg.num_warps))
+    fits = max(1, PART_CHUNK_VALUES_PER_THREAD // per_part)
+    return min(MAX_PART_CHUNK, 1 << (fits.bit_length() - 1))  # the largest power of two that fits
 
 
 def takes_partials(expand_cfg, max_rank):
@@ -153,7 +166,7 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
                      fcfg)
         return
-    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=y.shape[1])
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
     h = _shrink_buffer(x, lora_a, scfg, ecfg)
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
@@ -216,7 +229,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
         y = F.linear(x, weight, bias)
         _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
         return y
-    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
     ecfg = configs.expand_config(M, N, S, R, L, x.device, weight.dtype)
     h = _shrink_buffer(x, lora_a, scfg, ecfg)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)

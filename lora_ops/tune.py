@@ -2,8 +2,9 @@
 
     python -m lora_ops.tune --model llama3-8b --ranks 16 64 --out lora_ops/configs/tuned/NVIDIA_H200.json
 
-For every layer shape, rank and token bucket it searches the shrink, the expand and the one-launch kernel's
-candidate configs (lora_ops.configs.tuning) and records the fastest of each, with the heuristic's time
+For every layer shape, rank and token bucket it searches the expand's candidate configs, then the shrink's,
+each timed with the best expand adding its split-K partial sums (as add_lora_ runs them), then the
+one-launch kernel's (lora_ops.configs.tuning); it records the fastest of each, with the heuristic's time
 beside it so the table shows what tuning gains; the "fused" entry names the one-launch config where it
 beats the best shrink + expand, else null (two launches). Lookups take the nearest entry
 (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
@@ -116,19 +117,25 @@ def tune_shape(job, args, device, dtype):
     S, N = len(widths), sum(widths)
     problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
     key = dict(model=model, layer=name, slices=S, rank=r, tokens=bucket)
-    heur = {"shrink": heuristics.shrink_config(bucket, K, S, r, args.slots),
-            "expand": heuristics.expand_config(bucket, N, r, args.slots)}
-    entries, best_us, heur_us = [], {}, {}
-    for kind, features in (("shrink", K), ("expand", N)):
-        best, best_us[kind], timings = tuning.search(kind, problems, candidates(kind, features))
-        heur_us[kind] = timings.get(heur[kind]) or tuning.time_config(kind, problems, heur[kind])
-        entries.append(dict(kind=kind, features=features, **key, config=best._asdict(), us=round(best_us[kind], 2),
-                            heuristic_us=round(heur_us[kind], 2), candidates=len(timings)))
-    split_us = best_us["shrink"] + best_us["expand"]
+    heur_shrink = heuristics.shrink_config(bucket, K, S, r, args.slots, out_features=N)
+    heur_expand = heuristics.expand_config(bucket, N, r, args.slots)
+    # The expand first (on a random h); then each shrink candidate with the best expand adding its split-K
+    # partial sums, as add_lora_ runs them: the shrink's entry holds the pair's time less the expand's.
+    expand, expand_us, expand_timings = tuning.search("expand", problems, candidates("expand", N))
+    heur_expand_us = expand_timings.get(heur_expand) or tuning.time_config("expand", problems, heur_expand)
+    shrink, split_us, timings = tuning.search("shrink", problems, candidates("shrink", K), expand)
+    heur_pair_us = tuning.time_config("shrink", problems, heur_shrink, heur_expand)
+    entries = [
+        dict(kind="shrink", features=K, out_features=N, **key, config=shrink._asdict(),
+             us=round(split_us - expand_us, 2), pair_us=round(split_us, 2),
+             heuristic_us=round(heur_pair_us - heur_expand_us, 2), candidates=len(timings)),
+        dict(kind="expand", features=N, **key, config=expand._asdict(), us=round(expand_us, 2),
+             heuristic_us=round(heur_expand_us, 2), candidates=len(expand_timings)),
+    ]
     fused, fused_us, timings = tuning.search("fused", problems, candidates("fused", K))
     heur_fused = heuristics.fused_config(bucket, K, r)
     heur_path_us = (timings.get(heur_fused) or tuning.time_config("fused", problems, heur_fused)
-                    if heuristics.prefers_fused(bucket, K, r) else heur_us["shrink"] + heur_us["expand"])
+                    if heuristics.prefers_fused(bucket, K, r) else heur_pair_us)
     use = fused is not None and fused_us < split_us
     entries.append(dict(kind="fused", features=K, out_features=N, **key, config=fused._asdict() if use else None,
                         us=round(min(fused_us, split_us), 2), one_launch_us=round(fused_us, 2) if fused else None,

@@ -37,6 +37,17 @@ def test_split_k_only_at_small_token_counts():
     assert heuristics.shrink_config(8192, 4096, 3, 16, 4).split_k == 1
 
 
+def test_split_k_capped_where_an_expand_adds_the_partial_sums():
+    # o r16 at 1024 tokens: the shrink alone would take 12 splits; every column block of the expand
+    # re-reads each of them, so add_lora_'s pair takes at most MAX_EXPAND_PARTS.
+    alone = heuristics.shrink_config(1024, 4096, 1, 16, 4)
+    paired = heuristics.shrink_config(1024, 4096, 1, 16, 4, out_features=4096)
+    assert alone.split_k > heuristics.MAX_EXPAND_PARTS == paired.split_k
+    # The rank loop takes h summed by the shrink itself: no cap.
+    assert heuristics.shrink_config(1, 4096, 1, 256, 4, out_features=4096).split_k == \
+        heuristics.shrink_config(1, 4096, 1, 256, 4).split_k > heuristics.MAX_EXPAND_PARTS
+
+
 @pytest.mark.parametrize("m, slots, block_m, bound", [(1, 4, 16, 1), (16, 4, 16, 5), (64, 8, 16, 12),
                                                       (4096, 4, 64, 68), (3, 64, 16, 3)])
 def test_token_tile_bound_adds_slots_not_multiplies(m, slots, block_m, bound):
@@ -168,3 +179,26 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert {c.n_loop for c in wide} == {1}
     assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
     assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1})
+
+
+@pytest.mark.parametrize("with_expand", [True, False], ids=["pair", "shrink_alone"])
+def test_tuner_times_what_add_lora_runs(with_expand):
+    """The tuner's shrink runner: with an expand config, the pair add_lora_ runs (split-K partial sums
+    added by the expand): y gets the LoRA delta; alone, the shrink op (h summed by the shrink)."""
+    from lora_ops.reference import lora_delta_reference, shrink_reference
+    p = tuning.synthetic_problem(torch.device("cpu"), torch.float32, 40, [24, 8], 16, 3, 9)
+    y0 = p["y"].clone()
+    scfg = heuristics.ShrinkConfig(16, 16, 16, 3, 4, 2)            # 3 splits of K = 40
+    ecfg = heuristics.ExpandConfig(16, 16, 16, 4, 2)
+    tuning.shrink_runner(p, scfg, ecfg if with_expand else None)()
+    slots = p["meta"][0].new_full((9,), -1)
+    sorted_ids, starts, counts = (t.cpu() for t in p["meta"])
+    for s in range(3):
+        slots[sorted_ids[starts[s]:starts[s] + counts[s]].long()] = s
+    if with_expand:
+        ref = lora_delta_reference(p["x"], p["A"], p["B"], p["scale"], p["rank"], slots, p["widths"])
+        torch.testing.assert_close(p["y"] - y0, ref.float(), rtol=1e-4, atol=1e-4)
+    else:
+        ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
+        has = slots >= 0
+        torch.testing.assert_close(p["h"][has], ref.float()[has], rtol=1e-4, atol=1e-4)

@@ -222,14 +222,22 @@ def test_expand_matches_reference(backend, checked_dtype, data):
 
 
 # The expand kernel's two code paths (kernels.expand): the whole rank in one block (h split once, N_LOOP
-# column blocks streamed with y prefetched; h as two split-K partial sums) and the rank loop (h summed);
-# each with one and several column blocks per program.
+# column blocks streamed with y prefetched; h as split-K partial sums, read launch.part_chunk at a time:
+# counts below, at and past a chunk) and the rank loop (h summed); each with one and several column blocks
+# per program. Entries: (config, max rank, partial sums).
 EXPAND_PATH_CONFIGS = {
-    "one_block-1_col_block": (ExpandConfig(16, 16, 16, 4, 2, 1), 16),
-    "one_block-3_col_blocks": (ExpandConfig(16, 16, 32, 4, 2, 3), 24),
-    "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40),
-    "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40),
+    "one_block-1_col_block-2_parts": (ExpandConfig(16, 16, 16, 4, 2, 1), 16, 2),
+    "one_block-3_col_blocks-11_parts": (ExpandConfig(16, 16, 32, 4, 2, 3), 24, 11),
+    "one_block-chunks_of_2-5_parts": (ExpandConfig(64, 16, 64, 4, 2, 2), 40, 5),
+    "one_block-chunks_of_2-1_part": (ExpandConfig(64, 16, 64, 4, 2, 1), 40, 1),
+    "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40, 1),
+    "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40, 1),
 }
+
+
+def test_expand_path_configs_cover_part_chunks():
+    chunks = {launch.part_chunk(cfg) for cfg, _, _ in EXPAND_PATH_CONFIGS.values()}
+    assert {2, 8} <= chunks
 
 
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
@@ -237,13 +245,14 @@ EXPAND_PATH_CONFIGS = {
 def test_expand_kernel_paths(backend, dtype, path):
     if backend.name != "triton":
         pytest.skip("the Triton expand kernel's configs")
-    cfg, R = EXPAND_PATH_CONFIGS[path]
+    cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
+    assert num_parts == 1 or launch.takes_partials(cfg, R)
     M, K, N, L, S = 37, 9, 75, 4, 3
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=3, ranks=[R, R // 2 + 1, 0, 3],
                      slice_widths=[41, 29, 5], capacity=M + 5)
     y = case.new_y("random")
     y_in = y.clone()
-    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(2 if launch.takes_partials(cfg, R) else 1)])
+    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
     past_rank = torch.arange(R, device=case.lora_b.device) >= case.rank[:, None, None].to(case.lora_b.device)
     case.lora_b.masked_fill_(past_rank, math.nan)  # must not be read
     ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots,

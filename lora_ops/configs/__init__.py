@@ -94,9 +94,9 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
     return best if best is not None and dist(best) <= MAX_DISTANCE else None
 
 
-def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced):
+def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, out_features):
     if kind == "shrink":
-        return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots)
+        return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots, out_features)
     if kind == "expand":
         return heuristics.expand_config(bucket, features, max_rank, num_slots)
     if forced == "fused" or heuristics.prefers_fused(bucket, features, max_rank):
@@ -125,7 +125,7 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     forced = _forced["path"] if kind == "fused" else None
     if forced == "split":
         return None, True
-    fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced)
+    fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, out_features)
     if device.type != "cuda" or dtype == torch.float32:
         return fallback, True
     if _autotune["on"]:
@@ -154,8 +154,11 @@ def _config(kind, device, dtype, features, num_slices, max_rank, num_slots, num_
 
 
 def shrink_config(num_tokens, in_features, num_slices, max_rank, num_slots, device=torch.device("cpu"),
-                  dtype=torch.bfloat16):
-    return _config("shrink", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens)
+                  dtype=torch.bfloat16, out_features=None):
+    """The shrink's config. out_features: the width of the expand that adds its split-K partial sums
+    (add_lora_: the split count is chosen, and tuned, for the pair); None for the shrink op alone."""
+    return _config("shrink", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens,
+                   out_features)
 
 
 def expand_config(num_tokens, out_features, num_slices, max_rank, num_slots, device=torch.device("cpu"),

@@ -99,13 +99,21 @@ def slice_group_for(num_slices, block_r):
     return min(next_power_of_2(num_slices), max(1, 128 // block_r))
 
 
-def shrink_config(bucket, in_features, num_slices, max_rank, num_slots):
+# Split-K partial sums the expand adds itself (add_lora_, ranks of one block): every column block of a
+# token tile re-reads all of them, so their count is capped where they feed an expand.
+MAX_EXPAND_PARTS = 8
+
+
+def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_features=None):
+    """out_features: the width of the expand that adds this shrink's split-K partial sums (add_lora_);
+    None where the shrink adds its splits itself (the shrink op)."""
     block_m = block_m_for(bucket)
     block_r = rank_block(max_rank)
     group = slice_group_for(num_slices, block_r)
     block_k = feature_block(in_features)
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
-    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), MAX_SPLIT_K))
+    most = MAX_SPLIT_K if out_features is None or rank_loops(max_rank) else MAX_EXPAND_PARTS
+    split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), most))
     # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
                         slice_group=group)

@@ -131,18 +131,26 @@ def wall_time_us(fns):
     return (time.perf_counter() - t0) * 1e6 / len(fns)
 
 
-def shrink_runner(p, cfg):
+def shrink_runner(p, cfg, expand_cfg=None):
+    """The shrink op alone (it adds its split-K partial sums itself), or, given the expand's config, the
+    pair as add_lora_ runs it: a shrink's split count is only as good as the expand that reads its
+    partial sums (each column block of a token tile re-reads all of them)."""
     from lora_ops import launch
-    # As add_lora_ runs it: split-K partial sums out, for the expand to add.
-    h = torch.empty(cfg.split_k, p["x"].shape[0], p["A"].shape[1], p["A"].shape[2], dtype=torch.float32,
-                    device=p["x"].device)
+    if expand_cfg is None:
+        h = p["h"]
 
-    def run():
-        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg, partials_out=True)
-    return run
+        def run():
+            launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
+        return run
+    h = launch._shrink_buffer(p["x"], p["A"], cfg, expand_cfg)
+
+    def run_pair():
+        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg, partials_out=h.shape[0] > 1)
+        launch.launch_expand(p["y"], h, p["B"], p["widths"], p["rank"], *p["meta"], expand_cfg)
+    return run_pair
 
 
-def expand_runner(p, cfg):
+def expand_runner(p, cfg, expand_cfg=None):
     from lora_ops import launch
 
     def run():
@@ -150,7 +158,7 @@ def expand_runner(p, cfg):
     return run
 
 
-def fused_runner(p, cfg):
+def fused_runner(p, cfg, expand_cfg=None):
     from lora_ops import launch
 
     def run():
@@ -161,21 +169,22 @@ def fused_runner(p, cfg):
 RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner}
 
 
-def time_config(kind, problems, cfg):
-    """µs per launch of `cfg` on `problems` (copies), or None if it does not compile or run."""
+def time_config(kind, problems, cfg, expand_cfg=None):
+    """µs per launch of `cfg` on `problems` (copies), or None if it does not compile or run. A shrink
+    given ``expand_cfg`` is timed with that expand after it (shrink_runner)."""
     try:
-        fns = [RUNNERS[kind](p, cfg) for p in problems]
+        fns = [RUNNERS[kind](p, cfg, expand_cfg) for p in problems]
         return graph_time_us(fns) if problems[0]["x"].is_cuda else wall_time_us(fns)
     except Exception:  # noqa: BLE001 — out of resources / compile failure: not a candidate
         torch.cuda.synchronize()
         return None
 
 
-def search(kind, problems, candidates):
+def search(kind, problems, candidates, expand_cfg=None):
     """(best config, its µs, {config: µs}) over the candidates that run; (None, inf, {}) if none does."""
     timings = {}
     for cfg in candidates:
-        us = time_config(kind, problems, cfg)
+        us = time_config(kind, problems, cfg, expand_cfg)
         if us is not None:
             timings[cfg] = us
     if not timings:
@@ -201,10 +210,13 @@ def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bu
     """Compile (and run once) each (kind, config) of `items` on one shape: fills Triton's on-disk cache, so
     worker processes can compile in parallel and the timing process only loads. Returns the count."""
     p = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket)
+    # Shrinks run as the tuner times them, with an expand adding their partial sums (the same constexprs
+    # for every expand candidate: takes_partials depends on the rank only).
+    pair = heuristics.expand_config(bucket, sum(slice_widths), max_rank, num_slots)
     done = 0
     for kind, cfg in items:
         try:
-            RUNNERS[kind](p, cfg)()
+            RUNNERS[kind](p, cfg, pair if kind == "shrink" else None)()
             done += 1
         except Exception:  # noqa: BLE001 — the timing pass skips it too
             pass
@@ -217,6 +229,13 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
              fused_only=False):
     """The fastest config for one key, on synthetic problems of the bucket's token count. For "fused":
     the fastest one-launch config, or None when shrink + expand (each at its best) is faster."""
+    if kind == "shrink" and out_features:  # timed with the expand that adds its partial sums
+        from lora_ops import configs
+        problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
+                                  num_slots, bucket)
+        expand_cfg = configs.expand_config(bucket, out_features, num_slices, max_rank, num_slots, device, dtype)
+        return search(kind, problems, candidates_for(kind, bucket, features, max_rank, num_slices, num_slots),
+                      expand_cfg)[0]
     if kind == "shrink":
         problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
     elif kind == "expand":
@@ -229,7 +248,7 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     best, fused_us, _ = search("fused", problems, candidates_for("fused", bucket, features, max_rank))
     if fused_only or best is None:
         return best
-    _, shrink_us, _ = search("shrink", problems, candidates_for("shrink", bucket, features, max_rank, num_slices,
-                                                                num_slots))
-    _, expand_us, _ = search("expand", problems, candidates_for("expand", bucket, out_features, max_rank))
-    return best if fused_us < shrink_us + expand_us else None
+    expand_cfg, _, _ = search("expand", problems, candidates_for("expand", bucket, out_features, max_rank))
+    _, pair_us, _ = search("shrink", problems, candidates_for("shrink", bucket, features, max_rank, num_slices,
+                                                              num_slots), expand_cfg)
+    return best if fused_us < pair_us else None

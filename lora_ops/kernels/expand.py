@@ -14,15 +14,17 @@ def expand_kernel(
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
-    ONE_RANK_BLOCK: tl.constexpr, SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
+    ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr,
+    H_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
     Pointers: h [P, M, S, R] float32: the shrink output as num_parts = P partial sums (split-K partials,
     added here in split order, so the sum is deterministic; P = 1: h itself). The rank loop takes P = 1
     only (the launcher has the shrink add its splits): a loop over the parts inside it would keep the
-    compiler from pipelining it. P is a run-time value: as a constexpr the compiler unrolled the parts'
-    loop and issued all the loads at once, which spilled at rank 64 with many splits (DESIGN §4).
+    compiler from pipelining it. P is a run-time value; the parts are read PART_CHUNK at a time, all of a
+    chunk's loads in flight together (one at a time, each part was a round trip of its own; all P at once
+    spilled registers at rank 64 with 16 parts: DESIGN §4). PART_CHUNK: parts per chunk (a power of two).
     B [L, N, R] (y's dtype);
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
@@ -64,9 +66,12 @@ def expand_kernel(
         h_mask = valid[:, None] & r_ok[None, :]
         part_rows = h_rows + offs_r[None, :] * stride_hr
         ht = tl.load(part_rows, mask=h_mask, other=0.0)
-        for _ in range(1, num_parts):  # the splits' partial sums, in split order
-            part_rows += stride_hp
-            ht += tl.load(part_rows, mask=h_mask, other=0.0)
+        part_step = tl.cast(stride_hp, tl.int64)
+        for p0 in range(1, num_parts, PART_CHUNK):  # the splits' partial sums, added in split order
+            chunk_rows = part_rows + p0 * part_step
+            for i in tl.static_range(PART_CHUNK):
+                exists = (offs_r * 0 + p0 + i) < num_parts  # a tensor: the interpreter takes no scalar masks
+                ht += tl.load(chunk_rows + i * part_step, mask=h_mask & exists[None, :], other=0.0)
         h_hi, h_lo = split_f32(ht, H_PRECISION)
         b_rows = b_slot + offs_r[:, None] * stride_br
         for j in range(N_LOOP):
