@@ -319,10 +319,11 @@ def test_nan_stays_in_its_slot(backend, dtype, path, add_lora_path, data):
 # ------------------------------------------------------------------------------------------------
 # Edges
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
-def test_rank_above_one_rank_block(backend, dtype, add_lora_path):
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rank_above_one_rank_block(backend, checked_dtype, add_lora_path):
     """Ranks past the kernels' 64-wide rank block: the rank loops take several blocks and stop at each
     slot's own rank (rank rows past it hold NaN, so reading them shows)."""
+    dtype = checked_dtype
     M, K, N, L, S, R = 9, 37, 29, 3, 2, 80
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=11,
                      ranks=[80, 65, 3], token_slots=[0, 1, 2, -1, 0, 1, 2, 0, 1])
@@ -354,10 +355,11 @@ def test_empty_batch_is_a_no_op(backend, dtype):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("R", [16, 80], ids=["expand_adds_splits", "shrink_adds_splits"])
-@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
-def test_split_k_matches_reference(backend, dtype, R):
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_split_k_matches_reference(backend, checked_dtype, R):
     """K large enough that the Triton shrink splits K. Rank 16: the expand adds the partial sums (the whole
     rank is one block); rank 80: the expand's rank loop takes h summed, so the shrink adds them."""
+    dtype = checked_dtype
     M, K, N, L, S = 5, 517, 33, 3, 2
     if backend.interpreted:  # on CUDA a tuned table may choose otherwise
         cfg = configs.shrink_config(M, K, S, R, L, torch.device("cpu"), dtype)
