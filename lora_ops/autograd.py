@@ -68,11 +68,14 @@ def _slice_bounds(slice_widths):
 
 
 def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta):
-    """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: one shrink per slice, B viewed as its A."""
+    """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: one shrink per slice, B^T as its A."""
+    # B^T [L, R, N] copied contiguous once, so each slice's A stack [L, 1, R, n_i] runs along its K
+    # (columns) like a forward A: the strided view of B (rank contiguous) made the shrink 1.7-4x slower
+    # (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by config, 40 µs contiguous; the copy, 25 µs).
+    b_t = lora_b.transpose(1, 2).contiguous()
     parts = []
     for lo, hi in _slice_bounds(slice_widths):
-        # B[:, C_i] as an A stack [L, 1, R, n_i]: a strided view, no copy.
-        b_as_a = lora_b[:, lo:hi].transpose(1, 2).unsqueeze(1)
+        b_as_a = b_t[:, :, lo:hi].unsqueeze(1)
         parts.append(ops.call("shrink", grad_out[:, lo:hi], b_as_a, scale, rank, *meta))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 

@@ -247,14 +247,17 @@ def triton_backend():
     ops.set_cpu_backend(previous)
 
 
-def test_segment_outer_kernel_writes_every_output_element(triton_backend):
-    """The Triton launcher's output is never zero-filled: poison it with NaN and check all of it."""
+@pytest.mark.parametrize("wide", [False, True], ids=["heuristic", "wide_q_config"])
+def test_segment_outer_kernel_writes_every_output_element(triton_backend, wide):
+    """The Triton launcher's output is never zero-filled: poison it with NaN and check all of it. Also with
+    the config the heuristic gives wide outputs (launch_grad.WIDE_Q: 32-token steps)."""
     backend = triton_backend
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=19)
     M, K, _, L, _, R = case.shape
     u, v = signed((M, R), case, torch.float32), signed((M, K), case)
     out = torch.full((L, R, K), float("nan"), device=case.x.device)
-    cfg = launch_grad.segment_outer_config(R, K, L)
+    cfg = launch_grad.segment_outer_config(R, launch_grad.WIDE_Q if wide else K, L)
+    assert (cfg.block_t == 32) == wide
     launch_grad.launch_segment_outer(out, u, v, case.rank, *case.meta, cfg)
     assert not out.isnan().any()
     assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]

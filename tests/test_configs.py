@@ -83,7 +83,7 @@ CUDA = torch.device("cuda", 0)
 
 
 def test_table_entry_is_used_on_its_gpu(fake_gpu_table):
-    cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16)
+    cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144)
     assert cfg == heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.float16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
 
@@ -100,10 +100,17 @@ def test_expand_entry_of_the_other_rank_path_is_not_used(fake_gpu_table):
     assert cfg == heuristics.expand_config(4096, 2 * 14336, 256, 4)
 
 
+def test_shrink_op_alone_uses_the_heuristic(fake_gpu_table):
+    # Shrink entries are tuned as add_lora_'s pair (the expand adds the split-K partial sums); the shrink
+    # op alone (the backward's dh and h) adds its splits itself.
+    assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.shrink_config(
+        64, 4096, 3, 16, 4)
+
+
 def test_distant_entries_are_not_used(fake_gpu_table):
     # The table's only shrink entry is for 64 tokens: a prefill bucket (8192) is too far from it.
-    assert configs.shrink_config(8000, 4096, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.shrink_config(
-        8192, 4096, 3, 16, 4)
+    assert configs.shrink_config(8000, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144) == \
+        heuristics.shrink_config(8192, 4096, 3, 16, 4, out_features=6144)
 
 
 def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):

@@ -134,7 +134,9 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         from lora_ops.configs import tuning
         return tuning.autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket,
                                out_features, fused_only=forced == "fused"), True
-    if not _tables["on"]:
+    # The table's shrink entries are tuned as add_lora_'s pair (out_features: the expand adding the split-K
+    # partial sums); the shrink op alone (the backward's dh and h) sums its splits itself: the heuristic.
+    if not _tables["on"] or (kind == "shrink" and out_features is None):
         return fallback, True
     cfg = _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback)
     if forced == "fused" and cfg is None:
