@@ -453,7 +453,7 @@ def test_bf16_patch_is_scoped():
 def test_rank_loop_refuses_partial_sums(backend):
     if backend.name != "triton":
         pytest.skip("the Triton expand launcher")
-    cfg, R = EXPAND_PATH_CONFIGS["rank_loop-1_col_block"]
+    cfg, R, _ = EXPAND_PATH_CONFIGS["rank_loop-1_col_block"]
     case = make_case(4, 9, 11, 2, 1, R, device=backend.device)
     parts = torch.zeros(2, 4, 1, R, device=backend.device)
     with pytest.raises(ValueError, match="h: the expand's rank loop"):
