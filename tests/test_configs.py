@@ -209,3 +209,49 @@ def test_tuner_times_what_add_lora_runs(with_expand):
         ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
         has = slots >= 0
         torch.testing.assert_close(p["h"][has], ref.float()[has], rtol=1e-4, atol=1e-4)
+
+
+def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeypatch):
+    """enable_autotune: each new (kernel, shapes, bucket) key on a GPU is tuned once and remembered (the
+    shrink with its expand's width: the pair decides its split count); during a CUDA-graph capture the
+    table or heuristic serves and nothing is remembered, so a later warm-up still tunes."""
+    asked = []
+    tuned = heuristics.ShrinkConfig(16, 16, 64, 3, 4, 3)
+
+    def fake_autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None,
+                      fused_only=False):
+        asked.append((kind, features, bucket, out_features))
+        return tuned
+    capturing = {"on": True}
+    monkeypatch.setattr(tuning, "autotune", fake_autotune)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    configs.enable_autotune(True)
+    try:
+        cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144)
+        assert asked == [] and cfg != tuned                          # in a capture: not tuned
+        capturing["on"] = False
+        for m in (40, 64, 33):                                       # one bucket: asked once
+            assert configs.shrink_config(m, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144) == tuned
+        assert asked == [("shrink", 4096, 64, 6144)]
+        configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32, out_features=6144)
+        assert len(asked) == 1                                       # float32: the heuristic, no tuning
+    finally:
+        configs.enable_autotune(False)
+
+
+def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
+    """tuning.autotune for add_lora_'s shrink (out_features given) times each candidate followed by the
+    expand, and returns the fastest that runs (CPU: interpreter, wall time; two candidates, one copy)."""
+    timed = []
+    real_runner = tuning.shrink_runner
+
+    def recording_runner(p, cfg, expand_cfg=None):
+        timed.append((cfg, expand_cfg))
+        return real_runner(p, cfg, expand_cfg)
+    cands = [heuristics.ShrinkConfig(16, 16, 16, 2, 4, 2), heuristics.ShrinkConfig(16, 16, 32, 1, 4, 2)]
+    monkeypatch.setitem(tuning.RUNNERS, "shrink", recording_runner)
+    monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
+    monkeypatch.setattr(tuning, "MAX_COPIES", 1)
+    best = tuning.autotune("shrink", torch.device("cpu"), torch.float32, 40, 2, 16, 3, 16, out_features=32)
+    assert best in cands
+    assert [c for c, _ in timed] == cands and all(e is not None for _, e in timed)
