@@ -26,6 +26,8 @@ from repo_path import HERE, REPO  # noqa: E402  (first: this checkout's lora_ops
 import torch  # noqa: E402
 
 import lora_ops  # noqa: E402
+import lora_ops.configs  # noqa: E402,F401  (the variants set config choices; not imported by lora_ops itself)
+import lora_ops.launch  # noqa: E402,F401
 import problems  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -38,6 +40,9 @@ DEFAULT_TIME_BUDGET_S = 330
 # give (the plain "ours" column is the library's default choice).
 VARIANTS = {
     "heuristic": lambda: lora_ops.configs.use_tuned_tables(False),   # no tuned table: heuristic configs
+    # Runtime autotune (lora_ops.configs.enable_autotune): each shape bucket is tuned at its first eager call
+    # (the check, before any capture); a GPU only (elsewhere the heuristic serves).
+    "autotune": lambda: lora_ops.configs.enable_autotune(True),
     "two_launch": lambda: lora_ops.configs.force_path("split"),       # shrink + expand at every size
     "one_launch": lambda: lora_ops.configs.force_path("fused"),       # one launch at every size
     # The whole layer as lora_linear; the time recorded is lora_linear's minus the base layer's.
@@ -45,9 +50,11 @@ VARIANTS = {
     "in_order": lambda: lora_ops.launch.set_overlap("never"),         # GEMM, shrink, expand in order
 }
 LAYER_VARIANTS = ("overlap", "in_order")
+assert tuple(VARIANTS) == report.VARIANTS, "report.VARIANTS names the same variants, in this order"
 
 
 def reset_config_choice():
+    lora_ops.configs.enable_autotune(False)
     lora_ops.configs.use_tuned_tables(True)
     lora_ops.configs.force_path(None)
     lora_ops.launch.set_overlap("never")
