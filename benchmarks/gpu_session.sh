@@ -8,6 +8,9 @@
 #                                              # the peers, host time, decode step (~7 min)
 #     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step and
 #                                              # its profile (~8 min)
+#     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
+#                                              # the table (core subset), and the high-rank shapes tuned
+#                                              # into a table copy under $OUT (~9 min)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -28,14 +31,20 @@ if [ "$MODE" = quick ]; then
     step core 215 python benchmarks/bench_lora.py --grid core --time-budget 190 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
+elif [ "$MODE" = configs ]; then
+    step variants 280 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
+        --peers '' --time-budget 260 --out "$R"
+    cp lora_ops/configs/tuned/NVIDIA_H200.json "$R/"
+    step tune 250 python -m lora_ops.tune --model llama3-8b phi4-mini --ranks 128 256 320 --tokens 1024 4096 \
+        --merge --time-budget 220 --out "$R/NVIDIA_H200.json"
 else
     step highrank 150 python benchmarks/bench_lora.py --grid highrank --time-budget 130 --out "$R"
-    step grad 110 python benchmarks/grad_check.py --out "$R"
+    step grad 150 python benchmarks/grad_check.py --out "$R"   # 110 s was too little on a cold machine
     step profile 60 python benchmarks/train_profile.py --out "$R"
-    step mixed 100 python benchmarks/bench_lora.py --grid mixed --time-budget 85 --out "$R"
+    step mixed 90 python benchmarks/bench_lora.py --grid mixed --time-budget 75 --out "$R"
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode highrank grad profile mixed; do
+for log in tests core host decode highrank grad profile mixed variants tune; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
