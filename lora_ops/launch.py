@@ -168,13 +168,21 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         return
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=y.shape[1])
     ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
-    h = _shrink_buffer(x, lora_a, scfg, ecfg)
+    h = shrink_buffer(x, lora_a, scfg, ecfg)
+    launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                         h, scfg, ecfg)
+
+
+def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                         h, scfg, ecfg):
+    """add_lora_'s two launches: the shrink into ``h`` (from :func:`shrink_buffer`: split-K partial sums
+    where it has several parts), then the expand reading it. The tuner times exactly this."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
                   partials_out=h.shape[0] > 1)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
 
 
-def _shrink_buffer(x, lora_a, scfg, ecfg):
+def shrink_buffer(x, lora_a, scfg, ecfg):
     """h for the shrink to fill and the expand to read: every entry the expand reads (valid tokens,
     r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, else [1, M, S, R]."""
     _, S, R, _ = lora_a.shape
@@ -231,7 +239,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
         return y
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
     ecfg = configs.expand_config(M, N, S, R, L, x.device, weight.dtype)
-    h = _shrink_buffer(x, lora_a, scfg, ecfg)
+    h = shrink_buffer(x, lora_a, scfg, ecfg)
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     # h is allocated on the main stream, which reads it; the side stream joins back before anything reads
     # h or frees x. (The shrink's own split-K scratch, when it sums the splits, lives and dies on the side.)

@@ -142,11 +142,11 @@ def shrink_runner(p, cfg, expand_cfg=None):
         def run():
             launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
         return run
-    h = launch._shrink_buffer(p["x"], p["A"], cfg, expand_cfg)
+    h = launch.shrink_buffer(p["x"], p["A"], cfg, expand_cfg)
 
     def run_pair():
-        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg, partials_out=h.shape[0] > 1)
-        launch.launch_expand(p["y"], h, p["B"], p["widths"], p["rank"], *p["meta"], expand_cfg)
+        launch.launch_shrink_expand(p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], p["widths"], *p["meta"],
+                                    h, cfg, expand_cfg)
     return run_pair
 
 

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, split_f32
+from lora_ops.kernels.work import dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, split_f32
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -100,8 +100,7 @@ def expand_kernel(
                 # mask fewer in the loop.
                 ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_ok[None, :], other=0.0)
                 bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-                h_hi, h_lo = split_f32(ht, H_PRECISION)
-                acc = dot_split(h_hi, h_lo, bt, acc, H_PRECISION)
+                acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             mask = valid[:, None] & n_ok[None, :]
