@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from csrc_meta import checks
 from lora_ops import configs
-from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2
+from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
@@ -88,6 +88,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
         SLICE_COLS=cols, SLICE_CHUNKS=chunks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
         ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
+        RANK_ALIGN=rank_align(R),
         H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -124,7 +125,7 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
         (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride()),
         SLICE_COLS=cols, SLICE_BLOCKS=blocks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+        SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
         H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

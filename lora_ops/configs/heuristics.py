@@ -79,6 +79,12 @@ def rank_block(max_rank):
     return max(16, min(64, next_power_of_2(max_rank)))
 
 
+def rank_align(max_rank):
+    """The largest power of two up to 8 dividing the max rank R: kernels mask rank columns on the rank
+    rounded up to it, so their loads read that many elements at a time (kernels.work.rank_ceil)."""
+    return min(8, max_rank & -max_rank) if max_rank > 0 else 1
+
+
 def rank_loops(max_rank):
     """Whether the expand runs its rank loop for this rank (kernels.expand): ranks past one rank block."""
     return max_rank > rank_block(max_rank)

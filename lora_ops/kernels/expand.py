@@ -2,7 +2,8 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, split_f32
+from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil,
+                                   split_f32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -14,7 +15,7 @@ def expand_kernel(
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
-    ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr,
+    ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
@@ -37,7 +38,10 @@ def expand_kernel(
     N_LOOP column blocks of B and y, prefetching the next block of y while it adds into this one: y is the
     bulk of the bytes, and one program per (tile, block) left too few loads in flight to reach bandwidth.
     Otherwise each column block runs a rank loop in BLOCK_R steps up to the slot's own rank (a GEMM with
-    K = rank), then reads y, adds and writes it.
+    K = rank), then reads y, adds and writes it. Its full rank blocks load h and B without a rank mask, the
+    last partial one (rank not a multiple of BLOCK_R) with one.
+    RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
+    h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     """
     pid_n = tl.program_id(0)
@@ -63,7 +67,8 @@ def expand_kernel(
         y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
                          other=0.0)
         r_ok = offs_r < rank
-        h_mask = valid[:, None] & r_ok[None, :]
+        r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
+        h_mask = valid[:, None] & r_in[None, :]
         part_rows = h_rows + offs_r[None, :] * stride_hr
         ht = tl.load(part_rows, mask=h_mask, other=0.0)
         part_step = tl.cast(stride_hp, tl.int64)
@@ -72,14 +77,15 @@ def expand_kernel(
             for i in tl.static_range(PART_CHUNK):
                 exists = (offs_r * 0 + p0 + i) < num_parts  # a tensor: the interpreter takes no scalar masks
                 ht += tl.load(chunk_rows + i * part_step, mask=h_mask & exists[None, :], other=0.0)
-        h_hi, h_lo = split_f32(ht, H_PRECISION)
+        h_hi, h_lo = split_f32(tl.where(r_ok[None, :], ht, 0.0), H_PRECISION)
         b_rows = b_slot + offs_r[:, None] * stride_br
         for j in range(N_LOOP):
             y_old = y_next
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
-            bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_ok[:, None] & n_ok[None, :],
+            bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_in[:, None] & n_ok[None, :],
                          other=0.0)
+            bt = tl.where(r_ok[:, None], bt, 0.0)
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
             y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
@@ -93,14 +99,23 @@ def expand_kernel(
             n_ok = offs_n < col_hi
             b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
+            # Full rank blocks: no rank mask, so h and B load as 16-byte vectors, pipelined (a run-time rank
+            # mask made every element a load of its own). Rows of invalid tokens read token 0's h (in bounds;
+            # their results are never stored): no row mask either.
+            full = rank // BLOCK_R * BLOCK_R
+            for r0 in range(0, full, BLOCK_R):
                 rs = r0 + offs_r
-                r_ok = rs < rank
-                # Rows of invalid tokens read token 0's h (in bounds; their results are never stored): one
-                # mask fewer in the loop.
-                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_ok[None, :], other=0.0)
-                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr)
+                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
                 acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+            if full < rank:  # the last rank block, partial
+                rs = full + offs_r
+                r_ok = rs < rank
+                r_in = rs < rank_ceil(rank, RANK_ALIGN)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
+                acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc,
+                                  H_PRECISION)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             mask = valid[:, None] & n_ok[None, :]

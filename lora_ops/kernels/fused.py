@@ -10,7 +10,7 @@ buckets, modest rank * K), and the tuner measures the crossover.
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, find_slice_block, find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import dot_f32_lhs, find_slice_block, find_slot_tile, load_tile_tokens, rank_ceil
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -23,7 +23,7 @@ def fused_add_lora_kernel(
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr, H_PRECISION: tl.constexpr,
+    SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
     """One program: one token tile of one slot times one BLOCK_N block of one output slice, all of K.
 
@@ -40,6 +40,7 @@ def fused_add_lora_kernel(
     the slot's rank are never read.
     DOT_PRECISION: the x.A dot ("ieee" for float32 inputs); H_PRECISION: how the float32 h meets B
     (kernels.work.dot_f32_lhs), as in the two-launch path, so both paths round alike.
+    RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil: B's rank columns load in vectors).
     Writes y only at valid tokens and existing columns; rows of other slots and of slot -1 are untouched.
     """
     pid_n = tl.program_id(0)
@@ -64,6 +65,7 @@ def fused_add_lora_kernel(
     x_rows = x_ptr + tok[:, None] * stride_xm
     a_slice = a_ptr + slot.to(tl.int64) * stride_al + slice_id.to(tl.int64) * stride_as
     b_cols = b_ptr + slot.to(tl.int64) * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
+    rank_in = rank_ceil(rank, RANK_ALIGN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         rs = r0 + offs_r
@@ -77,7 +79,7 @@ def fused_add_lora_kernel(
             at = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             h = tl.dot(xt, at, h, input_precision=DOT_PRECISION)
         h = h * scale
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = dot_f32_lhs(h, bt, acc, H_PRECISION)
+        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=(rs < rank_in)[:, None] & n_ok[None, :], other=0.0)
+        acc = dot_f32_lhs(h, tl.where(r_ok[:, None], bt, 0.0), acc, H_PRECISION)
 
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

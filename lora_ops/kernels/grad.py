@@ -3,7 +3,7 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens, rank_ceil
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -14,7 +14,7 @@ def lora_grad_x_kernel(
     stride_al, stride_as, stride_ar, stride_ak,
     stride_xm, stride_xk,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOTS_POW2: tl.constexpr, H_PRECISION: tl.constexpr,
+    SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
     """dx[t, n-block] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot.
 
@@ -26,7 +26,8 @@ def lora_grad_x_kernel(
     Strides: every dimension of dh, A and dx, in elements.
     NUM_SLICES: S; the slices are summed in the fp32 accumulator, so dx is rounded once.
     Grid: (cdiv(K, BLOCK_N), token-tile bound); the rank loop stops at the slot's own rank.
-    H_PRECISION: see :func:`dot_f32_lhs`.
+    H_PRECISION: see :func:`dot_f32_lhs`. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
+    dh's rank columns load in vectors).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -42,13 +43,15 @@ def lora_grad_x_kernel(
     dh_rows = dh_ptr + tok[:, None] * stride_hm
     a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_n[None, :].to(tl.int64) * stride_ak
 
+    rank_in = rank_ceil(rank, RANK_ALIGN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.static_range(NUM_SLICES):
         for r0 in range(0, rank, BLOCK_R):
             rs = r0 + offs_r
             r_ok = rs < rank
-            ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr, mask=valid[:, None] & r_ok[None, :],
-                         other=0.0)
+            ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr,
+                         mask=valid[:, None] & (rs < rank_in)[None, :], other=0.0)
+            ht = tl.where(r_ok[None, :], ht, 0.0)
             at = tl.load(a_cols + i * stride_as + rs[:, None].to(tl.int64) * stride_ar,
                          mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = dot_f32_lhs(ht, at, acc, H_PRECISION)
@@ -64,7 +67,8 @@ def segment_outer_kernel(
     stride_um, stride_up,
     stride_vm, stride_vq,
     stride_ol, stride_op, stride_oq,
-    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, RANK_ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """out[l, p-block, q-block] = sum over slot l's tokens t of u[t, p-block]^T v[t, q-block].
 
@@ -77,7 +81,8 @@ def segment_outer_kernel(
     out, in elements (views with any strides, stride 0 included).
     Grid: (cdiv(Q, BLOCK_Q), cdiv(P, BLOCK_P), L); each program walks its slot's tokens in BLOCK_T chunks,
     accumulating in float32 (no atomics: every output block has one owner, so results are deterministic).
-    PRECISION: see :func:`dot_f32_lhs`.
+    PRECISION: see :func:`dot_f32_lhs`. RANK_ALIGN: a power of two dividing P (kernels.work.rank_ceil: u's
+    rank columns load in vectors).
     """
     pid_q = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -90,6 +95,7 @@ def segment_outer_kernel(
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_t = tl.arange(0, BLOCK_T)
     p_ok = offs_p < rank
+    p_in = offs_p < rank_ceil(rank, RANK_ALIGN)
     q_ok = offs_q < Q
     # A rank block past the slot's rank only writes its zeros.
     n_tokens = tl.where(pid_p * BLOCK_P < rank, count, 0)
@@ -103,7 +109,8 @@ def segment_outer_kernel(
         tok = tok.to(tl.int64)
         # u is loaded transposed ([BLOCK_P, BLOCK_T]) so the product needs no tl.trans.
         ut = tl.load(u_ptr + tok[None, :] * stride_um + offs_p[:, None] * stride_up,
-                     mask=p_ok[:, None] & valid[None, :], other=0.0)
+                     mask=p_in[:, None] & valid[None, :], other=0.0)
+        ut = tl.where(p_ok[:, None], ut, 0.0)
         vt = tl.load(v_ptr + tok[:, None] * stride_vm + offs_q[None, :].to(tl.int64) * stride_vq,
                      mask=valid[:, None] & q_ok[None, :], other=0.0)
         acc = dot_f32_lhs(ut, vt, acc, PRECISION)

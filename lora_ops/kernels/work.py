@@ -81,6 +81,21 @@ def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.c
 
 
 @triton.jit
+def rank_ceil(rank, RANK_ALIGN: tl.constexpr):
+    """``rank`` rounded up to a multiple of RANK_ALIGN, and declared so.
+
+    A load masked on ``offs < rank`` with ``rank`` a run-time value reads one element per instruction
+    (the compiler cannot prove that a vector of adjacent elements is all in or all out); masked on
+    ``offs < rank_ceil(rank)`` it reads RANK_ALIGN at a time (H200, Triton 3.6: the rank loop's operands
+    went from 4-byte to 16-byte cp.async). RANK_ALIGN must divide the stack's max rank R (the launcher
+    takes ``heuristics.rank_align(R)``), so the rounded bound stays <= R and in bounds; the elements
+    between the rank and the bound are zeroed after the load (``tl.where(offs < rank, v, 0)``: garbage
+    there, even NaN, never reaches a product).
+    """
+    return tl.multiple_of((rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN, RANK_ALIGN)
+
+
+@triton.jit
 def split_f32(a, PRECISION: tl.constexpr):
     """A float32 tensor as the tensor-core operand(s) ``dot_split`` takes for PRECISION:
 
