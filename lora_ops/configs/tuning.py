@@ -50,7 +50,11 @@ def expand_candidates(bucket, out_features, max_rank):
     full = heuristics.rank_block(max_rank)
     if heuristics.rank_loops(max_rank):
         for bm, bn, br in itertools.product(_block_ms(bucket), (128, 256), (32, full)):
-            for warps, stages in ((4, 3), (8, 3)):
+            # sm_90 PTX (2026-12-03): 4 warps on a 128 x 256 tile spill kilobytes of registers; deeper
+            # pipelines are worth a try now that the loop's loads are 16-byte cp.async.
+            for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                if warps == 4 and bm * bn > 128 * 128:
+                    continue
                 yield ExpandConfig(bm, bn, br, warps, stages)
         return
     n_loops = (1, 4, 8) if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else (1,)
