@@ -145,10 +145,12 @@ EXPAND_MIN_PROGRAMS = 512
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
-        # The rank loop: a GEMM with K = rank, bound by re-reading h and B per output tile, so large
-        # batches take large tiles (H200, 2026-12-02: Phi-4-mini gate_up r320 at 4096 tokens 544 -> 479 µs).
-        if bucket >= 4096:
-            return ExpandConfig(128, 256, block_r, num_warps=8, num_stages=3)
+        # The rank loop: a GEMM with K = rank. Since its loads are vectors (kernels.work.rank_ceil) the
+        # tuner picks 64 x 256 tiles, 32-wide rank steps, 4 warps at every high-rank shape at 4096 tokens
+        # (H200, 2026-12-03: 24 shapes, Llama-3-8B and Phi-4-mini, ranks 128-320; 1.1-1.3x the former
+        # 128 x 256 x 64, 8 warps, whose registers spill).
+        if bucket >= 1024:
+            return ExpandConfig(64, 256, 32, num_warps=4, num_stages=3)
         return ExpandConfig(block_m_for(bucket), feature_block(out_features), block_r, num_warps=4, num_stages=3)
     block_m, block_n = block_m_for(bucket), feature_block(out_features)
     n_loop = 1
