@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from csrc_meta import checks
 from lora_ops import configs
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
-from lora_ops.kernels import chained as chained_kernels
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
@@ -21,7 +20,6 @@ from lora_ops.triton_launch import FastLauncher
 SHRINK = FastLauncher(shrink_kernels.shrink_kernel)
 EXPAND = FastLauncher(expand_kernels.expand_kernel)
 FUSED = FastLauncher(fused_kernels.fused_add_lora_kernel)
-CHAINED = FastLauncher(chained_kernels.chained_add_lora_kernel)
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 # How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
@@ -183,34 +181,6 @@ def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
                   partials_out=h.shape[0] > 1)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
-
-
-def launch_chained(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                   part, sync, scfg, ecfg):
-    """add_lora_ in one launch (kernels.chained): the shrink's programs (``scfg``) writing split-K partial
-    sums into ``part`` [split_k, M, S, R], then the expand's (``ecfg``, whole rank in one block) reading
-    them, ordered by tickets on ``sync`` (int32 [3], zeros; the kernel leaves them zero). Launches that
-    share ``sync`` must run in one stream."""
-    M, K = x.shape
-    L, S, R, _ = lora_a.shape
-    if not takes_partials(ecfg, R):
-        raise ValueError(f"launch_chained: the expand's rank block {ecfg.block_r} must hold the max rank {R}")
-    shrink_cols = cdiv(S, scfg.slice_group) * cdiv(R, scfg.block_r)
-    shrink_tiles = max_token_tiles(M, L, scfg.block_m)
-    cols, chunks = slice_layout(slice_widths, ecfg.block_n * ecfg.n_loop)
-    expand_tiles = max_token_tiles(M, L, ecfg.block_m)
-    grid = (shrink_cols * shrink_tiles * scfg.split_k + chunks[-1] * expand_tiles,)
-    CHAINED(
-        grid, (x, lora_a, lora_b, y, part, sync, scale, rank, sorted_token_ids, slot_starts, slot_counts),
-        (M, K, S, L, R, sorted_token_ids.shape[0], scfg.split_k, shrink_cols, shrink_tiles, chunks[-1],
-         expand_tiles, *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride(), *part.stride()),
-        SH_BLOCK_M=scfg.block_m, SH_BLOCK_R=scfg.block_r, SLICE_GROUP=scfg.slice_group, BLOCK_K=scfg.block_k,
-        SLICE_COLS=cols, SLICE_CHUNKS=chunks, EX_BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n,
-        EX_BLOCK_R=ecfg.block_r, N_LOOP=ecfg.n_loop, PART_CHUNK=part_chunk(ecfg), SLOTS_POW2=next_power_of_2(L),
-        RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
-        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-        num_warps=max(scfg.num_warps, ecfg.num_warps), num_stages=scfg.num_stages,
-    )
 
 
 def shrink_buffer(x, lora_a, scfg, ecfg):

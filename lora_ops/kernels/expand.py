@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil,
-                                   split_f32, wait_until_reaches)
+                                   split_f32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -44,34 +44,8 @@ def expand_kernel(
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     """
-    expand_program(
-        tl.program_id(0), tl.program_id(1),
-        h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
-        M, num_slots, max_rank, capacity, num_parts,
-        stride_hp, stride_hm, stride_hs, stride_hr, stride_bl, stride_bn, stride_br, stride_ym, stride_yn,
-        rank_ptr, 0,
-        SLICE_COLS, SLICE_CHUNKS, BLOCK_M, BLOCK_N, BLOCK_R, N_LOOP, ONE_RANK_BLOCK, PART_CHUNK, SLOTS_POW2,
-        RANK_ALIGN, H_PRECISION, False)
-
-
-@triton.jit
-def expand_program(
-    pid_n, pid_m,
-    h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
-    M, num_slots, max_rank, capacity, num_parts,
-    stride_hp, stride_hm, stride_hs, stride_hr,
-    stride_bl, stride_bn, stride_br,
-    stride_ym, stride_yn,
-    done_ptr, shrink_programs,
-    SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
-    ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    H_PRECISION: tl.constexpr, WAIT_FOR_SHRINK: tl.constexpr,
-):
-    """The work of expand program (pid_n, pid_m) of :func:`expand_kernel` (same arguments). With
-    WAIT_FOR_SHRINK (the one-launch kernel, kernels.chained) h is written by shrink programs of the same
-    launch: the program issues its first loads of y, then waits until the int32 at done_ptr reaches
-    shrink_programs, then reads h past L1 (.cg)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     if pid_n >= SLICE_CHUNKS[len(SLICE_CHUNKS) - 1]:
         return
     slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
@@ -92,12 +66,11 @@ def expand_program(
         n_ok = offs_n < col_hi
         y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
                          other=0.0)
-        if WAIT_FOR_SHRINK:
-            wait_until_reaches(done_ptr, shrink_programs)
         r_ok = offs_r < rank
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
         part_rows = h_rows + offs_r[None, :] * stride_hr
+        # h was written by the shrink kernel and is read once per program: past L1 (.cg).
         ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg")
         part_step = tl.cast(stride_hp, tl.int64)
         for p0 in range(1, num_parts, PART_CHUNK):  # the splits' partial sums, added in split order
@@ -124,8 +97,6 @@ def expand_program(
             offs_n = next_n
             n_ok = next_ok
     else:
-        if WAIT_FOR_SHRINK:
-            wait_until_reaches(done_ptr, shrink_programs)
         for j in range(N_LOOP):
             n_ok = offs_n < col_hi
             b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn

@@ -40,30 +40,9 @@ def shrink_kernel(
     saves the counters' zero-fill launch and the last split's extra round trip.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
     """
-    shrink_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
-        x_ptr, a_ptr, h_ptr, part_ptr, arrivals_ptr, scale_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr,
-        slot_counts_ptr, M, K, num_slices, num_slots, max_rank, capacity, split_k,
-        stride_xm, stride_xk, stride_al, stride_as, stride_ar, stride_ak, stride_hm, stride_hs, stride_hr,
-        stride_pk, stride_pm, stride_ps, stride_pr,
-        BLOCK_M, BLOCK_R, SLICE_GROUP, BLOCK_K, SPLIT_K, PARTIALS_OUT, SLOTS_POW2, DOT_PRECISION)
-
-
-@triton.jit
-def shrink_program(
-    pid_sr, pid_m, pid_k,
-    x_ptr, a_ptr, h_ptr, part_ptr, arrivals_ptr, scale_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr,
-    slot_counts_ptr,
-    M, K, num_slices, num_slots, max_rank, capacity, split_k,
-    stride_xm, stride_xk,
-    stride_al, stride_as, stride_ar, stride_ak,
-    stride_hm, stride_hs, stride_hr,
-    stride_pk, stride_pm, stride_ps, stride_pr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The work of shrink program (pid_sr, pid_m, pid_k) of :func:`shrink_kernel` (same arguments); the
-    one-launch kernel (kernels.chained) runs it under a ticket instead of a program id."""
+    pid_sr = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     r_blocks = tl.cdiv(max_rank, BLOCK_R)
     g0 = (pid_sr // r_blocks) * SLICE_GROUP
     r0 = (pid_sr % r_blocks) * BLOCK_R

@@ -131,12 +131,3 @@ def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype (see :func:`split_f32`)."""
     hi, lo = split_f32(a, PRECISION)
     return dot_split(hi, lo, b, acc, PRECISION)
-
-
-@triton.jit
-def wait_until_reaches(counter_ptr, target):
-    """Spin until the int32 at ``counter_ptr`` is at least ``target``; acquire: what the writers stored
-    before their release increments is visible after (read it with .cg, past this SM's L1)."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
