@@ -1,0 +1,155 @@
+"""What a launch compiles to on an H100/H200 (sm_90), found on a machine without a GPU.
+
+Run any of our launchers on CPU tensors with its FastLauncher swapped for a recorder: each recorded launch
+is compiled by Triton's NVIDIA backend for sm_90 with the specialisation Triton would give it on the GPU
+(pointer dtypes and 16-byte alignment; integers equal to 1 as constants, divisible by 16 as such, except
+the kernel's do_not_specialize parameters), and reported: PTX, registers and spills (Triton's bundled
+ptxas), and a census of the global loads by width. A rank mask on the contiguous dimension, for instance,
+shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §4).
+
+    PYTHONPATH=. python tests/sm90_codegen.py --table     # the expand's two paths
+"""
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+
+import torch
+
+TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64"}
+PTXAS_NAMES = ("ptxas-blackwell", "ptxas")  # the first that accepts Triton's PTX version
+
+
+@contextmanager
+def recorded(launcher):
+    """Within the block, calls of ``launcher`` (a FastLauncher) are recorded, not run: yields the list of
+    (tensors, ints, constexprs) each call passed."""
+    calls = []
+    launcher_type = type(launcher)
+    original = launcher_type.__call__
+
+    def record(self, grid, tensors, ints, **constexprs):
+        if self is launcher:
+            calls.append((tuple(tensors), tuple(ints), dict(constexprs)))
+        else:
+            original(self, grid, tensors, ints, **constexprs)
+
+    launcher_type.__call__ = record
+    try:
+        yield calls
+    finally:
+        launcher_type.__call__ = original
+
+
+def compile_sm90(kernel, tensors, ints, constexprs):
+    """Triton's compile of ``kernel`` for sm_90 with the given launch arguments (as FastLauncher takes
+    them), specialised as Triton's launcher would on the GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    skip = {p.name for p in kernel.params if p.do_not_specialize}
+    signature, attrs, consts = {}, {}, {}
+    options = {k: constexprs[k] for k in ("num_warps", "num_stages") if k in constexprs}
+    for i, (name, value) in enumerate(zip(names, list(tensors) + list(ints))):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_DTYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name not in skip and value == 1 and not isinstance(value, bool):
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i1" if isinstance(value, bool) else ("i64" if abs(value) >= 2 ** 31 else "i32")
+            if name not in skip and not isinstance(value, bool) and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in names[len(tensors) + len(ints):]:
+        signature[name] = "constexpr"
+        if name in constexprs:
+            consts[name] = constexprs[name]
+    return triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _ptxas():
+    import triton
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return [os.path.join(folder, n) for n in PTXAS_NAMES if os.path.exists(os.path.join(folder, n))]
+
+
+def ptxas_usage(ptx):
+    """(registers, spill store bytes) from ptxas -v, or (None, None) where no bundled ptxas takes it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        for exe in _ptxas():
+            run = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                regs = re.findall(r"Used (\d+) registers", run.stderr)
+                spills = re.findall(r"(\d+) bytes spill stores", run.stderr)
+                return int(regs[0]), int(spills[0]) if spills else 0
+    return None, None
+
+
+def global_loads(ptx):
+    """Global loads by kind and width in bytes, e.g. {('cp.async', 16): 24, ('ld.global', 2): 32}."""
+    census = collections.Counter()
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]+\], \[[^\]]+\], (0x\w+|\d+)",
+                           ptx):
+        census[("cp.async", int(size, 0))] += 1
+    for vec, bits in re.findall(r"ld\.global(?:\.[\w:]+)*?(?:\.v(\d))?\.[bfus](\d+)\b", ptx):
+        census[("ld.global", int(vec or 1) * int(bits) // 8)] += 1
+    return census
+
+
+def summary(compiled):
+    """{'registers', 'spill_bytes', 'loads': {'cp.async 16 B': n, 'ld.global 2 B': n, ...}}"""
+    regs, spills = ptxas_usage(compiled.asm["ptx"])
+    loads = {f"{kind} {width} B": n for (kind, width), n in sorted(global_loads(compiled.asm["ptx"]).items())}
+    return {"registers": regs, "spill_bytes": spills, "loads": loads}
+
+
+def cases():
+    """(name, launcher, launch) for the paths whose loads matter most: the expand's two paths at bf16."""
+    from lora_ops import launch
+    from lora_ops.configs import tuning
+    from lora_ops.configs.heuristics import ExpandConfig
+
+    for name, R, cfg in (("expand_one_block_r16", 16, ExpandConfig(16, 64, 16, 4, 2, 1)),
+                         ("expand_one_block_r64_n_loop", 64, ExpandConfig(64, 64, 64, 4, 2, 4)),
+                         ("expand_rank_loop_r320", 320, ExpandConfig(64, 256, 32, 4, 3, 1))):
+        p = tuning.synthetic_problem("cpu", torch.bfloat16, 64, [256, 256], R, 4, 64)
+
+        def run(p=p, cfg=cfg):
+            launch.launch_expand(p["y"], p["h"].unsqueeze(0), p["B"], p["widths"], p["rank"], *p["meta"], cfg)
+        yield name, launch.EXPAND, run
+
+
+def main(argv):
+    """Compile every case; print a JSON object {case: summary} (the tests read it) or, with --table, a line
+    per case. Run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled."""
+    import json
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("sm90_codegen: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+    results = {}
+    for name, launcher, run in cases():
+        with recorded(launcher) as calls:
+            run()
+        results[name] = summary(compile_sm90(launcher.kernel, *calls[0]))
+    if "--table" in argv:
+        for name, r in results.items():
+            loads = ", ".join(f"{k} x{n}" for k, n in r["loads"].items())
+            print(f"{name:30s} registers {r['registers']} spills {r['spill_bytes']} B | {loads}")
+    else:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
