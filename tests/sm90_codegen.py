@@ -7,7 +7,7 @@ the kernel's do_not_specialize parameters), and reported: PTX, registers and spi
 ptxas), and a census of the global loads by width. A rank mask on the contiguous dimension, for instance,
 shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §4).
 
-    PYTHONPATH=. python tests/sm90_codegen.py --table     # the expand's two paths
+    PYTHONPATH=. python tests/sm90_codegen.py --table     # every kernel's loads, registers, spills
 """
 import collections
 import os
@@ -117,19 +117,48 @@ def summary(compiled):
 
 
 def cases():
-    """(name, launcher, launch) for the paths whose loads matter most: the expand's two paths at bf16."""
-    from lora_ops import launch
+    """(name, launcher, launch) at bf16: the expand's two paths, the shrink (split-K partials), the one-launch
+    kernel and the two backward kernels, each with the configs a Llama-like layer gets."""
+    from lora_ops import configs, launch, launch_grad
     from lora_ops.configs import tuning
     from lora_ops.configs.heuristics import ExpandConfig
 
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
     for name, R, cfg in (("expand_one_block_r16", 16, ExpandConfig(16, 64, 16, 4, 2, 1)),
                          ("expand_one_block_r64_n_loop", 64, ExpandConfig(64, 64, 64, 4, 2, 4)),
                          ("expand_rank_loop_r320", 320, ExpandConfig(64, 256, 32, 4, 3, 1))):
-        p = tuning.synthetic_problem("cpu", torch.bfloat16, 64, [256, 256], R, 4, 64)
+        p = tuning.synthetic_problem(cpu, bf16, 64, [256, 256], R, 4, 64)
 
         def run(p=p, cfg=cfg):
             launch.launch_expand(p["y"], p["h"].unsqueeze(0), p["B"], p["widths"], p["rank"], *p["meta"], cfg)
         yield name, launch.EXPAND, run
+
+    p = tuning.synthetic_problem(cpu, bf16, 256, [512, 128, 128], 16, 4, 64)
+    scfg = configs.heuristics.shrink_config(64, 4096, 3, 16, 4, out_features=768)
+    ecfg = configs.heuristics.expand_config(64, 768, 16, 4)
+
+    def shrink(p=p):
+        h = launch.shrink_buffer(p["x"], p["A"], scfg, ecfg)
+        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, scfg, partials_out=True)
+    yield "shrink_split_k_r16", launch.SHRINK, shrink
+
+    def fused(p=p):
+        launch.launch_fused(p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], p["widths"], *p["meta"],
+                            configs.heuristics.fused_config(1, 4096, 16))
+    yield "fused_r16", launch.FUSED, fused
+
+    p = tuning.synthetic_problem(cpu, bf16, 256, [512, 128, 128], 64, 4, 256)
+    dh = torch.randn(256, 3, 64)
+
+    def grad_x(p=p):
+        launch_grad.launch_lora_grad_x(p["x"].new_zeros(256, 256), dh, p["A"], p["rank"], *p["meta"],
+                                       launch_grad.grad_x_config(256, 256, 64))
+    yield "grad_x_r64", launch_grad.GRAD_X, grad_x
+
+    def segment_outer(p=p):
+        launch_grad.launch_segment_outer(p["x"].new_empty(4, 64, 256), dh[:, 0], p["x"], p["rank"], *p["meta"],
+                                         launch_grad.segment_outer_config(64, 256, 4))
+    yield "segment_outer_r64", launch_grad.SEGMENT_OUTER, segment_outer
 
 
 def main(argv):

@@ -1,9 +1,9 @@
-"""The expand's loads as compiled for sm_90 (H100/H200), checked without a GPU (tests/sm90_codegen.py).
+"""The kernels' loads as compiled for sm_90 (H100/H200), checked without a GPU (tests/sm90_codegen.py).
 
 A run-time rank mask on the contiguous dimension once made every h and B load a 2- or 4-byte one and kept
 the rank loop from pipelining them (H200: the high-rank grid 30-40% slower, docs/DESIGN.md §4). These
-tests hold the fix: bf16 operands never load 2 bytes at a time, the rank loop streams its operands with
-16-byte cp.async, and no cp.async is narrower.
+tests hold the fix in every kernel: bf16 operands never load 2 bytes at a time, no cp.async is narrower
+than 16 bytes, and the rank loop streams its operands with 16-byte cp.async.
 """
 import json
 import os
@@ -32,7 +32,8 @@ def codegen():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320"]
+CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_split_k_r16",
+         "fused_r16", "grad_x_r64", "segment_outer_r64"]
 
 
 @pytest.mark.parametrize("case", CASES)
