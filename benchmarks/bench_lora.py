@@ -46,14 +46,10 @@ VARIANTS = {
     "two_launch": lambda: lora_ops.configs.force_path("split"),       # shrink + expand at every size
     "one_launch": lambda: lora_ops.configs.force_path("fused"),       # one launch at every size
     # The whole layer as lora_linear; the time recorded is lora_linear's minus the base layer's.
-    "overlap": lambda: (lora_ops.launch.set_overlap("always"),        # shrink beside cuBLAS's GEMM
-                        lora_ops.configs.force_linear(False)),
-    "in_order": lambda: lora_ops.configs.force_linear(False),         # cuBLAS's GEMM, shrink, expand in order
-    # Shrink, then our GEMM with the expand in its epilogue (kernels.linear), at every size; by default
-    # lora_linear takes it at decode sizes only (configs.linear_config).
-    "linear": lambda: lora_ops.configs.force_linear(True),
+    "overlap": lambda: lora_ops.launch.set_overlap("always"),         # shrink beside the base GEMM
+    "in_order": lambda: lora_ops.launch.set_overlap("never"),         # GEMM, shrink, expand in order
 }
-LAYER_VARIANTS = ("overlap", "in_order", "linear")
+LAYER_VARIANTS = ("overlap", "in_order")
 assert tuple(VARIANTS) == report.VARIANTS, "report.VARIANTS names the same variants, in this order"
 
 
@@ -62,7 +58,6 @@ def reset_config_choice():
     lora_ops.configs.use_tuned_tables(True)
     lora_ops.configs.force_path(None)
     lora_ops.launch.set_overlap("never")
-    lora_ops.configs.force_linear(None)
 
 
 def _csv(cast=str):

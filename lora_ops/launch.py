@@ -14,14 +14,12 @@ from lora_ops import configs
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
-from lora_ops.kernels import linear as linear_kernels
 from lora_ops.kernels import shrink as shrink_kernels
 from lora_ops.triton_launch import FastLauncher
 
 SHRINK = FastLauncher(shrink_kernels.shrink_kernel)
 EXPAND = FastLauncher(expand_kernels.expand_kernel)
 FUSED = FastLauncher(fused_kernels.fused_add_lora_kernel)
-LINEAR = FastLauncher(linear_kernels.linear_lora_kernel)
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
 # How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
@@ -133,51 +131,6 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     )
 
 
-LINEAR_MATCH_VALUES = 16384
-# The shrink's partial sums that feed kernels.linear: every program of the GEMM re-reads them all in its
-# epilogue (H200 lab, 2026-12-03: the table's 16-32 splits made the epilogue cost 5-7 µs at 16-64 tokens).
-LINEAR_MAX_PARTS = 4
-
-
-def linear_part_chunk(cfg, block_r):
-    """Partial sums of h the linear epilogue loads at once (a power of two <= LINEAR_MAX_PARTS)."""
-    per_part = max(1, cfg.block_m * block_r // (32 * cfg.num_warps))
-    fits = max(1, PART_CHUNK_VALUES_PER_THREAD // per_part)
-    return min(LINEAR_MAX_PARTS, 1 << (fits.bit_length() - 1))
-
-
-def launch_linear_lora(y, x, weight, bias, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts,
-                       cfg):
-    """y = x W^T (+ bias) + the delta h B^T per slice, in one launch; h [M, S, R] float32 or [P, M, S, R]
-    partial sums (added in order). y [M, N] is written whole, never read."""
-    M, K = x.shape
-    L, N, R = lora_b.shape
-    parts = h if h.dim() == 4 else h.unsqueeze(0)
-    cols, blocks = slice_layout(slice_widths, cfg.block_n)
-    split_k = max(1, min(cfg.split_k, cdiv(K, cfg.block_k)))
-    grid = (blocks[-1], cdiv(M, cfg.block_m), split_k)
-    block_r, slots_pow2 = max(16, next_power_of_2(R)), next_power_of_2(L)
-    # Ids of every slot's run a step (kernels.linear.slot_of_rows): at most 16K compares in flight.
-    run = max(1, min(64, LINEAR_MATCH_VALUES // (slots_pow2 * cfg.block_m)))
-    if split_k > 1:  # each split's products, and one arrival counter per output tile (kernels.linear)
-        part = x.new_empty((split_k, M, N), dtype=torch.float32)
-        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-        part_strides = part.stride()
-    else:
-        part, arrivals, part_strides = y, sorted_token_ids, (0, 0, 0)   # not read
-    LINEAR(
-        grid, (x, weight, y if bias is None else bias, parts, lora_b, y, part, arrivals, rank, sorted_token_ids,
-               slot_starts, slot_counts),
-        (M, K, L, R, sorted_token_ids.shape[0], parts.shape[0], split_k, *x.stride(), *weight.stride(),
-         *parts.stride(), *lora_b.stride(), *y.stride(), *part_strides),
-        SLICE_COLS=cols, SLICE_BLOCKS=blocks, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=block_r, RUN=run, SLOTS_POW2=slots_pow2, PART_CHUNK=linear_part_chunk(cfg, block_r), SPLIT_K=split_k > 1,
-        HAS_BIAS=bias is not None, RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
-        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-
-
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     M, K = x.shape
@@ -280,19 +233,6 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     N = weight.shape[0]
-    lcfg = configs.linear_config(M, K, N, S, R, L, x.device, x.dtype) if M else None
-    if lcfg is not None:
-        # Small batches: the shrink, then our GEMM with the expand in its epilogue (kernels.linear). Two
-        # launches instead of cuBLAS + shrink + expand, and y is written once instead of three times.
-        scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
-        scfg = scfg._replace(split_k=min(scfg.split_k, LINEAR_MAX_PARTS))
-        h = x.new_empty((scfg.split_k, M, S, R), dtype=torch.float32)
-        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=scfg.split_k > 1)
-        y = x.new_empty((M, N))
-        launch_linear_lora(y, x, weight, bias, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
-                           slot_counts, lcfg)
-        return y
     # The cheap test first: by default (no overlap) _add_lora resolves the path itself, once.
     if not _overlaps(x) or M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None:
         y = F.linear(x, weight, bias)

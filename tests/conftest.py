@@ -94,19 +94,6 @@ def ulp(values, dtype):
     return binade * info.eps
 
 
-def assert_delta_close(y_out, y_in, ref, dtype):
-    """y_out - y_in against the reference delta, within the dtype's relative tolerance. From a non-zero y
-    the sum's own rounding (half a step of each output that got a delta) is allowed on top: with y a few
-    times the delta it alone can pass the tolerance (fp16, 3 outputs: 2.1e-3 against 2e-3)."""
-    y_out, y_in = y_out.double().cpu(), y_in.double().cpu()
-    delta = y_out - y_in
-    rounding = (0.5 * ulp(y_out, dtype) * ((ref != 0) & (y_in != 0))).norm().item()
-    err = rel_err(delta, ref)
-    norm = ref.norm().item()
-    allowed = TOLERANCE[dtype] + (rounding / norm if norm else 0.0)
-    assert err <= allowed, f"relative error of the delta {err:.3g} > {allowed:.3g} ({dtype}; tolerance {TOLERANCE[dtype]:.0e})"
-
-
 # ---------------------------------------------------------------------------------------------
 # Backends: the torch CPU kernels, and the Triton kernels (interpreter on CPU, or CUDA).
 # ---------------------------------------------------------------------------------------------

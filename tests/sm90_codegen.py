@@ -147,17 +147,6 @@ def cases():
                             configs.heuristics.fused_config(1, 4096, 16))
     yield "fused_r16", launch.FUSED, fused
 
-    from lora_ops.configs.heuristics import LinearConfig
-    for name, M, cfg in (("linear_lora_m16", 16, LinearConfig(16, 64, 128, 1, 4, 4)),
-                         ("linear_lora_m64_split_k", 64, LinearConfig(64, 64, 128, 2, 4, 4))):
-        p = tuning.synthetic_problem(cpu, bf16, 256, [512, 128, 128], 16, 4, M)
-
-        def linear(p=p, cfg=cfg):
-            w = torch.randn(768, 256, dtype=bf16)
-            launch.launch_linear_lora(p["y"], p["x"], w, None, p["h"].unsqueeze(0), p["B"], p["widths"],
-                                      p["rank"], *p["meta"], cfg)
-        yield name, launch.LINEAR, linear
-
     p = tuning.synthetic_problem(cpu, bf16, 256, [512, 128, 128], 64, 4, 256)
     dh = torch.randn(256, 3, 64)
 

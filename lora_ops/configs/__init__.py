@@ -20,18 +20,17 @@ import re
 import torch
 
 from lora_ops.configs import heuristics
-from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, LinearConfig, ShrinkConfig, token_bucket
+from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
-__all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "LinearConfig", "shrink_config", "expand_config",
-           "fused_config", "linear_config", "enable_autotune", "force_path", "force_linear", "use_tuned_tables",
-           "table_path", "token_bucket"]
+__all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
+           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket"]
 
 PATHS = ("fused", "split")
 
 TUNED_DIR = pathlib.Path(__file__).with_name("tuned")
 _resolved = {}
 _autotune = {"on": False}
-_forced = {"path": None, "linear": None}
+_forced = {"path": None}
 _tables = {"on": True}
 
 
@@ -48,15 +47,6 @@ def force_path(path):
     if path not in PATHS + (None,):
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     _forced["path"] = path
-    _resolved.clear()
-
-
-def force_linear(on):
-    """Make lora_linear run its own GEMM with the expand in the epilogue (True) for every shape, never
-    (False: cuBLAS, then add_lora_), or choose per shape (None, the default). For tests and benchmarks."""
-    if on not in (True, False, None):
-        raise ValueError(f"on: expected True, False or None, got {on!r}")
-    _forced["linear"] = on
     _resolved.clear()
 
 
@@ -132,11 +122,6 @@ def _from_table(kind, device, features, num_slices, max_rank, bucket, out_featur
 
 def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None):
     """(config, whether to remember it)."""
-    if kind == "linear":  # heuristic only for now: no table entries, no autotune (DESIGN §4)
-        on = _forced["linear"]
-        if on is False or (on is None and not heuristics.prefers_linear(bucket, max_rank)):
-            return None, True
-        return heuristics.linear_config(bucket, features, out_features), True
     forced = _forced["path"] if kind == "fused" else None
     if forced == "split":
         return None, True
@@ -187,12 +172,4 @@ def fused_config(num_tokens, in_features, out_features, num_slices, max_rank, nu
                  device=torch.device("cpu"), dtype=torch.bfloat16):
     """The one-launch kernel's config, or None where two launches (shrink, expand) serve this shape."""
     return _config("fused", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens,
-                   out_features)
-
-
-def linear_config(num_tokens, in_features, out_features, num_slices, max_rank, num_slots,
-                  device=torch.device("cpu"), dtype=torch.bfloat16):
-    """lora_linear's own GEMM with the expand in its epilogue (kernels.linear), or None where cuBLAS's GEMM
-    and add_lora_ serve this shape."""
-    return _config("linear", device, dtype, in_features, num_slices, max_rank, num_slots, num_tokens,
                    out_features)

@@ -44,16 +44,6 @@ class ExpandConfig(NamedTuple):
     n_loop: int = 1        # column blocks one program streams through (kernels.expand)
 
 
-class LinearConfig(NamedTuple):
-    """The base GEMM with the expand in its epilogue (lora_ops.kernels.linear): lora_linear at decode sizes."""
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-
-
 class FusedConfig(NamedTuple):
     """The one-launch add_lora_ kernel (lora_ops.kernels.fused)."""
     block_m: int
@@ -170,21 +160,3 @@ def expand_config(bucket, out_features, max_rank, num_slots):
         while n_loop < EXPAND_MAX_N_LOOP and blocks // (2 * n_loop) >= EXPAND_MIN_PROGRAMS:
             n_loop *= 2
     return ExpandConfig(block_m, block_n, block_r, num_warps=4, num_stages=2, n_loop=n_loop)
-
-
-# lora_linear's own GEMM with the expand in its epilogue (kernels.linear) serves batches up to this bucket
-# and ranks up to LINEAR_MAX_RANK (the epilogue holds a [BLOCK_N, rank] tile of B per slot); other shapes
-# run cuBLAS's GEMM, then add_lora_.
-LINEAR_MAX_BUCKET = 64
-LINEAR_MAX_RANK = 64
-
-
-def prefers_linear(bucket, max_rank):
-    return bucket <= LINEAR_MAX_BUCKET and max_rank <= LINEAR_MAX_RANK
-
-
-def linear_config(bucket, in_features, out_features):
-    # H200 lab (2026-12-03, Llama-3-8B shapes, 1-64 tokens, 36 configs): 64-column tiles, no split-K,
-    # 5 stages were within 4-7% of each shape's best; 256-deep K steps while the token tile is 16 rows.
-    block_m = block_m_for(bucket)
-    return LinearConfig(block_m, 64, 256 if block_m <= 16 else 128, 1, num_warps=4, num_stages=5)

@@ -131,17 +131,3 @@ def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype (see :func:`split_f32`)."""
     hi, lo = split_f32(a, PRECISION)
     return dot_split(hi, lo, b, acc, PRECISION)
-
-
-@triton.jit
-def dot_f32_rhs(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b with ``a`` in the weights' dtype and ``b`` float32: :func:`dot_f32_lhs` transposed."""
-    hi, lo = split_f32(b, PRECISION)
-    if PRECISION == "bf16x2":
-        acc = tl.dot(a, hi, acc)
-        acc = tl.dot(a, lo, acc)
-    elif PRECISION == "tf32":
-        acc = tl.dot(a.to(tl.float32), hi, acc, input_precision="tf32")
-    else:
-        acc = tl.dot(a, hi, acc, input_precision="ieee")
-    return acc
