@@ -1,10 +1,12 @@
-"""Config selection: token buckets, the heuristic, the tuned-table lookup and its fallbacks (CPU-only:
-the GPU path of the lookup is exercised with a fake GPU name and table)."""
+"""Config selection: token buckets, the heuristic, the tuned-table lookup and its fallbacks (the GPU path
+of the lookup is exercised with a fake GPU name and table); the tuner's runner and the runtime autotune
+run their kernels on the test device (the interpreter, or the GPU with LORA_OPS_TEST_DEVICE=cuda)."""
 import json
 
 import pytest
 import torch
 
+from conftest import DEVICE
 from lora_ops import configs
 from lora_ops.configs import heuristics, tuning
 
@@ -197,7 +199,7 @@ def test_tuner_times_what_add_lora_runs(with_expand):
     """The tuner's shrink runner: with an expand config, the pair add_lora_ runs (split-K partial sums
     added by the expand): y gets the LoRA delta; alone, the shrink op (h summed by the shrink)."""
     from lora_ops.reference import lora_delta_reference, shrink_reference
-    p = tuning.synthetic_problem(torch.device("cpu"), torch.float32, 40, [24, 8], 16, 3, 9)
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], 16, 3, 9)
     y0 = p["y"].clone()
     scfg = heuristics.ShrinkConfig(16, 16, 16, 3, 4, 2)            # 3 splits of K = 40
     ecfg = heuristics.ExpandConfig(16, 16, 16, 4, 2)
@@ -208,11 +210,11 @@ def test_tuner_times_what_add_lora_runs(with_expand):
         slots[sorted_ids[starts[s]:starts[s] + counts[s]].long()] = s
     if with_expand:
         ref = lora_delta_reference(p["x"], p["A"], p["B"], p["scale"], p["rank"], slots, p["widths"])
-        torch.testing.assert_close(p["y"] - y0, ref.float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close((p["y"] - y0).cpu(), ref.float(), rtol=1e-4, atol=1e-4)
     else:
         ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
-        has = slots >= 0
-        torch.testing.assert_close(p["h"][has], ref.float()[has], rtol=1e-4, atol=1e-4)
+        has = (slots >= 0).cpu()
+        torch.testing.assert_close(p["h"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
 
 
 def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeypatch):
@@ -245,7 +247,8 @@ def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeyp
 
 def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
     """tuning.autotune for add_lora_'s shrink (out_features given) times each candidate followed by the
-    expand, and returns the fastest that runs (CPU: interpreter, wall time; two candidates, one copy)."""
+    expand, and returns the fastest that runs (on the test device: the interpreter timed by wall time, or
+    the GPU; two candidates, one copy)."""
     timed = []
     real_runner = tuning.shrink_runner
 
@@ -256,6 +259,6 @@ def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
     monkeypatch.setitem(tuning.RUNNERS, "shrink", recording_runner)
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
-    best = tuning.autotune("shrink", torch.device("cpu"), torch.float32, 40, 2, 16, 3, 16, out_features=32)
+    best = tuning.autotune("shrink", torch.device(DEVICE), torch.float32, 40, 2, 16, 3, 16, out_features=32)
     assert best in cands
     assert [c for c, _ in timed] == cands and all(e is not None for _, e in timed)
