@@ -36,6 +36,11 @@ CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loo
          "fused_r16", "grad_x_r64", "segment_outer_r64"]
 
 
+def test_every_compiled_case_is_checked(codegen):
+    """CASES names the cases of sm90_codegen.cases() for readable ids: a case added there is checked here."""
+    assert sorted(codegen) == sorted(CASES)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_no_two_byte_loads(codegen, case):
     assert "ld.global 2 B" not in codegen[case]["loads"], codegen[case]
