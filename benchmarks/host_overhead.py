@@ -8,7 +8,8 @@ host is the bottleneck. Rows, each the median of --rounds rounds of --calls call
   LoRALinear               the layer as users call it (dispatcher skipped, fast launches)
   ... via torch.ops        the same through the torch dispatcher (what lora_ops did before ops.call)
   ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
-  ... both                 neither shortcut (the baseline before this change)
+  ... both                 neither shortcut (the baseline before 2026-12-02's change)
+  ... without launch plans every call resolves configs, grids and arguments (before 2026-12-03's plans)
   and the pieces: the argument checks, the config lookups, one expand launch each way.
 
 Usage: python benchmarks/host_overhead.py [--device cpu --tiny]  (results to benchmarks/results/)
@@ -28,7 +29,7 @@ import lora_ops  # noqa: E402
 import report  # noqa: E402
 from bench_decode import host_us_per_call  # noqa: E402
 from csrc_meta import checks  # noqa: E402
-from lora_ops import configs, launch, ops, triton_launch  # noqa: E402
+from lora_ops import configs, launch, ops, plan, triton_launch  # noqa: E402
 
 
 def profile_calls(layer, x, calls):
@@ -95,15 +96,18 @@ def main(argv=None):
         launch.launch_expand(y, h, layer.lora_b, list(layer.slice_widths), layer.rank, *layer.context.meta, ecfg)
 
     real_needs_dispatcher = ops.needs_dispatcher
+    real_lookup = plan.lookup
 
-    def state(fast=True, dispatcher=False):
+    def state(fast=True, dispatcher=False, plans=True):
         triton_launch.set_fast_launch(fast)
         ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
+        plan.lookup = real_lookup if plans else (lambda key: None)   # no plan found: every call resolves
 
     # name: (state, call). Rounds interleave the variants, so a drift of the host's speed hits them alike.
     variants = {
         "F.linear": ({}, lambda: F.linear(x, layer.base.weight)),
         "LoRALinear": ({}, lambda: layer(x)),
+        "LoRALinear without launch plans": (dict(plans=False), lambda: layer(x)),
         "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
         "LoRALinear, Triton's launch path": (dict(fast=False), lambda: layer(x)),
         "LoRALinear via torch.ops, Triton's launch path (before)": (dict(fast=False, dispatcher=True), lambda: layer(x)),
@@ -114,7 +118,9 @@ def main(argv=None):
                                             configs.expand_config(M, N, S, R, L, device, dtype))),
     }
     if cuda:
-        variants["launch.add_lora_ (checks, configs, launches)"] = ({}, lambda: launch.add_lora_(*op_args))
+        variants["launch.add_lora_ (checks, plan replay)"] = ({}, lambda: launch.add_lora_(*op_args))
+        variants["plan replay alone (key, scratch, 2 C launches)"] = ({}, lambda: launch._add_lora(*op_args))
+        variants["launch.add_lora_ without plans"] = (dict(plans=False), lambda: launch.add_lora_(*op_args))
         variants["one expand launch, fast"] = ({}, expand)
         variants["one expand launch, Triton's path"] = (dict(fast=False), expand)
     samples = {name: [] for name in variants}

@@ -5,12 +5,13 @@ never on tensor data, so they are CUDA-graph safe; the programs find their work 
 (lora_ops.kernels.work). Nothing here reads tensor data on the host.
 """
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from csrc_meta import checks
-from lora_ops import configs
+from lora_ops import configs, plan
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
@@ -42,56 +43,105 @@ def _slice_layout(slice_widths, block_n):
     return tuple(cols), tuple(blocks)
 
 
-def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False):
+class Launch(NamedTuple):
+    """One kernel launch, everything bound: ``launch()`` runs it. The launchers below build these, so a
+    plan (lora_ops.plan) can keep what a call derives from shapes and replay it with other tensors."""
+    launcher: FastLauncher
+    grid: tuple
+    tensors: tuple
+    ints: tuple
+    constexprs: dict
+
+    def __call__(self):
+        self.launcher(self.grid, self.tensors, self.ints, **self.constexprs)
+
+
+class Scratch(NamedTuple):
+    """A float32 or int32 buffer a launch needs for one call; ``zero``: it must start zeroed."""
+    shape: tuple
+    dtype: torch.dtype
+    zero: bool = False
+
+    def alloc(self, device):
+        return (torch.zeros if self.zero else torch.empty)(self.shape, dtype=self.dtype, device=device)
+
+
+def _ran(launch, run):
+    if run:
+        launch()
+    return launch
+
+
+def shrink_sum_scratch(M, S, R, grid, cfg):
+    """The buffers a split-K shrink that sums its own splits needs: per-split partial sums, and one zeroed
+    arrival counter per (column block, token tile). Empty when the shrink needs none."""
+    if cfg.split_k == 1:
+        return ()
+    return Scratch((cfg.split_k, M, S, R), torch.float32), Scratch((grid[0] * grid[1],), torch.int32, zero=True)
+
+
+def shrink_grid(M, S, R, L, cfg):
+    return (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+
+
+def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
+                  sum_scratch=None, run=True):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
+    h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`).
 
     With ``partials_out`` (and split-K), h is [split_k, M, S, R] and gets each split's partial sums, for
-    a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less."""
+    a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less.
+    Otherwise a split-K shrink sums its splits in ``sum_scratch`` (the buffers :func:`shrink_sum_scratch`
+    names; allocated here when not given). Returns the :class:`Launch`, run unless ``run`` is False."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
-    grid = (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+    grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
-    if h.dim() == 4 and not partials_out:  # one split: its partial sums are h itself
-        h = h[0]
+    # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
+    h_strides = h.stride()[-3:]
     if partials_out:
-        part, arrivals = h, sorted_token_ids
-    elif cfg.split_k > 1:  # per-split partial sums and one arrival counter per (column block, token tile)
-        part = h.new_empty((cfg.split_k, M, S, R))
-        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=h.device)
-    else:
-        part, arrivals = h.unsqueeze(0), sorted_token_ids
-    SHRINK(
-        grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+        part, arrivals, part_strides = h, sorted_token_ids, h.stride()
+    elif cfg.split_k > 1:
+        if sum_scratch is None:
+            sum_scratch = [s.alloc(x.device) for s in shrink_sum_scratch(M, S, R, grid, cfg)]
+        part, arrivals = sum_scratch
+        part_strides = part.stride()
+    else:  # one split: its partial sums are h itself (the part stride is never used)
+        part, arrivals, part_strides = h, sorted_token_ids, (h_strides[0] * M, *h_strides)
+    return _ran(Launch(
+        SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
-         *x.stride(), *lora_a.stride(), *h.stride()[:3], *part.stride()),
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
-        DOT_PRECISION=_DOT_PRECISION[x.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+         *x.stride(), *lora_a.stride(), *h_strides, *part_strides),
+        dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
+             SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
+             DOT_PRECISION=_DOT_PRECISION[x.dtype],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ), run)
 
 
-def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
-    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order."""
+def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
+    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order.
+    Returns the :class:`Launch`, run unless ``run`` is False."""
     M = y.shape[0]
-    parts = h if h.dim() == 4 else h.unsqueeze(0)
     L, _, R = lora_b.shape
+    num_parts = h.shape[0] if h.dim() == 4 else 1
+    part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
     one_rank_block = takes_partials(cfg, R)
-    if parts.shape[0] > 1 and not one_rank_block:
+    if num_parts > 1 and not one_rank_block:
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
-                         f"{parts.shape[0]} partial sums")
+                         f"{num_parts} partial sums")
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
     grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m))
-    EXPAND(
-        grid, (parts, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
-        (M, L, R, sorted_token_ids.shape[0], parts.shape[0], *parts.stride(), *lora_b.stride(), *y.stride()),
-        SLICE_COLS=cols, SLICE_CHUNKS=chunks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-        ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
-        RANK_ALIGN=rank_align(R),
-        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    return _ran(Launch(
+        EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, L, R, sorted_token_ids.shape[0], num_parts, *part_strides, *lora_b.stride(), *y.stride()),
+        dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
+             ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
+             RANK_ALIGN=rank_align(R),
+             H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ), run)
 
 
 # Registers per thread a chunk of partial sums may hold in flight (kernels.expand, PART_CHUNK): eight
@@ -114,21 +164,22 @@ def takes_partials(expand_cfg, max_rank):
 
 
 def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                 cfg):
-    """y[:, slices] += scale * (x A^T) B^T in one launch (small batches; see kernels.fused)."""
+                 cfg, run=True):
+    """y[:, slices] += scale * (x A^T) B^T in one launch (small batches; see kernels.fused). Returns the
+    :class:`Launch`, run unless ``run`` is False."""
     M, K = x.shape
     L, _, R, _ = lora_a.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
-    FUSED(
-        grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+    return _ran(Launch(
+        FUSED, grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride()),
-        SLICE_COLS=cols, SLICE_BLOCKS=blocks,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
-        H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        dict(SLICE_COLS=cols, SLICE_BLOCKS=blocks,
+             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+             SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
+             H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ), run)
 
 
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
@@ -158,37 +209,71 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
 
 
 def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """add_lora_ after its checks: the plan of this shape key if there is one (lora_ops.plan), else the
+    launches resolved here, run, and remembered as the key's plan."""
+    if x.shape[0] == 0:
+        return
+    tensors = (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    plan_key = plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids)
+    known = plan.lookup(plan_key)
+    if known is not None:
+        known.run(tensors)
+        return
+    launches, scratch, buffers = add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths,
+                                                   sorted_token_ids, slot_starts, slot_counts)
+    for launch in launches:
+        launch()
+    plan.remember(plan_key, launches, tensors, scratch, buffers)
+
+
+def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """add_lora_'s launches for these arguments, not run: one (the fused kernel, small batches) or two
+    (shrink, expand); with the scratch they use, as specs (:class:`Scratch`) and as the buffers allocated
+    from them."""
     M, K = x.shape
-    if M == 0:
-        return
     L, S, R, _ = lora_a.shape
-    fcfg = configs.fused_config(M, K, y.shape[1], S, R, L, x.device, x.dtype)
+    N = y.shape[1]
+    fcfg = configs.fused_config(M, K, N, S, R, L, x.device, x.dtype)
     if fcfg is not None:
-        launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                     fcfg)
-        return
-    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=y.shape[1])
-    ecfg = configs.expand_config(M, y.shape[1], S, R, L, y.device, y.dtype)
-    h = shrink_buffer(x, lora_a, scfg, ecfg)
-    launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                         h, scfg, ecfg)
+        return [launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                             slot_counts, fcfg, run=False)], (), ()
+    scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
+    ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
+    h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg)
+    partials_out = h_spec.shape[0] > 1
+    sum_specs = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, scfg), scfg)
+    scratch = (h_spec, *sum_specs)
+    buffers = tuple(spec.alloc(x.device) for spec in scratch)
+    h = buffers[0]
+    launches = [
+        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
+                      partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False),
+        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, run=False),
+    ]
+    return launches, scratch, buffers
 
 
 def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
                          h, scfg, ecfg):
     """add_lora_'s two launches: the shrink into ``h`` (from :func:`shrink_buffer`: split-K partial sums
-    where it has several parts), then the expand reading it. The tuner times exactly this."""
+    where it has several parts), then the expand reading it. The tuner times this (add_lora_ runs the same
+    launches through :func:`add_lora_launches`)."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
                   partials_out=h.shape[0] > 1)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
 
 
-def shrink_buffer(x, lora_a, scfg, ecfg):
+def shrink_buffer_spec(M, S, R, scfg, ecfg):
     """h for the shrink to fill and the expand to read: every entry the expand reads (valid tokens,
     r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, else [1, M, S, R]."""
-    _, S, R, _ = lora_a.shape
     parts = scfg.split_k if takes_partials(ecfg, R) else 1
-    return x.new_empty((parts, x.shape[0], S, R), dtype=torch.float32)
+    return Scratch((parts, M, S, R), torch.float32)
+
+
+def shrink_buffer(x, lora_a, scfg, ecfg):
+    """:func:`shrink_buffer_spec`'s h for these arguments, allocated."""
+    _, S, R, _ = lora_a.shape
+    return shrink_buffer_spec(x.shape[0], S, R, scfg, ecfg).alloc(x.device)
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------

@@ -273,24 +273,33 @@ class LoRALinear(nn.Module):
         return offsets
 
     def forward(self, x):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        context = self.context
         if not torch.compiler.is_compiling():     # Python-side checks stay out of compiled graphs
-            self.context.check_input(x2d)
-        dropout = self.training and self.context.dropout_p is not None
-        args = (self.lora_a, self.lora_b, self.scale, self.rank, list(self.slice_widths), *self.context.meta)
-        base = self.base
+            context.check_input(x2d)
+        dropout = self.training and context.dropout_p is not None
+        # From the module's dicts, not nn.Module.__getattr__: a Python call per read, ~1 µs of eager host
+        # time each. Through the attributes where something moved them (a parametrization).
+        params, buffers = self._parameters, self._buffers
+        try:
+            lora_a, lora_b, scale, rank = params["lora_a"], params["lora_b"], buffers["scale"], buffers["rank"]
+        except KeyError:
+            lora_a, lora_b, scale, rank = self.lora_a, self.lora_b, self.scale, self.rank
+        args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
+        base = self._modules["base"]
         if not dropout and _plain_linear(base):
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
             # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
-            out = ops.call("lora_linear", x2d, base.weight, base.bias, *args)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            # (A bare nn.Linear keeps its weight and bias in its dict.)
+            out = ops.call("lora_linear", x2d, base._parameters["weight"], base._parameters["bias"], *args)
+            return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
         x_lora = x2d
         if dropout:
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
-            x_lora = training.slot_dropout(x2d, self.context.dropout_p, self.context.token_slots)
-        if torch.is_grad_enabled() and (y.requires_grad or self.lora_a.requires_grad or self.lora_b.requires_grad):
+            x_lora = training.slot_dropout(x2d, context.dropout_p, context.token_slots)
+        if torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
             return torch.ops.lora_ops.add_lora(y2d, x_lora, *args).view(y.shape)

@@ -18,6 +18,7 @@ as Proton rely on it), and with ``LORA_OPS_FAST_LAUNCH=0``. It skips Triton's ch
 global variables did not change since compilation (our kernels read none) and ignores a change of
 ``triton.knobs.runtime.debug`` after the first launch of a key.
 """
+import functools
 import os
 
 import torch
@@ -48,16 +49,32 @@ def _current_stream(device):
 
 def _hooks_set():
     """Whether a launch hook is installed: a callable, or (Triton >= 3.5) a HookChain holding one."""
+    runtime = _knobs_runtime()
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _knobs_runtime():
+    # Imported once: an import statement in a function costs ~1 µs per call.
     from triton import knobs
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    return knobs.runtime
 
 
 _LAUNCHERS = []
+_switches = [0]
+
+
+def switches():
+    """How many times set_fast_launch ran: lora_ops.plan keys on it (its plans hold compiled kernels)."""
+    return _switches[0]
 
 
 def set_fast_launch(on):
     """Turn the shortcut on (where Triton allows it) or off for every FastLauncher; benchmarks compare."""
+    _switches[0] += 1
     for launcher in _LAUNCHERS:
         launcher.enabled = bool(on) and _triton_allows_shortcut()
 
@@ -80,8 +97,7 @@ class FastLauncher:
             self.kernel[grid](*tensors, *ints, **constexprs)
             return
         device = _current_device()
-        # ints by exact value (a bool equal to an int shares its key: same value, same arithmetic).
-        key = (device, tuple(constexprs.items()), ints, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+        key = self._key(device, tensors, ints, constexprs)
         entry = self._compiled.get(key)
         if entry is None:
             self._first_launch(key, grid, tensors, ints, constexprs)
@@ -92,6 +108,31 @@ class FastLauncher:
         compiled.run(grid[0], g1, g2, _current_stream(device), compiled.function, compiled.packed_metadata,
                      None, None, None, *tensors, *ints, *tail)
         self.hits += 1
+
+    @staticmethod
+    def _key(device, tensors, ints, constexprs):
+        # ints by exact value (a bool equal to an int shares its key: same value, same arithmetic).
+        return (device, tuple(constexprs.items()), ints, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]))
+
+    def bound(self, grid, tensors, ints, constexprs):
+        """For arguments a launch already ran with (on the current device): a function ``go(stream,
+        pointers)`` that launches the same compiled kernel on ``grid`` with the same ints and constexprs and
+        other pointers of the same dtypes and alignment (tensors or their addresses as ints: an int skips
+        the C launcher's ``data_ptr`` call and pointer query). None where the shortcut is off or Triton
+        handed back no compiled kernel. lora_ops.plan keeps these."""
+        if not self.enabled:
+            return None
+        entry = self._compiled.get(self._key(_current_device(), tensors, ints, constexprs))
+        if entry is None:
+            return None
+        compiled, tail = entry
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        rest = (*ints, *tail)
+
+        def go(stream, pointers):
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *pointers, *rest)
+        return go
 
     def _first_launch(self, key, grid, tensors, ints, constexprs):
         compiled = self.kernel[grid](*tensors, *ints, **constexprs)

@@ -79,10 +79,10 @@ def fake_gpu_table(tmp_path, monkeypatch):
     (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
     monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
     configs.load_table.cache_clear()
-    configs._resolved.clear()
+    configs.reset()
     yield name
     configs.load_table.cache_clear()
-    configs._resolved.clear()
+    configs.reset()
 
 
 CUDA = torch.device("cuda", 0)
@@ -128,12 +128,12 @@ def test_gpu_without_table_falls_back_to_heuristic(monkeypatch, tmp_path):
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(configs, "_gpu_name", lambda index: "Unknown GPU")
     configs.load_table.cache_clear()
-    configs._resolved.clear()
+    configs.reset()
     try:
         assert configs.expand_config(64, 6144, 3, 16, 4, CUDA) == heuristics.expand_config(64, 6144, 16, 4)
     finally:
         configs.load_table.cache_clear()
-        configs._resolved.clear()
+        configs.reset()
 
 
 def test_table_chooses_the_add_lora_path(fake_gpu_table):

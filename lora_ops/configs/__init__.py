@@ -23,7 +23,8 @@ from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
-           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket"]
+           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket", "reset",
+           "generation"]
 
 PATHS = ("fused", "split")
 
@@ -32,13 +33,26 @@ _resolved = {}
 _autotune = {"on": False}
 _forced = {"path": None}
 _tables = {"on": True}
+_generation = [0]
+
+
+def reset():
+    """Forget every resolved config (they are resolved again on next use), e.g. after a table changed.
+    Bumps :func:`generation`, which lora_ops.plan keys on: plans hold configs."""
+    _resolved.clear()
+    _generation[0] += 1
+
+
+def generation():
+    """How many times the resolved configs were forgotten (:func:`reset`)."""
+    return _generation[0]
 
 
 def enable_autotune(on=True):
     """Opt in (or out) of runtime autotuning: the first call of each new shape bucket on a GPU times the
     candidate configs (see lora_ops.configs.tuning) and keeps the fastest. Warm up before capturing."""
     _autotune["on"] = bool(on)
-    _resolved.clear()
+    reset()
 
 
 def force_path(path):
@@ -47,13 +61,13 @@ def force_path(path):
     if path not in PATHS + (None,):
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     _forced["path"] = path
-    _resolved.clear()
+    reset()
 
 
 def use_tuned_tables(on=True):
     """Look up the shipped tuned tables (default) or use the heuristic alone (benchmarks compare both)."""
     _tables["on"] = bool(on)
-    _resolved.clear()
+    reset()
 
 
 def table_path(gpu_name):

@@ -1,0 +1,182 @@
+"""lora_ops.plan: add_lora_'s launches kept per shape key and replayed with other tensors.
+
+Replays are checked against the float64 reference on every path add_lora_ takes (one launch; two with
+split-K partial sums; two with a shrink that sums its own splits in zeroed scratch), with fresh data and
+poisoned outputs each call. What the key holds is checked by changing each part of it. The fast replay
+(the compiled kernels' C launchers called with addresses) is checked against a stand-in compiled kernel
+on any machine: the addresses and integers it passes, and the fallback for a misaligned tensor.
+"""
+import pytest
+import torch
+
+from conftest import DEVICE, TOLERANCE, make_case, rel_err
+from lora_ops import configs, launch, ops, plan, triton_launch
+from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+
+R = 32
+# path -> (fused config or None, shrink config, expand config); rank 32 everywhere
+PATHS = {
+    "fused": (FusedConfig(16, 32, 32, 32, 4, 1), None, None),
+    "split": (None, ShrinkConfig(16, 32, 32, 1, 4, 1), ExpandConfig(16, 32, 32, 4, 1)),
+    "split_k_partials": (None, ShrinkConfig(16, 32, 16, 2, 4, 1), ExpandConfig(16, 32, 32, 4, 1)),
+    # the expand's rank loop (R > its block_r) takes h summed: the shrink sums its splits with counters
+    "split_k_summed": (None, ShrinkConfig(16, 16, 16, 3, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
+}
+
+
+@pytest.fixture
+def triton_backend():
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend("triton")
+    plan.clear()
+    yield
+    plan.clear()
+    ops.set_cpu_backend(previous)
+
+
+@pytest.fixture
+def path_configs(monkeypatch, request):
+    fcfg, scfg, ecfg = PATHS[request.param]
+    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: fcfg)
+    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
+    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ecfg)
+    return request.param
+
+
+def call(case, y=None, x=None):
+    y = case.new_y("zero") if y is None else y
+    launch.add_lora_(y, case.x if x is None else x, case.lora_a, case.lora_b, case.scale, case.rank,
+                     case.slice_widths, *case.meta)
+    return y
+
+
+def the_plan(case, y):
+    return plan.lookup(plan.key(y, case.x, case.lora_a, case.lora_b, case.slice_widths, case.meta.sorted_token_ids))
+
+
+@pytest.mark.parametrize("path_configs", list(PATHS), indirect=True)
+def test_replays_match_the_reference(triton_backend, path_configs):
+    case = make_case(37, 48, 40, num_slots=3, num_slices=2, max_rank=R, device=DEVICE, seed=1,
+                     ranks=[R, 5, 17])
+    expected_scratch = {"fused": 0, "split": 1, "split_k_partials": 1, "split_k_summed": 3}[path_configs]
+    for seed in range(3):   # the first call builds the plan, the others replay it with fresh data
+        gen = torch.Generator().manual_seed(seed)
+        case.x.copy_(torch.randn(case.x.shape, generator=gen))
+        y = case.new_y("zero")
+        y_poison = torch.full_like(y, float("nan"))   # a replay writing the wrong tensor shows here
+        call(case, y)
+        assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32], (path_configs, seed)
+        assert torch.isnan(y_poison).all()
+        known = the_plan(case, y)
+        assert known is not None and len(known.scratch) == expected_scratch
+        assert len(known.steps) == (1 if path_configs == "fused" else 2)
+    assert len(plan._PLANS) == 1
+
+
+def test_every_part_of_the_key_makes_its_own_plan(triton_backend):
+    case = make_case(20, 32, 24, num_slots=2, num_slices=1, max_rank=8, device=DEVICE, seed=2, ranks=[8, 3])
+    y = call(case)
+    first = the_plan(case, y)
+    assert first is not None
+    x_strided = torch.empty(20, 64, device=DEVICE)[:, ::2]
+    x_strided.copy_(case.x)
+    variants = {
+        "strided x": lambda: call(case, x=x_strided),
+        "y's strides": lambda: call(case, y=torch.zeros(24, 20, device=DEVICE).t()),
+        "config reset": lambda: (configs.reset(), call(case)),
+        "shortcut switched": lambda: (triton_launch.set_fast_launch(True), call(case)),
+    }
+    for name, run in variants.items():
+        before = len(plan._PLANS)
+        run()
+        assert len(plan._PLANS) == before + 1, name
+    y = call(case)
+    assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32]
+
+
+def test_aliased_arguments_are_not_remembered(triton_backend):
+    case = make_case(8, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=3)
+    sorted_ids, starts, counts = case.meta
+    y = case.new_y("zero")
+    # slot_counts passed as slot_starts too: a plan would replay a later call's slot_starts as its counts
+    launch.add_lora_(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, sorted_ids,
+                     counts, counts)
+    assert len(plan._PLANS) == 0
+
+
+def test_the_table_of_plans_is_bounded(triton_backend, monkeypatch):
+    monkeypatch.setattr(plan, "MAX_PLANS", 2)
+    for M in (3, 5, 7, 9):
+        call(make_case(M, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=M))
+        assert len(plan._PLANS) <= 2
+
+
+# ---- the fast replay against a stand-in compiled kernel --------------------------------------------
+
+class FakeCompiled:
+    function = "cu-function"
+    packed_metadata = "packed"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+@pytest.fixture
+def fake_compiled(monkeypatch, triton_backend):
+    """Every launcher enabled, its first launch of a key recorded instead of run; C-launcher calls in
+    ``runs``: (grid x 3, stream, function, metadata, None x 3, pointers..., ints...)."""
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    runs, slow = [], []
+    for launcher in (launch.SHRINK, launch.EXPAND, launch.FUSED):
+        monkeypatch.setattr(launcher, "enabled", True)
+
+        def first_launch(key, grid, tensors, ints, constexprs, launcher=launcher):
+            slow.append(launcher)
+            launcher._compiled[key] = (FakeCompiled(runs), ())
+        monkeypatch.setattr(launcher, "_first_launch", first_launch)
+        monkeypatch.setattr(launcher, "_compiled", {})
+    return runs, slow
+
+
+@pytest.mark.parametrize("path_configs", ["fused", "split_k_summed"], indirect=True)
+def test_fast_replay_passes_this_calls_addresses(fake_compiled, path_configs):
+    runs, slow = fake_compiled
+    case = make_case(24, 32, 32, num_slots=2, num_slices=2, max_rank=R, device=DEVICE, seed=4)
+    call(case)
+    assert len(runs) == 0 and len(slow) > 0
+    y, x = case.new_y("zero"), case.x.clone()      # another call: other tensors, same key
+    call(case, y=y, x=x)
+    # What the launches of this call are, built afresh (their scratch is theirs, not the replay's).
+    launches, _, buffers = launch.add_lora_launches(y, x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                                    case.slice_widths, *case.meta)
+    scratch = {id(b) for b in buffers}
+    assert len(runs) == len(launches)
+    for args, want in zip(runs, launches):
+        grid = (tuple(want.grid) + (1, 1))[:3]
+        assert args[:9] == (*grid, 1234, "cu-function", "packed", None, None, None)
+        pointers = args[9:9 + len(want.tensors)]
+        assert all(type(p) is int for p in pointers)
+        assert [p for p, t in zip(pointers, want.tensors) if id(t) not in scratch] == [
+            t.data_ptr() for t in want.tensors if id(t) not in scratch]
+        assert args[9 + len(want.tensors):] == want.ints
+
+
+@pytest.mark.parametrize("path_configs", ["split"], indirect=True)
+def test_fast_replay_falls_back_for_a_misaligned_tensor(fake_compiled, path_configs):
+    runs, slow = fake_compiled
+    case = make_case(24, 32, 32, num_slots=2, num_slices=1, max_rank=R, device=DEVICE, seed=5)
+    call(case)
+    call(case)
+    assert len(runs) == 2                           # the replay: two C-launcher calls
+    x = torch.empty(24 * 32 + 1, device=DEVICE)[1:].view(24, 32)   # same key, 4 bytes off
+    x.copy_(case.x)
+    slow_before, runs_before = len(slow), len(runs)
+    call(case, x=x)
+    # FastLauncher's path, whose key holds the alignment: the shrink (it reads x) compiles for a misaligned
+    # x; the expand (it does not) finds its kernel.
+    assert len(slow) == slow_before + 1 and len(runs) == runs_before + 1
