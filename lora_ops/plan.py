@@ -29,11 +29,15 @@ MAX_PLANS = 4096      # the key holds the token count: bound the table as FastLa
 _PLANS = {}
 
 
+def launch_device(x):
+    """The CUDA device Triton launches on (the current one, as in its own path); -1 for CPU tensors."""
+    return triton_launch._current_device() if x.is_cuda else -1
+
+
 def key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids):
     """Everything add_lora_'s launches derive from (given that its checks passed on these arguments)."""
-    device = triton_launch._current_device() if x.is_cuda else -1
     return (x.shape, x.stride(), y.shape[1], y.stride(), lora_a.shape, lora_a.stride(), lora_b.stride(),
-            tuple(slice_widths), sorted_token_ids.shape[0], x.dtype, device, configs.generation(),
+            tuple(slice_widths), sorted_token_ids.shape[0], x.dtype, launch_device(x), configs.generation(),
             triton_launch.switches())
 
 
@@ -65,7 +69,7 @@ class Plan:
     def __init__(self, steps, scratch, device):
         self.steps = steps
         self.scratch = scratch
-        self.device = device       # the current CUDA device when built (in the key), -1 for CPU tensors
+        self.device = device       # launch_device when built (it is in the key)
         self.fast = all(step.go is not None for step in steps)
 
     def run(self, tensors):
@@ -102,5 +106,5 @@ def remember(plan_key, launches, tensors, scratch, buffers):
         steps.append(_Step(launch._replace(tensors=None), operator.itemgetter(*where), go))
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), plan_key[-4])
+    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[1]))
     return plan

@@ -128,8 +128,10 @@ class FakeCompiled:
 def fake_compiled(monkeypatch, triton_backend):
     """Every launcher enabled, its first launch of a key recorded instead of run; C-launcher calls in
     ``runs``: (grid x 3, stream, function, metadata, None x 3, pointers..., ints...)."""
-    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 5)
+    monkeypatch.setattr(plan, "launch_device", lambda x: 5)       # as for CUDA tensors
+    # The stream of the device launched on (a wrong device shows in the C-launcher call)
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234 if device == 5 else device)
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
     runs, slow = [], []
     for launcher in (launch.SHRINK, launch.EXPAND, launch.FUSED):
