@@ -55,21 +55,21 @@ class Launch(NamedTuple):
     def __call__(self):
         self.launcher(self.grid, self.tensors, self.ints, **self.constexprs)
 
+    def run_if(self, run):
+        """Run it if ``run``; return it either way (what the launchers below end with)."""
+        if run:
+            self()
+        return self
+
 
 class Scratch(NamedTuple):
-    """A float32 or int32 buffer a launch needs for one call; ``zero``: it must start zeroed."""
+    """A buffer a launch needs (or an op returns) for one call; ``zero``: it must start zeroed."""
     shape: tuple
     dtype: torch.dtype
     zero: bool = False
 
     def alloc(self, device):
         return (torch.zeros if self.zero else torch.empty)(self.shape, dtype=self.dtype, device=device)
-
-
-def _ran(launch, run):
-    if run:
-        launch()
-    return launch
 
 
 def shrink_sum_scratch(M, S, R, grid, cfg):
@@ -108,7 +108,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         part_strides = part.stride()
     else:  # one split: its partial sums are h itself (the part stride is never used)
         part, arrivals, part_strides = h, sorted_token_ids, (h_strides[0] * M, *h_strides)
-    return _ran(Launch(
+    return Launch(
         SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
          *x.stride(), *lora_a.stride(), *h_strides, *part_strides),
@@ -116,7 +116,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
              DOT_PRECISION=_DOT_PRECISION[x.dtype],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    ), run)
+    ).run_if(run)
 
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
@@ -132,7 +132,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
                          f"{num_parts} partial sums")
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
     grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m))
-    return _ran(Launch(
+    return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, L, R, sorted_token_ids.shape[0], num_parts, *part_strides, *lora_b.stride(), *y.stride()),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
@@ -141,7 +141,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
              RANK_ALIGN=rank_align(R),
              H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    ), run)
+    ).run_if(run)
 
 
 # Registers per thread a chunk of partial sums may hold in flight (kernels.expand, PART_CHUNK): eight
@@ -171,7 +171,7 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     L, _, R, _ = lora_a.shape
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
-    return _ran(Launch(
+    return Launch(
         FUSED, grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride()),
         dict(SLICE_COLS=cols, SLICE_BLOCKS=blocks,
@@ -179,27 +179,45 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
              H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    ), run)
+    ).run_if(run)
 
 
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     M, K = x.shape
     L, S, R, _ = lora_a.shape
-    h = x.new_zeros((M, S, R), dtype=torch.float32)
-    if M:
-        cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg)
-    return h
+    if M == 0:
+        return x.new_zeros((M, S, R), dtype=torch.float32)
+    return plan.run(plan.op_key("shrink", (x, lora_a), sorted_token_ids.shape[0]),
+                    (x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+                    lambda: shrink_launches(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts))[0]
+
+
+def shrink_launches(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    """The shrink op's launch, not run, and its scratch (specs, buffers): first the zeroed h it returns,
+    then the buffers a split-K shrink sums its splits in."""
+    M, K = x.shape
+    L, S, R, _ = lora_a.shape
+    cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
+    # Zeroed: entries of invalid tokens and of ranks past a slot's stay 0 (the op's contract).
+    scratch = (Scratch((M, S, R), torch.float32, zero=True), *shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg), cfg))
+    buffers = tuple(spec.alloc(x.device) for spec in scratch)
+    return [launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,
+                          sum_scratch=buffers[1:] or None, run=False)], scratch, buffers
 
 
 def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts)
     M, N = y.shape
-    if M:
+    if M == 0:
+        return
+
+    def build():
         cfg = configs.expand_config(M, N, len(slice_widths), lora_b.shape[2], lora_b.shape[0], y.device, y.dtype)
-        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts,
-                      cfg)
+        return [launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
+                              run=False)], (), ()
+    plan.run(plan.op_key("expand_", (y, h, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
+             (y, h, lora_b, rank, sorted_token_ids, slot_starts, slot_counts), build)
 
 
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
@@ -209,21 +227,13 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
 
 
 def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
-    """add_lora_ after its checks: the plan of this shape key if there is one (lora_ops.plan), else the
-    launches resolved here, run, and remembered as the key's plan."""
+    """add_lora_ after its checks, through the plan of its shape key (lora_ops.plan)."""
     if x.shape[0] == 0:
         return
-    tensors = (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
-    plan_key = plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids)
-    known = plan.lookup(plan_key)
-    if known is not None:
-        known.run(tensors)
-        return
-    launches, scratch, buffers = add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths,
-                                                   sorted_token_ids, slot_starts, slot_counts)
-    for launch in launches:
-        launch()
-    plan.remember(plan_key, launches, tensors, scratch, buffers)
+    plan.run(plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids),
+             (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+             lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                       slot_starts, slot_counts))
 
 
 def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):

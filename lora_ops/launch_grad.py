@@ -8,7 +8,8 @@ from typing import NamedTuple
 from csrc_meta import checks
 from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, feature_block, max_token_tiles,
                                          next_power_of_2, rank_align, rank_block, token_bucket)
-from lora_ops.launch import F32_OPERAND_PRECISION
+from lora_ops import plan
+from lora_ops.launch import F32_OPERAND_PRECISION, Launch, Scratch
 from lora_ops.kernels import grad as grad_kernels
 from lora_ops.triton_launch import FastLauncher
 
@@ -56,54 +57,71 @@ def segment_outer_config(p, q, num_slots):
     return SegmentOuterConfig(block_t=64, block_p=block_p, block_q=block_q, num_warps=4, num_stages=2)
 
 
-def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
-    """dx[valid tokens] = sum_i dh[:, i] @ A[slot, i] (written, not added); dh [M, S, R] float32."""
+def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
+    """dx[valid tokens] = sum_i dh[:, i] @ A[slot, i] (written, not added); dh [M, S, R] float32.
+    Returns the :class:`lora_ops.launch.Launch`, run unless ``run`` is False."""
     M, K = dx.shape
     L, S, R, _ = lora_a.shape
     grid = (cdiv(K, cfg.block_n), max_token_tiles(M, L, cfg.block_m))
-    GRAD_X(
-        grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
+    return Launch(
+        GRAD_X, grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride()),
-        NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), H_PRECISION=F32_OPERAND_PRECISION[lora_a.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        dict(NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+             SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R),
+             H_PRECISION=F32_OPERAND_PRECISION[lora_a.dtype],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ).run_if(run)
 
 
-def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg):
-    """out [L, P, Q] = per-slot sums of u^T v over each slot's tokens (every element written)."""
+def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
+    """out [L, P, Q] = per-slot sums of u^T v over each slot's tokens (every element written).
+    Returns the :class:`lora_ops.launch.Launch`, run unless ``run`` is False."""
     M, P = u.shape
     Q = v.shape[1]
     L = out.shape[0]
     grid = (cdiv(Q, cfg.block_q), cdiv(P, cfg.block_p), L)
-    SEGMENT_OUTER(
-        grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),
+    return Launch(
+        SEGMENT_OUTER, grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, P, Q, sorted_token_ids.shape[0], *u.stride(), *v.stride(), *out.stride()),
-        BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(P),
-        PRECISION=F32_OPERAND_PRECISION[v.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(P),
+             PRECISION=F32_OPERAND_PRECISION[v.dtype],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ).run_if(run)
 
+
+# Both ops go through their shape key's plan (lora_ops.plan), their output allocated as the plan's scratch.
 
 def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
     M = dh.shape[0]
     K = lora_a.shape[3]
     # Rows of tokens without an adapter (or of rank-0 slots) are never visited: they keep these zeros.
-    dx = lora_a.new_zeros((M, K))
-    if M and K:
+    dx_spec = Scratch((M, K), lora_a.dtype, zero=True)
+    if not (M and K):
+        return dx_spec.alloc(dh.device)
+
+    def build():
+        dx = dx_spec.alloc(dh.device)
         cfg = grad_x_config(M, K, lora_a.shape[2])
-        launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg)
-    return dx
+        return [launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
+                                   run=False)], (dx_spec,), (dx,)
+    return plan.run(plan.op_key("lora_grad_x", (dh, lora_a), sorted_token_ids.shape[0]),
+                    (dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
 
 
 def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts)
     L = rank.shape[0]
     P, Q = u.shape[1], v.shape[1]
-    out = v.new_empty((L, P, Q))
-    if out.numel():
+    out_spec = Scratch((L, P, Q), v.dtype)   # every element written
+    if not (L and P and Q):
+        return out_spec.alloc(v.device)
+
+    def build():
+        out = out_spec.alloc(v.device)
         cfg = segment_outer_config(P, Q, L)
-        launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg)
-    return out
+        return [launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
+                                     run=False)], (out_spec,), (out,)
+    return plan.run(plan.op_key("segment_outer", (u, v), L, sorted_token_ids.shape[0]),
+                    (u, v, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
 

@@ -1,10 +1,10 @@
-"""Launch plans: add_lora_'s host work done once per shape, replayed on every later call.
+"""Launch plans: an op's host work done once per shape, replayed on every later call.
 
-What add_lora_ decides before it launches (one launch or two, the configs, the grids, the integer
+What add_lora_ (and every other op) decides before it launches (one launch or two, the configs, the grids, the integer
 arguments, the constexprs, the scratch buffers, the compiled kernels Triton chose) is a function of the
 arguments' shapes, strides, dtype and device, of the current CUDA device and of the config state
-(lora_ops.configs.generation), never of tensor data. :func:`key` names those; a :class:`Plan` keeps the
-launches of the first call with that key. A later call with the key allocates the scratch, takes the
+(lora_ops.configs.generation), never of tensor data. :func:`key` names those for add_lora_, :func:`op_key`
+for the other ops; a :class:`Plan` keeps the launches of the first call with that key. A later call with the key allocates the scratch, takes the
 addresses of its tensors and calls the compiled kernels' C launchers: no config lookup, no grid, no
 argument tuple, no Triton key. In eager mode that is most of add_lora_'s host time (DESIGN §4).
 
@@ -41,6 +41,13 @@ def key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids):
             triton_launch.switches())
 
 
+def op_key(name, shaped, *values):
+    """The key of op ``name`` whose launches derive from the shapes, strides and dtypes of the tensors
+    ``shaped`` and from ``values`` (given that the op's checks passed)."""
+    return (name, *[(t.shape, t.stride(), t.dtype) for t in shaped], *values, launch_device(shaped[0]),
+            configs.generation(), triton_launch.switches())
+
+
 def lookup(plan_key):
     return _PLANS.get(plan_key)
 
@@ -62,9 +69,9 @@ class _Step:
 
 
 class Plan:
-    """The launches of one add_lora_ call, replayable with the tensors of another call of the same key.
+    """The launches of one op call, replayable with the tensors of another call of the same key.
 
-    The pool is the call's tensors (in add_lora_'s argument order) followed by the scratch buffers."""
+    The pool is the call's tensors (in the order the op lists them) followed by the scratch buffers."""
 
     def __init__(self, steps, scratch, device):
         self.steps = steps
@@ -73,7 +80,9 @@ class Plan:
         self.fast = all(step.go is not None for step in steps)
 
     def run(self, tensors):
-        pool = tensors + tuple([s.alloc(tensors[0].device) for s in self.scratch])
+        """Launch with ``tensors``; returns this call's scratch buffers (an op's outputs among them)."""
+        scratch = tuple([s.alloc(tensors[0].device) for s in self.scratch])
+        pool = tensors + scratch
         if self.fast and not triton_launch._hooks_set():
             pointers = [t.data_ptr() for t in pool]
             if _aligned(pointers):
@@ -81,10 +90,25 @@ class Plan:
                 for step in self.steps:
                     step.go(stream, step.pick(pointers))
                     step.launch.launcher.hits += 1
-                return
+                return scratch
         for step in self.steps:
             launch = step.launch
             launch.launcher(launch.grid, step.pick(pool), launch.ints, **launch.constexprs)
+        return scratch
+
+
+def run(plan_key, tensors, build):
+    """One op call: ``tensors`` (a tuple) through the plan of ``plan_key``; for a new key, through the
+    launches ``build()`` returns as ``(launches, scratch specs, scratch buffers)``, which run and become
+    the key's plan if they can (see :func:`remember`). Returns the call's scratch buffers."""
+    known = _PLANS.get(plan_key)
+    if known is not None:
+        return known.run(tensors)
+    launches, scratch, buffers = build()
+    for launch in launches:
+        launch()
+    remember(plan_key, launches, tensors, scratch, buffers)
+    return buffers
 
 
 def remember(plan_key, launches, tensors, scratch, buffers):
@@ -106,5 +130,5 @@ def remember(plan_key, launches, tensors, scratch, buffers):
         steps.append(_Step(launch._replace(tensors=None), operator.itemgetter(*where), go))
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[1]))
+    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[0]))
     return plan
