@@ -5,6 +5,7 @@ never on tensor data, so they are CUDA-graph safe; the programs find their work 
 (lora_ops.kernels.work). Nothing here reads tensor data on the host.
 """
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -16,6 +17,7 @@ from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, 
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
+from lora_ops.kernels.work import gdc_wait
 from lora_ops.triton_launch import FastLauncher
 
 SHRINK = FastLauncher(shrink_kernels.shrink_kernel)
@@ -85,7 +87,7 @@ def shrink_grid(M, S, R, L, cfg):
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
-                  sum_scratch=None, run=True):
+                  sum_scratch=None, run=True, pdl=False):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
     h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`).
 
@@ -115,13 +117,15 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
              DOT_PRECISION=_DOT_PRECISION[x.dtype],
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
 
-def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
+def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True,
+                  pdl=False):
     """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order.
-    Returns the :class:`Launch`, run unless ``run`` is False."""
+    Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
+    (see :func:`pdl_options`)."""
     M = y.shape[0]
     L, _, R = lora_b.shape
     num_parts = h.shape[0] if h.dim() == 4 else 1
@@ -140,8 +144,38 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
              ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
              RANK_ALIGN=rank_align(R),
              H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
+
+
+# ---- programmatic dependent launch (sm_90+) ----------------------------------------------------------
+
+_pdl = {"on": os.environ.get("LORA_OPS_PDL", "1") != "0"}
+
+
+def set_pdl(on):
+    """Launch add_lora_'s shrink and expand with programmatic dependent launch where the GPU and Triton
+    allow it (default on; ``LORA_OPS_PDL=0`` turns it off); benchmarks compare."""
+    _pdl["on"] = bool(on)
+    plan.clear()      # plans hold the launch options
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index):
+    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def uses_pdl(x):
+    """Whether add_lora_ on ``x``'s device launches its pair with PDL: a CUDA device of sm_90 or later,
+    a Triton with grid dependency control (kernels.work), and not turned off."""
+    return _pdl["on"] and x.is_cuda and _pdl_capable(x.device.index)
+
+
+def pdl_options(pdl):
+    """The kernel arguments of a launch with (or without) programmatic dependent launch. With it, the
+    kernel may start before the previous one in the stream ends (kernels.shrink / kernels.expand say what
+    each does before waiting for it); without, the PDL constexpr compiles the waits out."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 # Registers per thread a chunk of partial sums may hold in flight (kernels.expand, PART_CHUNK): eight
@@ -255,10 +289,12 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
     scratch = (h_spec, *sum_specs)
     buffers = tuple(spec.alloc(x.device) for spec in scratch)
     h = buffers[0]
+    pdl = uses_pdl(x)
     launches = [
         launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False),
-        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, run=False),
+                      partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl),
+        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, run=False,
+                      pdl=pdl),
     ]
     return launches, scratch, buffers
 

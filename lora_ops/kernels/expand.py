@@ -2,8 +2,8 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil,
-                                   split_f32)
+from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, gdc_wait, load_tile_tokens,
+                                   rank_ceil, split_f32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -16,7 +16,7 @@ def expand_kernel(
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    H_PRECISION: tl.constexpr,
+    H_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -43,6 +43,10 @@ def expand_kernel(
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
+    PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
+    programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
+    before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
+    for it before letting this kernel launch); y is only stored after the wait.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -70,6 +74,8 @@ def expand_kernel(
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
         part_rows = h_rows + offs_r[None, :] * stride_hr
+        if PDL:
+            gdc_wait()   # h is the shrink's
         # h was written by the shrink kernel and is read once per program: past L1 (.cg).
         ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg")
         part_step = tl.cast(stride_hp, tl.int64)
@@ -97,6 +103,8 @@ def expand_kernel(
             offs_n = next_n
             n_ok = next_ok
     else:
+        if PDL:
+            gdc_wait()   # h is the shrink's
         for j in range(N_LOOP):
             n_ok = offs_n < col_hi
             b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn

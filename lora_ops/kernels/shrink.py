@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, load_tile_tokens
+from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_pk"])
@@ -16,6 +16,7 @@ def shrink_kernel(
     stride_pk, stride_pm, stride_ps, stride_pr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
@@ -39,7 +40,13 @@ def shrink_kernel(
     counter is used. The consumer adds the splits in order (the expand kernel does, for add_lora_), which
     saves the counters' zero-fill launch and the last split's extra round trip.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
+    PDL (launched with programmatic dependent launch, sm_90+): wait for the previous kernel in the stream
+    before reading anything, then let the next kernel (the expand) launch at once: its programs load their
+    y and B while this kernel runs, and wait for it before reading h.
     """
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_sr = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)

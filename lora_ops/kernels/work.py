@@ -7,6 +7,11 @@ so no program is spent on them; programs past the last tile find rank 0 and retu
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:   # a Triton without grid dependency control: launchers never ask for PDL (launch.pdl)
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
