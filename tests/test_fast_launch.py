@@ -209,3 +209,40 @@ def test_gpu_results_with_the_shortcut(dtype):
                               slice_widths=case.slice_widths)
             assert rel_err(y, case.delta_reference()) <= TOLERANCE[dtype], (M, offset)
     assert launch.SHRINK.hits + launch.EXPAND.hits + launch.FUSED.hits > hits_before
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (programmatic dependent launch)")
+@pytest.mark.parametrize("M", [1, 64, 300])
+def test_pdl_pair_gives_the_same_bits_eager_and_in_a_graph(M):
+    from lora_ops import configs
+    case = make_case(M, 96, 80, num_slots=4, num_slices=2, max_rank=16, dtype=torch.bfloat16, device="cuda",
+                     seed=M)
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    outs = {}
+    previous = launch._pdl["on"]
+    configs.force_path("split")
+    try:
+        for on in (False, True):
+            launch.set_pdl(on)
+            y = case.new_y("zero")
+            args = (y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
+            pair = launch.add_lora_launches(*args)[0]
+            assert [lc.constexprs["PDL"] for lc in pair] == [on and sm90] * 2
+            launch.add_lora_(*args)
+            eager = y.clone()
+            y.zero_()
+            graph = torch.cuda.CUDAGraph()
+            launch.add_lora_(*args)                 # warm (compiled, planned) before the capture
+            y.zero_()
+            with torch.cuda.graph(graph):
+                launch.add_lora_(*args)
+            y.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, eager), on
+            assert rel_err(eager, case.delta_reference()) <= TOLERANCE[torch.bfloat16]
+            outs[on] = eager
+    finally:
+        launch.set_pdl(previous)
+        configs.force_path(None)
+    assert torch.equal(outs[False], outs[True])   # same arithmetic, only the launch differs
