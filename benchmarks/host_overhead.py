@@ -96,12 +96,11 @@ def main(argv=None):
         launch.launch_expand(y, h, layer.lora_b, list(layer.slice_widths), layer.rank, *layer.context.meta, ecfg)
 
     real_needs_dispatcher = ops.needs_dispatcher
-    real_lookup = plan.lookup
 
     def state(fast=True, dispatcher=False, plans=True):
         triton_launch.set_fast_launch(fast)
         ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
-        plan.lookup = real_lookup if plans else (lambda key: None)   # no plan found: every call resolves
+        plan.set_enabled(plans)       # off: every call resolves its launches
 
     # name: (state, call). Rounds interleave the variants, so a drift of the host's speed hits them alike.
     variants = {

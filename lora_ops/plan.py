@@ -27,6 +27,13 @@ from lora_ops import configs, triton_launch
 
 MAX_PLANS = 4096      # the key holds the token count: bound the table as FastLauncher does
 _PLANS = {}
+_enabled = [True]
+
+
+def set_enabled(on):
+    """Keep and replay plans (default), or resolve every call's launches afresh (benchmarks compare)."""
+    _enabled[0] = bool(on)
+    _PLANS.clear()
 
 
 def launch_device(x):
@@ -107,7 +114,8 @@ def run(plan_key, tensors, build):
     launches, scratch, buffers = build()
     for launch in launches:
         launch()
-    remember(plan_key, launches, tensors, scratch, buffers)
+    if _enabled[0]:
+        remember(plan_key, launches, tensors, scratch, buffers)
     return buffers
 
 

@@ -94,6 +94,21 @@ def test_every_part_of_the_key_makes_its_own_plan(triton_backend):
     assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32]
 
 
+def test_plans_switched_off_are_neither_kept_nor_used(triton_backend):
+    case = make_case(12, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=7)
+    call(case)
+    assert len(plan._PLANS) == 1
+    try:
+        plan.set_enabled(False)
+        y = call(case)
+        assert len(plan._PLANS) == 0
+        assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32]
+    finally:
+        plan.set_enabled(True)
+    call(case)
+    assert len(plan._PLANS) == 1
+
+
 def test_aliased_arguments_are_not_remembered(triton_backend):
     case = make_case(8, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=3)
     sorted_ids, starts, counts = case.meta
