@@ -234,10 +234,9 @@ def shrink_launches(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_
     L, S, R, _ = lora_a.shape
     cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
     # Zeroed: entries of invalid tokens and of ranks past a slot's stay 0 (the op's contract).
-    scratch = (Scratch((M, S, R), torch.float32, zero=True), *shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg), cfg))
-    buffers = tuple(spec.alloc(x.device) for spec in scratch)
-    return [launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,
-                          sum_scratch=buffers[1:] or None, run=False)], scratch, buffers
+    launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts,
+                                                   Scratch((M, S, R), torch.float32, zero=True), cfg)
+    return [launch], scratch, buffers
 
 
 def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
@@ -284,19 +283,27 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
     ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
     h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg)
-    partials_out = h_spec.shape[0] > 1
-    sum_specs = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, scfg), scfg)
-    scratch = (h_spec, *sum_specs)
-    buffers = tuple(spec.alloc(x.device) for spec in scratch)
-    h = buffers[0]
     pdl = uses_pdl(x)
-    launches = [
-        launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl),
-        launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, run=False,
-                      pdl=pdl),
-    ]
-    return launches, scratch, buffers
+    shrink_launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts,
+                                                          slot_counts, h_spec, scfg, h_spec.shape[0] > 1, pdl)
+    expand_launch = launch_expand(y, buffers[0], lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
+                                  slot_counts, ecfg, run=False, pdl=pdl)
+    return [shrink_launch, expand_launch], scratch, buffers
+
+
+def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h_spec, cfg,
+                        partials_out=False, pdl=False):
+    """The shrink's launch (not run) into an h allocated from ``h_spec``, with the scratch it takes as specs
+    and as buffers: h first, then what a split-K shrink that sums its own splits needs."""
+    M = x.shape[0]
+    L, S, R, _ = lora_a.shape
+    partials_out = partials_out and cfg.split_k > 1
+    sums = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg), cfg)
+    scratch = (h_spec, *sums)
+    buffers = tuple(spec.alloc(x.device) for spec in scratch)
+    launch = launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,
+                           partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl)
+    return launch, scratch, buffers
 
 
 def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,

@@ -1,10 +1,11 @@
 """Launch plans: an op's host work done once per shape, replayed on every later call.
 
-What add_lora_ (and every other op) decides before it launches (one launch or two, the configs, the grids, the integer
-arguments, the constexprs, the scratch buffers, the compiled kernels Triton chose) is a function of the
-arguments' shapes, strides, dtype and device, of the current CUDA device and of the config state
-(lora_ops.configs.generation), never of tensor data. :func:`key` names those for add_lora_, :func:`op_key`
-for the other ops; a :class:`Plan` keeps the launches of the first call with that key. A later call with the key allocates the scratch, takes the
+What an op decides before it launches (for add_lora_: one launch or two, the configs, the grids, the
+integer arguments, the constexprs, the scratch buffers, the compiled kernels Triton chose) is a function of
+the arguments' shapes, strides, dtype and device, of the current CUDA device and of the config state
+(lora_ops.configs.generation), never of tensor data. :func:`op_key` names those for any op; add_lora_, the
+eager decode path, has its own :func:`key` that reads only what its launches use. A :class:`Plan` keeps the
+launches of the first call with a key. A later call with the key allocates the scratch, takes the
 addresses of its tensors and calls the compiled kernels' C launchers: no config lookup, no grid, no
 argument tuple, no Triton key. In eager mode that is most of add_lora_'s host time (DESIGN §4).
 

@@ -9,7 +9,7 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:   # a Triton without grid dependency control: launchers never ask for PDL (launch.pdl)
+except ImportError:   # a Triton without grid dependency control: launchers never ask for PDL (launch.uses_pdl)
     gdc_launch_dependents = gdc_wait = None
 
 
