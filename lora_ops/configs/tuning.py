@@ -31,17 +31,26 @@ def _block_ms(bucket):
     return sorted({max(16, bm // 2), bm, min(128, bm * 2)})
 
 
+def shrink_rank_blocks(max_rank):
+    """Rank blocks the shrink tries: the heuristic's, and above rank 64 also 128 (a wider dot per x tile;
+    rank 320 then pads to 384)."""
+    br = heuristics.rank_block(max_rank)
+    return (br, 128) if max_rank > 64 else (br,)
+
+
 def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     # split_k is a run-time argument (no recompile), so it is searched widely; the other knobs compile.
-    br = heuristics.rank_block(max_rank)
-    groups = sorted({1, heuristics.slice_group_for(num_slices, br)})
-    for bm, bk, group in itertools.product(_block_ms(bucket), (64, 128, 256), groups):
-        programs = cdiv(num_slices, group) * cdiv(max_rank, br) * heuristics.max_token_tiles(bucket, num_slots, bm)
-        most = min(heuristics.MAX_SPLIT_K, cdiv(in_features, bk))
-        base = max(1, heuristics.TARGET_PROGRAMS // programs)
-        for sk in sorted({min(most, s) for s in (1, max(1, base // 4), max(1, base // 2), base, base * 2)}):
-            for warps, stages in ((4, 3), (8, 3)):
-                yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
+    for br in shrink_rank_blocks(max_rank):
+        groups = sorted({1, heuristics.slice_group_for(num_slices, br)})
+        for bm, bk, group in itertools.product(_block_ms(bucket), (64, 128, 256), groups):
+            programs = (cdiv(num_slices, group) * cdiv(max_rank, br)
+                        * heuristics.max_token_tiles(bucket, num_slots, bm))
+            most = min(heuristics.MAX_SPLIT_K, cdiv(in_features, bk))
+            base = max(1, heuristics.TARGET_PROGRAMS // programs)
+            for sk in sorted({min(most, s) for s in (1, max(1, base // 4), max(1, base // 2), base, base * 2)}):
+                # A 128-wide rank block holds a 64 x 128 fp32 accumulator at least: 8 warps only.
+                for warps, stages in ((4, 3), (8, 3)) if br <= 64 else ((8, 3),):
+                    yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
 
 
 def expand_candidates(bucket, out_features, max_rank):
@@ -155,10 +164,12 @@ def shrink_runner(p, cfg, expand_cfg=None):
 
 
 def expand_runner(p, cfg, expand_cfg=None):
+    """The expand as add_lora_ runs it: from the bf16 (hi, lo) h where its h is paired (launch.pairs_h)."""
     from lora_ops import launch
+    h = launch.paired(p["h"]) if launch.pairs_h(p["y"].dtype, cfg, p["B"].shape[2]) else p["h"]
 
     def run():
-        launch.launch_expand(p["y"], p["h"], p["B"], p["widths"], p["rank"], *p["meta"], cfg)
+        launch.launch_expand(p["y"], h, p["B"], p["widths"], p["rank"], *p["meta"], cfg)
     return run
 
 
