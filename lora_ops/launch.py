@@ -28,9 +28,6 @@ _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: 
 # How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
 # one choice for the forward and the backward kernels.
 F32_OPERAND_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "bf16x2"}
-# add_lora_'s h as the bf16 (hi, lo) pair its expand multiplies (kernels.shrink / kernels.expand, H_PAIR)
-# where the expand runs its rank loop at bf16. False: float32 h everywhere (the lab compares the two).
-PAIRED_H = True
 
 
 def slice_layout(slice_widths, block_n):
@@ -92,8 +89,7 @@ def shrink_grid(M, S, R, L, cfg):
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
                   sum_scratch=None, run=True, pdl=False):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
-    h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`), or [M, S, 2, R] bfloat16: the
-    (hi, lo) terms of each value (:func:`pairs_h`).
+    h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`).
 
     With ``partials_out`` (and split-K), h is [split_k, M, S, R] and gets each split's partial sums, for
     a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less.
@@ -103,11 +99,8 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     L, S, R, _ = lora_a.shape
     grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
-    pair = h.dtype == torch.bfloat16
-    if pair and partials_out:
-        raise ValueError("h: split-K partial sums are float32, got a bfloat16 (hi, lo) buffer")
     # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
-    h_strides = (h.stride(0), h.stride(1), h.stride(3)) if pair else h.stride()[-3:]
+    h_strides = h.stride()[-3:]
     if partials_out:
         part, arrivals, part_strides = h, sorted_token_ids, h.stride()
     elif cfg.split_k > 1:
@@ -120,31 +113,24 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     return Launch(
         SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
-         *x.stride(), *lora_a.stride(), *h_strides, h.stride(2) if pair else 0, *part_strides),
+         *x.stride(), *lora_a.stride(), *h_strides, *part_strides),
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
-             DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PAIR=pair,
+             DOT_PRECISION=_DOT_PRECISION[x.dtype],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True,
                   pdl=False):
-    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order,
-    or (bf16 y, rank loop) [M, S, 2, R] bfloat16 (hi, lo) terms (:func:`pairs_h`). Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
+    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order.
+    Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
     (see :func:`pdl_options`)."""
     M = y.shape[0]
     L, _, R = lora_b.shape
-    pair = h.dtype == torch.bfloat16
+    num_parts = h.shape[0] if h.dim() == 4 else 1
+    part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
     one_rank_block = takes_partials(cfg, R)
-    if pair:   # stride_hp: hi to lo
-        num_parts, part_strides = 1, (h.stride(2), h.stride(0), h.stride(1), h.stride(3))
-        if one_rank_block or y.dtype != torch.bfloat16:
-            raise ValueError(f"h: a bfloat16 (hi, lo) h is read by the rank loop at bfloat16 only (rank {R}, "
-                             f"block_r {cfg.block_r}, y {y.dtype})")
-    else:
-        num_parts = h.shape[0] if h.dim() == 4 else 1
-        part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
     if num_parts > 1 and not one_rank_block:
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
                          f"{num_parts} partial sums")
@@ -157,7 +143,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
              ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
              RANK_ALIGN=rank_align(R),
-             H_PRECISION=F32_OPERAND_PRECISION[y.dtype], H_PAIR=pair,
+             H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
@@ -296,10 +282,10 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
                              slot_counts, fcfg, run=False)], (), ()
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
     ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
-    h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg, y.dtype)
+    h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg)
     pdl = uses_pdl(x)
     shrink_launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts,
-                                                          slot_counts, h_spec, scfg, has_partials(h_spec), pdl)
+                                                          slot_counts, h_spec, scfg, h_spec.shape[0] > 1, pdl)
     expand_launch = launch_expand(y, buffers[0], lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
                                   slot_counts, ecfg, run=False, pdl=pdl)
     return [shrink_launch, expand_launch], scratch, buffers
@@ -326,42 +312,21 @@ def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
     where it has several parts), then the expand reading it. The tuner times this (add_lora_ runs the same
     launches through :func:`add_lora_launches`)."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                  partials_out=has_partials(h))
+                  partials_out=h.shape[0] > 1)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
 
 
-def pairs_h(dtype, expand_cfg, max_rank):
-    """Whether add_lora_'s h is stored as the bf16 (hi, lo) terms the expand multiplies with B (kernels.shrink,
-    H_PAIR): bf16 layers whose expand runs its rank loop. Same bytes as float32, same bits out; the expand's
-    loop reads plain bf16 operands. Its split-K partial sums (ranks of one block) stay float32."""
-    return PAIRED_H and F32_OPERAND_PRECISION[dtype] == "bf16x2" and not takes_partials(expand_cfg, max_rank)
-
-
-def shrink_buffer_spec(M, S, R, scfg, ecfg, dtype):
+def shrink_buffer_spec(M, S, R, scfg, ecfg):
     """h for the shrink to fill and the expand to read: every entry the expand reads (valid tokens,
-    r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, [M, S, 2, R] bf16
-    terms where :func:`pairs_h` (``dtype``: the layer's), else [1, M, S, R] float32."""
-    if pairs_h(dtype, ecfg, R):
-        return Scratch((M, S, 2, R), torch.bfloat16)
+    r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, else [1, M, S, R]."""
     parts = scfg.split_k if takes_partials(ecfg, R) else 1
     return Scratch((parts, M, S, R), torch.float32)
-
-
-def paired(h):
-    """float32 h [M, S, R] as the [M, S, 2, R] bf16 (hi, lo) terms a paired shrink stores (tests, tuner)."""
-    hi = h.to(torch.bfloat16)
-    return torch.stack((hi, (h - hi.float()).to(torch.bfloat16)), dim=2)
-
-
-def has_partials(h):
-    """Whether a :func:`shrink_buffer` (or its spec) holds split-K partial sums (several float32 parts)."""
-    return h.dtype == torch.float32 and h.shape[0] > 1
 
 
 def shrink_buffer(x, lora_a, scfg, ecfg):
     """:func:`shrink_buffer_spec`'s h for these arguments, allocated."""
     _, S, R, _ = lora_a.shape
-    return shrink_buffer_spec(x.shape[0], S, R, scfg, ecfg, x.dtype).alloc(x.device)
+    return shrink_buffer_spec(x.shape[0], S, R, scfg, ecfg).alloc(x.device)
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
@@ -420,7 +385,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     side.wait_stream(main)
     with torch.cuda.stream(side):
         launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=has_partials(h))
+                      partials_out=h.shape[0] > 1)
     y = F.linear(x, weight, bias)
     main.wait_stream(side)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)

@@ -185,6 +185,11 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert shr and exp and len(set(shr)) == len(shr)
     assert bool(fused) == (bucket <= tuning.FUSED_TUNE_MAX_BUCKET) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)
+    assert {c.block_r for c in shr} == {16}
+    # Above rank 64 the shrink also tries a 128-wide rank block (8 warps: its accumulator is large).
+    wide_shr = list(tuning.shrink_candidates(bucket, 4096, 320, 3))
+    assert {c.block_r for c in wide_shr} == {64, 128} and len(set(wide_shr)) == len(wide_shr)
+    assert all(c.num_warps == 8 for c in wide_shr if c.block_r == 128)
     # Above rank 64 (the rank loop) the expand also tries a narrower rank block; up to 64 the whole rank
     # is one block, and from 256 tokens a program may stream several column blocks.
     wide = list(tuning.expand_candidates(bucket, 6144, 256))

@@ -18,7 +18,7 @@ import interp_bf16
 import lora_ops
 from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, dtype_id,
                       expand_reference, h_roundoff, make_case, rel_err, ulp)
-from lora_ops import configs, launch, plan
+from lora_ops import configs, launch
 from lora_ops.configs.heuristics import ExpandConfig
 from lora_ops.reference import shrink_reference
 
@@ -466,74 +466,3 @@ def test_rank_loop_refuses_partial_sums(backend):
     parts = torch.zeros(2, 4, 1, R, device=backend.device)
     with pytest.raises(ValueError, match="h: the expand's rank loop"):
         launch.launch_expand(case.new_y("zero"), parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
-
-
-# ------------------------------------------------------------------------------------------------
-# bf16 rank loop: h between the shrink and the expand as (hi, lo) bf16 terms (launch.pairs_h)
-# ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["rank_loop-1_col_block", "rank_loop-2_col_blocks"], ids=str)
-def test_paired_h_gives_the_bits_of_float32_h(backend, bf16_interpreter, path):
-    """The expand's rank loop from the stored (hi, lo) terms: the same products in the same order as from
-    float32 h, so the same bits; NaN past each slot's rank and in slot -1 rows is never read."""
-    if backend.name != "triton":
-        pytest.skip("the Triton expand kernel's configs")
-    cfg, R, _ = EXPAND_PATH_CONFIGS[path]
-    M, K, N, L, S = 37, 9, 75, 4, 3
-    case = make_case(M, K, N, L, S, R, dtype=torch.bfloat16, device=backend.device, seed=5,
-                     ranks=[R, R // 2 + 1, 0, 3], slice_widths=[41, 29, 5], capacity=M + 5)
-    h = poisoned_h(case, "contiguous")
-    y = case.new_y("random")
-    from_f32, from_pair = y.clone(), y.clone()
-    launch.launch_expand(from_f32, h, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
-    launch.launch_expand(from_pair, launch.paired(h), case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
-    assert torch.equal(bits(from_pair), bits(from_f32)), "paired h changed y"
-    assert not torch.isnan(from_pair).any(), "a NaN past a rank or in a slot -1 row was read"
-
-
-@pytest.mark.parametrize("split_k", [1, 3], ids=["one_split", "split_k"])
-def test_paired_shrink_stores_the_split_of_h(backend, bf16_interpreter, split_k):
-    """The shrink's paired store holds exactly launch.paired of its float32 h at every entry the expand
-    reads (valid tokens, r < rank), also when the last split adds the partial sums; it writes nothing else."""
-    if backend.name != "triton":
-        pytest.skip("the Triton shrink kernel")
-    from lora_ops.configs.heuristics import ShrinkConfig
-    M, K, N, L, S, R = 21, 70, 9, 3, 2, 80
-    case = make_case(M, K, N, L, S, R, dtype=torch.bfloat16, device=backend.device, seed=9, ranks=[80, 33, 0],
-                     capacity=M + 3)
-    cfg = ShrinkConfig(16, 32, 16, split_k, 4, 2)
-    h = torch.full((M, S, R), math.nan, device=backend.device)
-    pair = torch.full((M, S, 2, R), math.nan, device=backend.device, dtype=torch.bfloat16)
-    for out in (h, pair):
-        launch.launch_shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta, out, cfg)
-    token_rank = case.rank.cpu().long()[case.token_slots.cpu().clamp(min=0)]
-    read = (torch.arange(R)[None, :] < token_rank[:, None]) & ~case.no_adapter_rows()[:, None]
-    read = read[:, None, :].expand(M, S, R)
-    want = launch.paired(torch.where(read.to(h.device), h, 0.0)).cpu()
-    got = pair.cpu()
-    for term in range(2):
-        assert torch.equal(bits(got[:, :, term][read]), bits(want[:, :, term][read])), f"term {term} differs"
-        assert torch.isnan(got[:, :, term][~read]).all(), f"term {term} written past a rank or in a slot -1 row"
-
-
-def test_add_lora_pairs_h_in_the_bf16_rank_loop(backend, bf16_interpreter):
-    """add_lora_ at bf16 with the rank loop hands the expand (hi, lo) terms, and gives the bits it gives with
-    float32 h (launch.PAIRED_H off)."""
-    if backend.name != "triton":
-        pytest.skip("the Triton launchers")
-    M, K, N, L, S, R = 19, 37, 29, 3, 2, 80
-    case = make_case(M, K, N, L, S, R, dtype=torch.bfloat16, device=backend.device, seed=13, ranks=[80, 65, 3])
-    args = (case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
-    _, scratch, _ = launch.add_lora_launches(case.new_y("zero"), case.x, *args)
-    assert (scratch[0].shape, scratch[0].dtype) == ((M, S, 2, R), torch.bfloat16)
-    y = case.new_y("random")
-    outs = []
-    for paired in (True, False):
-        launch.PAIRED_H = paired
-        plan.clear()
-        try:
-            outs.append(add_lora(case, y.clone()))
-        finally:
-            launch.PAIRED_H = True
-            plan.clear()
-    assert torch.equal(bits(outs[0]), bits(outs[1])), "paired h changed y"
-    assert_delta_close(outs[0], y, case.delta_reference(), torch.bfloat16)

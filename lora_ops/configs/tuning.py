@@ -164,12 +164,10 @@ def shrink_runner(p, cfg, expand_cfg=None):
 
 
 def expand_runner(p, cfg, expand_cfg=None):
-    """The expand as add_lora_ runs it: from the bf16 (hi, lo) h where its h is paired (launch.pairs_h)."""
     from lora_ops import launch
-    h = launch.paired(p["h"]) if launch.pairs_h(p["y"].dtype, cfg, p["B"].shape[2]) else p["h"]
 
     def run():
-        launch.launch_expand(p["y"], h, p["B"], p["widths"], p["rank"], *p["meta"], cfg)
+        launch.launch_expand(p["y"], p["h"], p["B"], p["widths"], p["rank"], *p["meta"], cfg)
     return run
 
 

@@ -16,11 +16,11 @@ def expand_kernel(
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    H_PRECISION: tl.constexpr, H_PAIR: tl.constexpr = False, PDL: tl.constexpr = False,
+    H_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
-    Pointers: h [P, M, S, R] float32 (or with H_PAIR, below, [M, S, 2, R] bfloat16): the shrink output as num_parts = P partial sums (split-K partials,
+    Pointers: h [P, M, S, R] float32: the shrink output as num_parts = P partial sums (split-K partials,
     added here in split order, so the sum is deterministic; P = 1: h itself). The rank loop takes P = 1
     only (the launcher has the shrink add its splits): a loop over the parts inside it would keep the
     compiler from pipelining it. P is a run-time value; the parts are read PART_CHUNK at a time, all of a
@@ -43,11 +43,6 @@ def expand_kernel(
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
-    H_PAIR (rank loop only, bf16): h is [M, S, 2, R] bfloat16, the two terms split_f32(h, "bf16x2") the
-    shrink stored (kernels.shrink), stride_hp from hi to lo, one part. The loop then multiplies two bf16
-    tiles loaded straight into the tensor cores' shared-memory operands; from float32 h each tile went
-    through registers to be split (sm_90: 255 registers and spills at 64 x 256, 4 warps). Same products,
-    same order: the same bits as from float32 h.
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
@@ -120,28 +115,17 @@ def expand_kernel(
             full = rank // BLOCK_R * BLOCK_R
             for r0 in range(0, full, BLOCK_R):
                 rs = r0 + offs_r
+                ht = tl.load(h_rows + rs[None, :] * stride_hr)
                 bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
-                if H_PAIR:
-                    h_hi = tl.load(h_rows + rs[None, :] * stride_hr)
-                    h_lo = tl.load(h_rows + stride_hp + rs[None, :] * stride_hr)
-                    acc = dot_split(h_hi, h_lo, bt, acc, "bf16x2")
-                else:
-                    ht = tl.load(h_rows + rs[None, :] * stride_hr)
-                    acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+                acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
             if full < rank:  # the last rank block, partial
                 rs = full + offs_r
                 r_ok = rs < rank
                 r_in = rs < rank_ceil(rank, RANK_ALIGN)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
                 bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
-                bt = tl.where(r_ok[:, None], bt, 0.0)
-                h_at = h_rows + rs[None, :] * stride_hr
-                if H_PAIR:
-                    h_hi = tl.where(r_ok[None, :], tl.load(h_at, mask=r_in[None, :], other=0.0), 0.0)
-                    h_lo = tl.where(r_ok[None, :], tl.load(h_at + stride_hp, mask=r_in[None, :], other=0.0), 0.0)
-                    acc = dot_split(h_hi, h_lo, bt, acc, "bf16x2")
-                else:
-                    ht = tl.load(h_at, mask=r_in[None, :], other=0.0)
-                    acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), bt, acc, H_PRECISION)
+                acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc,
+                                  H_PRECISION)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             mask = valid[:, None] & n_ok[None, :]

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens, split_f32
+from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_pk"])
@@ -12,25 +12,24 @@ def shrink_kernel(
     M, K, num_slices, num_slots, max_rank, capacity, split_k,
     stride_xm, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
-    stride_hm, stride_hs, stride_hr, stride_hp,
+    stride_hm, stride_hs, stride_hr,
     stride_pk, stride_pm, stride_ps, stride_pr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    H_PAIR: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
     The SLICE_GROUP x BLOCK_R rank rows form the columns of one tl.dot, so a token tile of x is read
     once for all the slices of a packed layer (column j: slice g0 + j // BLOCK_R, rank row r0 + j % BLOCK_R).
-    Pointers: x [M, K] (fp16/bf16/fp32); A [L, S, R, K] (x's dtype); h [M, S, R] float32, or with H_PAIR
-    [M, S, 2, R] bfloat16 (see below); scale [L]
+    Pointers: x [M, K] (fp16/bf16/fp32); A [L, S, R, K] (x's dtype); h [M, S, R] float32; scale [L]
     float32; rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1] int32
     (lora_ops.batch). With SPLIT_K: part [split_k, M, S, R] float32 (each split's partial sums) and
     arrivals [grid0 * grid1] int32 zeros (one arrival counter per (column block, token tile)).
     Sizes: M tokens (not specialised: one compile serves every batch size), K features, num_slices S,
     num_slots L, max_rank R, capacity of sorted_ids, split_k: K is cut into split_k ranges (grid axis 2;
     a run-time value, so changing it does not recompile).
-    Strides: every dimension of x, A and h, in elements; stride_hp: from h's hi term to its lo term (H_PAIR).
+    Strides: every dimension of x, A and h, in elements.
     Grid: (cdiv(S, SLICE_GROUP) * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block
     starts at or past the slot's rank return at once: padded rank blocks are never multiplied.
     Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were.
@@ -41,10 +40,6 @@ def shrink_kernel(
     counter is used. The consumer adds the splits in order (the expand kernel does, for add_lora_), which
     saves the counters' zero-fill launch and the last split's extra round trip.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
-    H_PAIR: h is stored as the two bf16 terms (hi, lo = kernels.work.split_f32(h, "bf16x2")) that the
-    expand's rank loop multiplies with B, instead of float32: the same bytes, the same products, and the
-    expand reads plain bf16 tensor-core operands (no conversion in its loop). The split-K partial sums
-    stay float32.
     PDL (launched with programmatic dependent launch, sm_90+): wait for the previous kernel in the stream
     before reading anything, then let the next kernel (the expand) launch at once: its programs load their
     y and B while this kernel runs, and wait for it before reading h.
@@ -100,9 +95,4 @@ def shrink_kernel(
         for k_split in range(0, split_k):
             acc += tl.load(part_ptr + k_split * stride_pk + part_off, mask=mask, other=0.0, cache_modifier=".cg")
     h_ptrs = h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr
-    if H_PAIR:
-        hi, lo = split_f32(acc, "bf16x2")
-        tl.store(h_ptrs, hi, mask=mask)
-        tl.store(h_ptrs + stride_hp, lo, mask=mask)
-    else:
-        tl.store(h_ptrs, acc, mask=mask)
+    tl.store(h_ptrs, acc, mask=mask)
