@@ -10,6 +10,7 @@ host is the bottleneck. Rows, each the median of --rounds rounds of --calls call
   ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
   ... both                 neither shortcut (the baseline before 2026-12-02's change)
   ... without launch plans every call resolves configs, grids and arguments (before 2026-12-03's plans)
+  ... plans replayed through Triton's CudaLauncher   not its C launch function (triton_launch.direct_launch)
   and the pieces: the argument checks, the config lookups, one expand launch each way.
 
 Usage: python benchmarks/host_overhead.py [--device cpu --tiny]  (results to benchmarks/results/)
@@ -96,17 +97,21 @@ def main(argv=None):
         launch.launch_expand(y, h, layer.lora_b, list(layer.slice_widths), layer.rank, *layer.context.meta, ecfg)
 
     real_needs_dispatcher = ops.needs_dispatcher
+    real_direct_allowed = triton_launch._direct_allowed
 
-    def state(fast=True, dispatcher=False, plans=True):
+    def state(fast=True, dispatcher=False, plans=True, direct=True):
         triton_launch.set_fast_launch(fast)
         ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
-        plan.set_enabled(plans)       # off: every call resolves its launches
+        # off: plan replays call Triton's CudaLauncher, not its C launch function (triton_launch.direct_launch)
+        triton_launch._direct_allowed = real_direct_allowed if direct else (lambda: False)
+        plan.set_enabled(plans)       # off: every call resolves its launches (and plans are rebuilt)
 
     # name: (state, call). Rounds interleave the variants, so a drift of the host's speed hits them alike.
     variants = {
         "F.linear": ({}, lambda: F.linear(x, layer.base.weight)),
         "LoRALinear": ({}, lambda: layer(x)),
         "LoRALinear without launch plans": (dict(plans=False), lambda: layer(x)),
+        "LoRALinear, plans replayed through Triton's CudaLauncher": (dict(direct=False), lambda: layer(x)),
         "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
         "LoRALinear, Triton's launch path": (dict(fast=False), lambda: layer(x)),
         "LoRALinear via torch.ops, Triton's launch path (before)": (dict(fast=False, dispatcher=True), lambda: layer(x)),
@@ -119,6 +124,7 @@ def main(argv=None):
     if cuda:
         variants["launch.add_lora_ (checks, plan replay)"] = ({}, lambda: launch.add_lora_(*op_args))
         variants["plan replay alone (key, scratch, 2 C launches)"] = ({}, lambda: launch._add_lora(*op_args))
+        variants["plan replay alone, through CudaLauncher"] = (dict(direct=False), lambda: launch._add_lora(*op_args))
         variants["launch.add_lora_ without plans"] = (dict(plans=False), lambda: launch.add_lora_(*op_args))
         variants["one expand launch, fast"] = ({}, expand)
         variants["one expand launch, Triton's path"] = (dict(fast=False), expand)

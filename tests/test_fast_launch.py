@@ -246,3 +246,28 @@ def test_pdl_pair_gives_the_same_bits_eager_and_in_a_graph(M):
         launch.set_pdl(previous)
         configs.force_path(None)
     assert torch.equal(outs[False], outs[True])   # same arithmetic, only the launch differs
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (Triton's C launcher)")
+def test_gpu_plan_replay_through_the_c_launch_gives_the_same_bits(monkeypatch):
+    """On Triton 3.6 a plan's replay calls the launcher's C ``launch`` itself (triton_launch.direct_launch):
+    our kernels need no scratch, and y gets the bits the launcher's own ``__call__`` gives."""
+    from lora_ops import plan
+    allowed = triton_launch._direct_allowed()
+    case = make_case(64, 96, 80, num_slots=4, num_slices=2, max_rank=16, dtype=torch.bfloat16, device="cuda",
+                     seed=2)
+    outs = []
+    for direct in (allowed, False):
+        monkeypatch.setattr(triton_launch, "_direct_allowed", lambda direct=direct: direct)
+        plan.clear()
+        for _ in range(2):                          # the plan, then its replay
+            y = case.new_y("zero")
+            launch.add_lora_(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths,
+                             *case.meta)
+        assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.bfloat16]
+        outs.append(y)
+    plan.clear()
+    assert torch.equal(outs[0], outs[1])
+    if allowed:
+        compiled = [c for lc in (launch.SHRINK, launch.EXPAND) for c, _ in lc._compiled.values()]
+        assert compiled and all(triton_launch.direct_launch(c) is not None for c in compiled)

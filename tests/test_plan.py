@@ -222,6 +222,56 @@ def test_fast_replay_passes_this_calls_addresses(fake_compiled, path_configs):
         assert args[9 + len(want.tensors):] == want.ints
 
 
+class FakeCudaLauncher:
+    """Triton 3.6's CudaLauncher as the replay sees it: ``__call__`` allocates scratch and calls ``launch``
+    with the two launch flags and the scratch pointers in front of its arguments."""
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, direct, slow, scratch_size):
+        self.global_scratch_size, self.profile_scratch_size = scratch_size, 0
+        self.launch = lambda *args: direct.append(args)
+        self.slow = slow
+
+    def __call__(self, *args):
+        self.slow.append(args)
+
+
+@pytest.mark.parametrize("scratch_size", [0, 64], ids=["no_scratch", "scratch"])
+@pytest.mark.parametrize("path_configs", ["split_k_summed"], indirect=True)
+def test_fast_replay_calls_the_c_launch_where_triton_allows(fake_compiled, path_configs, monkeypatch,
+                                                            scratch_size):
+    """Where triton_launch.direct_launch allows it (Triton 3.6, no kernel scratch) a replay calls the
+    launcher's C ``launch`` with the flags and no scratch in front, as CudaLauncher.__call__ would; a kernel
+    that needs scratch goes through ``__call__``."""
+    _, slow = fake_compiled
+    direct, through_call = [], []
+    monkeypatch.setattr(triton_launch, "_direct_allowed", lambda: True)
+    for launcher in (launch.SHRINK, launch.EXPAND):
+        def first_launch(key, grid, tensors, ints, constexprs, launcher=launcher):
+            compiled = FakeCompiled([])
+            compiled.run = FakeCudaLauncher(direct, through_call, scratch_size)
+            launcher._compiled[key] = (compiled, ("tail",))
+        monkeypatch.setattr(launcher, "_first_launch", first_launch)
+    case = make_case(24, 32, 32, num_slots=2, num_slices=2, max_rank=R, device=DEVICE, seed=6)
+    call(case)
+    y, x = case.new_y("zero"), case.x.clone()
+    call(case, y=y, x=x)
+    launches, _, _ = launch.add_lora_launches(y, x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                              case.slice_widths, *case.meta)
+    runs = direct if scratch_size == 0 else through_call
+    assert len(runs) == len(launches) == 2 and not (through_call if scratch_size == 0 else direct)
+    for args, want in zip(runs, launches):
+        grid = (tuple(want.grid) + (1, 1))[:3]
+        if scratch_size == 0:
+            assert args[:13] == (*grid, 1234, "cu-function", False, True, None, None, "packed", None, None, None)
+            args = args[13:]
+        else:
+            assert args[:9] == (*grid, 1234, "cu-function", "packed", None, None, None)
+            args = args[9:]
+        assert args[len(want.tensors):] == (*want.ints, "tail")
+        assert x.data_ptr() in args[:len(want.tensors)] or y.data_ptr() in args[:len(want.tensors)]
+
+
 @pytest.mark.parametrize("path_configs", ["split"], indirect=True)
 def test_fast_replay_falls_back_for_a_misaligned_tensor(fake_compiled, path_configs):
     runs, slow = fake_compiled
