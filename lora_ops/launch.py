@@ -28,9 +28,6 @@ _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: 
 # How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
 # one choice for the forward and the backward kernels.
 F32_OPERAND_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "bf16x2"}
-# The bf16x2 rank loop multiplies hi and lo in one dot (kernels.expand, ONE_DOT); False (or
-# LORA_OPS_EXPAND_ONE_DOT=0): two dots. Benchmarks compare.
-EXPAND_ONE_DOT = os.environ.get("LORA_OPS_EXPAND_ONE_DOT", "1") != "0"
 
 
 def slice_layout(slice_widths, block_n):
@@ -147,7 +144,6 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
              ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
              RANK_ALIGN=rank_align(R),
              H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
-             ONE_DOT=EXPAND_ONE_DOT and not one_rank_block and F32_OPERAND_PRECISION[y.dtype] == "bf16x2",
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 

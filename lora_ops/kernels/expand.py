@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, gdc_wait, load_tile_tokens,
-                                   rank_ceil, split_bf16x2_cat, split_f32)
+                                   rank_ceil, split_f32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -16,7 +16,7 @@ def expand_kernel(
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    H_PRECISION: tl.constexpr, ONE_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    H_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -43,10 +43,6 @@ def expand_kernel(
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
-    ONE_DOT (rank loop, H_PRECISION "bf16x2"): each step takes BLOCK_R // 2 ranks, loads their h and B rows
-    twice into BLOCK_R-wide tiles and multiplies hi and lo terms in one dot (kernels.work.split_bf16x2_cat):
-    the same MMAs and the same tiles in shared memory as two dots over BLOCK_R ranks, without the wait
-    between the two (the second read the first's accumulator).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
@@ -113,11 +109,23 @@ def expand_kernel(
             n_ok = offs_n < col_hi
             b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if ONE_DOT:
-                acc = _rank_loop_one_dot(h_rows, b_cols, n_ok, rank, stride_hr, stride_br, acc, BLOCK_R, RANK_ALIGN)
-            else:
-                acc = _rank_loop(h_rows, b_cols, n_ok, rank, stride_hr, stride_br, acc, BLOCK_R, RANK_ALIGN,
-                                 H_PRECISION)
+            # Full rank blocks: no rank mask, so h and B load as 16-byte vectors, pipelined (a run-time rank
+            # mask made every element a load of its own). Rows of invalid tokens read token 0's h (in bounds;
+            # their results are never stored): no row mask either.
+            full = rank // BLOCK_R * BLOCK_R
+            for r0 in range(0, full, BLOCK_R):
+                rs = r0 + offs_r
+                ht = tl.load(h_rows + rs[None, :] * stride_hr)
+                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
+                acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+            if full < rank:  # the last rank block, partial
+                rs = full + offs_r
+                r_ok = rs < rank
+                r_in = rs < rank_ceil(rank, RANK_ALIGN)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
+                acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc,
+                                  H_PRECISION)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             mask = valid[:, None] & n_ok[None, :]
@@ -125,53 +133,3 @@ def expand_kernel(
             y_old = tl.load(y_ptrs, mask=mask, other=0.0)
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
             offs_n += BLOCK_N
-
-
-@triton.jit
-def _rank_loop(h_rows, b_cols, n_ok, rank, stride_hr, stride_br, acc, BLOCK_R: tl.constexpr,
-               RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr):
-    """acc + h[:, :rank] @ B[:rank] for one column block (a GEMM with K = the slot's rank), BLOCK_R ranks a
-    step. h_rows [BLOCK_M, 1] and b_cols [1, BLOCK_N] point at the tile's rows of h and columns of B."""
-    offs_r = tl.arange(0, BLOCK_R)
-    # Full rank blocks: no rank mask, so h and B load as 16-byte vectors, pipelined (a run-time rank mask
-    # made every element a load of its own). Rows of invalid tokens read token 0's h (in bounds; their
-    # results are never stored): no row mask either.
-    full = rank // BLOCK_R * BLOCK_R
-    for r0 in range(0, full, BLOCK_R):
-        rs = r0 + offs_r
-        ht = tl.load(h_rows + rs[None, :] * stride_hr)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
-        acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
-    if full < rank:  # the last rank block, partial
-        rs = full + offs_r
-        r_ok = rs < rank
-        r_in = rs < rank_ceil(rank, RANK_ALIGN)
-        ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
-        acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc, H_PRECISION)
-    return acc
-
-
-@triton.jit
-def _rank_loop_one_dot(h_rows, b_cols, n_ok, rank, stride_hr, stride_br, acc, BLOCK_R: tl.constexpr,
-                       RANK_ALIGN: tl.constexpr):
-    """:func:`_rank_loop` at bf16x2 with ONE_DOT: BLOCK_R // 2 ranks a step, each loaded twice, their hi and
-    lo terms in one dot."""
-    offs_k = tl.arange(0, BLOCK_R)
-    offs_r = offs_k % (BLOCK_R // 2)          # each rank twice: the hi column, then the lo column
-    is_hi = offs_k < BLOCK_R // 2
-    full = rank // (BLOCK_R // 2) * (BLOCK_R // 2)
-    for r0 in range(0, full, BLOCK_R // 2):
-        rs = r0 + offs_r
-        ht = tl.load(h_rows + rs[None, :] * stride_hr)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
-        acc = tl.dot(split_bf16x2_cat(ht, is_hi), bt, acc)
-    if full < rank:  # the last rank block, partial
-        rs = full + offs_r
-        r_ok = rs < rank
-        r_in = rs < rank_ceil(rank, RANK_ALIGN)
-        ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(split_bf16x2_cat(tl.where(r_ok[None, :], ht, 0.0), is_hi), tl.where(r_ok[:, None], bt, 0.0),
-                     acc)
-    return acc

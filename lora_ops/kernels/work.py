@@ -119,16 +119,6 @@ def split_f32(a, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def split_bf16x2_cat(a, is_hi):
-    """float32 ``a`` [BM, K] whose columns come twice (k and k + K/2 hold the same value) as the bf16
-    operand of one dot: the hi term in the columns where ``is_hi`` [K], the lo term in the others. With B's
-    rows twice as well, ``tl.dot`` adds hi @ B + lo @ B in one chain of MMAs (kernels.expand, ONE_DOT)."""
-    hi = a.to(tl.bfloat16)
-    lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.where(is_hi[None, :], hi, lo)
-
-
-@triton.jit
 def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b from ``split_f32(a, PRECISION)``, ``b`` in the weights' dtype, accumulated in float32."""
     if PRECISION == "bf16x2":
