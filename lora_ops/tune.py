@@ -119,11 +119,13 @@ def tune_shape(job, args, device, dtype):
     key = dict(model=model, layer=name, slices=S, rank=r, tokens=bucket)
     heur_shrink = heuristics.shrink_config(bucket, K, S, r, args.slots, out_features=N)
     heur_expand = heuristics.expand_config(bucket, N, r, args.slots)
-    # The expand first (on a random h); then each shrink candidate with the best expand adding its split-K
-    # partial sums, as add_lora_ runs them: the shrink's entry holds the pair's time less the expand's.
-    expand, expand_us, expand_timings = tuning.search("expand", problems, candidates("expand", N))
+    # The expand first (on a random h); then each shrink candidate with the best expand (of each code path)
+    # adding its split-K partial sums, as add_lora_ runs them: the shrink's entry holds the pair's time less
+    # the expand's.
+    _, _, expand_timings = tuning.search("expand", problems, candidates("expand", N))
     heur_expand_us = expand_timings.get(heur_expand) or tuning.time_config("expand", problems, heur_expand)
-    shrink, split_us, timings = tuning.search("shrink", problems, candidates("shrink", K), expand)
+    shrink, split_us, timings, expand, expand_us = tuning.search_pair(problems, candidates("shrink", K),
+                                                                      expand_timings, r)
     heur_pair_us = tuning.time_config("shrink", problems, heur_shrink, heur_expand)
     entries = [
         dict(kind="shrink", features=K, out_features=N, **key, config=shrink._asdict(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from lora_ops import configs
+from lora_ops import configs, launch
 from lora_ops.configs import heuristics, tuning
 
 
@@ -101,9 +101,23 @@ def test_nearest_entry_adapts_rank_block(fake_gpu_table):
 
 
 def test_expand_entry_of_the_other_rank_path_is_not_used(fake_gpu_table):
-    # The rank-64 entry was tuned on the one-rank-block path; rank 256 runs the rank loop.
+    # The rank-64 entry was tuned on the one-rank-block path with 128-token tiles: rank 256 in one block
+    # would hold a 128 x 256 h tile, past heuristics.ONE_BLOCK_MAX_H_TILE; the heuristic serves.
     cfg = configs.expand_config(5000, 2 * 14336, 2, 256, 4, CUDA, torch.bfloat16)
     assert cfg == heuristics.expand_config(4096, 2 * 14336, 256, 4)
+
+
+@pytest.mark.parametrize("entry, rank, expected", [
+    (heuristics.ExpandConfig(16, 64, 128, 8, 2), 320, heuristics.ExpandConfig(16, 64, 512, 8, 2)),
+    (heuristics.ExpandConfig(16, 64, 128, 8, 2), 96, heuristics.ExpandConfig(16, 64, 128, 8, 2)),
+    (heuristics.ExpandConfig(64, 64, 128, 8, 2), 320, None),              # a 64 x 512 h tile: too large
+    (heuristics.ExpandConfig(64, 256, 32, 4, 3), 320, heuristics.ExpandConfig(64, 256, 32, 4, 3)),
+    (heuristics.ExpandConfig(64, 256, 32, 4, 3), 32, None),               # the loop's step holds rank 32
+], ids=["one_block-widens", "one_block-narrows", "one_block-too_large", "loop-keeps_step", "loop-no_loop"])
+def test_expand_entry_keeps_its_code_path_at_another_rank(entry, rank, expected):
+    """An expand entry tuned at rank 128 serves a neighbouring rank on the path it was tuned on (one rank
+    block, or the rank loop with its step), or not at all (None: the heuristic serves)."""
+    assert configs._expand_at_rank(entry, 128, rank) == expected
 
 
 def test_shrink_op_alone_uses_the_heuristic(fake_gpu_table):
@@ -190,24 +204,41 @@ def test_tuner_candidates_include_valid_configs(bucket):
     wide_shr = list(tuning.shrink_candidates(bucket, 4096, 320, 3))
     assert {c.block_r for c in wide_shr} == {64, 128} and len(set(wide_shr)) == len(wide_shr)
     assert all(c.num_warps == 8 for c in wide_shr if c.block_r == 128)
-    # Above rank 64 (the rank loop) the expand also tries a narrower rank block; up to 64 the whole rank
-    # is one block, and from 256 tokens a program may stream several column blocks.
-    wide = list(tuning.expand_candidates(bucket, 6144, 256))
-    assert {c.block_r for c in wide} == {32, 64} and len(set(wide)) == len(wide)
-    assert {c.n_loop for c in wide} == {1}
+    # Above rank 64 (the rank loop) the expand also tries a narrower rank block, and up to
+    # ONE_BLOCK_TUNE_MAX_BUCKET tokens the whole rank in one block (small h tiles only); up to 64 the whole
+    # rank is one block, and from 256 tokens a program may stream several column blocks.
+    for rank, one_block in ((256, 256), (320, 512)):
+        wide = list(tuning.expand_candidates(bucket, 6144, rank))
+        one = bucket <= tuning.ONE_BLOCK_TUNE_MAX_BUCKET
+        assert {c.block_r for c in wide} == ({32, 64, one_block} if one else {32, 64})
+        assert len(set(wide)) == len(wide) and {c.n_loop for c in wide} == {1}
+        assert all(c.block_m * c.block_r <= heuristics.ONE_BLOCK_MAX_H_TILE for c in wide if c.block_r >= rank)
     assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
     assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1})
 
 
-@pytest.mark.parametrize("with_expand", [True, False], ids=["pair", "shrink_alone"])
-def test_tuner_times_what_add_lora_runs(with_expand):
-    """The tuner's shrink runner: with an expand config, the pair add_lora_ runs (split-K partial sums
-    added by the expand): y gets the LoRA delta; alone, the shrink op (h summed by the shrink)."""
+# (max rank, shrink, expand): the expand adds the shrink's 3 split-K partial sums of K = 40 itself (one
+# rank block, also past 64), or the shrink sums them for the expand's rank loop.
+PAIRS = {
+    "one_block": (16, heuristics.ShrinkConfig(16, 16, 16, 3, 4, 2), heuristics.ExpandConfig(16, 16, 16, 4, 2)),
+    "one_block-rank_80": (80, heuristics.ShrinkConfig(16, 64, 16, 3, 4, 2), heuristics.ExpandConfig(16, 16, 128, 4, 2)),
+    "rank_loop-rank_80": (80, heuristics.ShrinkConfig(16, 64, 16, 3, 4, 2), heuristics.ExpandConfig(16, 16, 32, 4, 2)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")   # see test_split_k_...
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("pair", [*PAIRS, None], ids=lambda p: f"pair-{p}" if p else "shrink_alone")
+def test_tuner_times_what_add_lora_runs(pair):
+    """The tuner's shrink runner: with an expand config, the pair add_lora_ runs: y gets the LoRA delta;
+    alone, the shrink op (h summed by the shrink)."""
     from lora_ops.reference import lora_delta_reference, shrink_reference
-    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], 16, 3, 9)
+    R, scfg, ecfg = PAIRS[pair or "one_block"]
+    with_expand = pair is not None
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
     y0 = p["y"].clone()
-    scfg = heuristics.ShrinkConfig(16, 16, 16, 3, 4, 2)            # 3 splits of K = 40
-    ecfg = heuristics.ExpandConfig(16, 16, 16, 4, 2)
+    if with_expand:
+        assert launch.shrink_buffer(p["x"], p["A"], scfg, ecfg).shape[0] == (3 if R <= ecfg.block_r else 1)
     tuning.shrink_runner(p, scfg, ecfg if with_expand else None)()
     slots = p["meta"][0].new_full((9,), -1)
     sorted_ids, starts, counts = (t.cpu() for t in p["meta"])
@@ -220,6 +251,27 @@ def test_tuner_times_what_add_lora_runs(with_expand):
         ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
         has = (slots >= 0).cpu()
         torch.testing.assert_close(p["h"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
+
+
+def test_tuner_picks_the_fastest_pair_over_both_expand_paths(monkeypatch):
+    """At ranks past 64 the expand's two paths differ in what they ask of the shrink (one rank block adds
+    its partial sums; the rank loop has it sum them), so the tuner times the shrink before each path's
+    fastest expand and keeps the fastest pair, not the fastest expand."""
+    loop_fast, loop_slow = heuristics.ExpandConfig(16, 128, 64, 4, 3), heuristics.ExpandConfig(32, 128, 64, 4, 3)
+    one_block = heuristics.ExpandConfig(16, 64, 128, 8, 2)
+    shrinks = [heuristics.ShrinkConfig(16, 64, 256, 32, 4, 3), heuristics.ShrinkConfig(16, 64, 256, 1, 4, 3)]
+    pair_us = {(shrinks[0], loop_fast): 20.0, (shrinks[1], loop_fast): 30.0,
+               (shrinks[0], one_block): 12.0, (shrinks[1], one_block): 25.0}
+    timed = []
+
+    def fake_time(kind, problems, cfg, expand_cfg=None):
+        timed.append(expand_cfg)
+        return pair_us[(cfg, expand_cfg)]
+    monkeypatch.setattr(tuning, "time_config", fake_time)
+    expand_us = {loop_fast: 3.0, loop_slow: 4.0, one_block: 5.0}     # the one-block expand alone is slower
+    shrink, us, timings, expand, e_us = tuning.search_pair([], shrinks, expand_us, 128)
+    assert (shrink, us, expand, e_us) == (shrinks[0], 12.0, one_block, 5.0)
+    assert set(timed) == {loop_fast, one_block} and len(timings) == 2
 
 
 def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeypatch):

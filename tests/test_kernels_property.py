@@ -238,6 +238,7 @@ EXPAND_PATH_CONFIGS = {
     "one_block-3_col_blocks-11_parts": (ExpandConfig(16, 16, 32, 4, 2, 3), 24, 11),
     "one_block-chunks_of_2-5_parts": (ExpandConfig(64, 16, 64, 4, 2, 2), 40, 5),
     "one_block-chunks_of_2-1_part": (ExpandConfig(64, 16, 64, 4, 2, 1), 40, 1),
+    "one_block-rank_80_in_128-4_parts": (ExpandConfig(16, 16, 128, 4, 2, 1), 80, 4),
     "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40, 1),
     "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40, 1),
 }
@@ -246,6 +247,8 @@ EXPAND_PATH_CONFIGS = {
 def test_expand_path_configs_cover_part_chunks():
     chunks = {launch.part_chunk(cfg) for cfg, _, _ in EXPAND_PATH_CONFIGS.values()}
     assert {2, 8} <= chunks
+    # One rank block past the heuristic's 64 (tuned tables, decode sizes at high rank) takes partial sums.
+    assert any(R > 64 and parts > 1 for _, R, parts in EXPAND_PATH_CONFIGS.values())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

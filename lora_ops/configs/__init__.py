@@ -121,17 +121,29 @@ def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, 
 def _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback):
     table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
     entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket, out_features)
-    other_path = kind == "expand" and entry and heuristics.rank_loops(entry["rank"]) != heuristics.rank_loops(max_rank)
-    if entry is None or other_path:  # the expand runs another code path (kernels.expand) at the entry's rank
+    if entry is None:
         return fallback
     if entry["config"] is None:  # the tuner found two launches faster here
         return None
     cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig}[kind](**entry["config"])
+    if kind == "expand" and entry["rank"] != max_rank:
+        return _expand_at_rank(cfg, entry["rank"], max_rank) or fallback
     if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
         cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
     if kind == "shrink":
         cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
     return cfg
+
+
+def _expand_at_rank(cfg, entry_rank, max_rank):
+    """An expand entry tuned at another rank, on the code path it was tuned on (kernels.expand), or None
+    where that path does not suit this rank. One rank block at the entry's rank: one block holding this
+    rank, while h's tile stays within heuristics.ONE_BLOCK_MAX_H_TILE. The rank loop: the same step,
+    where this rank still takes more than one."""
+    if cfg.block_r >= entry_rank:
+        block_r = heuristics.one_block_rank(max_rank)
+        return cfg._replace(block_r=block_r) if cfg.block_m * block_r <= heuristics.ONE_BLOCK_MAX_H_TILE else None
+    return cfg if max_rank > cfg.block_r else None
 
 
 def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None):

@@ -86,8 +86,20 @@ def rank_align(max_rank):
 
 
 def rank_loops(max_rank):
-    """Whether the expand runs its rank loop for this rank (kernels.expand): ranks past one rank block."""
+    """Whether the heuristic's expand runs its rank loop for this rank (kernels.expand): ranks past one
+    rank block. (A config's own path: the rank loop runs where its block_r is below the rank.)"""
     return max_rank > rank_block(max_rank)
+
+
+# The expand may also hold a rank above 64 in one block (tuned tables, decode sizes): block_m x block_r
+# values of h per program at most. sm_90 PTX (2026-12-03): 16 x 512 takes 108-173 registers at 8 warps;
+# 32 x 512 and 64 x 512 take 255, at the edge of spilling.
+ONE_BLOCK_MAX_H_TILE = 16 * 512
+
+
+def one_block_rank(max_rank):
+    """The expand's rank block that holds the whole rank in one block (a power of two, at least 16)."""
+    return max(16, next_power_of_2(max_rank))
 
 
 def max_token_tiles(num_tokens, num_slots, block_m):

@@ -47,10 +47,19 @@ def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUN
                         * heuristics.max_token_tiles(bucket, num_slots, bm))
             most = min(heuristics.MAX_SPLIT_K, cdiv(in_features, bk))
             base = max(1, heuristics.TARGET_PROGRAMS // programs)
-            for sk in sorted({min(most, s) for s in (1, max(1, base // 4), max(1, base // 2), base, base * 2)}):
+            # Where `base` passes `most` (one token tile, long K), the counts below `most` still get a try.
+            splits = (1, max(1, base // 4), max(1, base // 2), base, base * 2, max(1, most // 2), max(1, most // 4))
+            for sk in sorted({min(most, s) for s in splits}):
                 # A 128-wide rank block holds a 64 x 128 fp32 accumulator at least: 8 warps only.
                 for warps, stages in ((4, 3), (8, 3)) if br <= 64 else ((8, 3),):
                     yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
+
+
+# Above rank 64, up to this bucket, the tuner also tries the expand with the whole rank in one block
+# (heuristics.one_block_rank: rank 320 takes 512): it adds the shrink's split-K partial sums itself, which
+# spares the shrink its own summing (an arrival counter zero-filled by a launch of its own, then a round
+# trip through memory), and narrow output tiles give decode sizes enough programs.
+ONE_BLOCK_TUNE_MAX_BUCKET = 256
 
 
 def expand_candidates(bucket, out_features, max_rank):
@@ -65,6 +74,11 @@ def expand_candidates(bucket, out_features, max_rank):
                 if warps == 4 and bm * bn > 128 * 128:
                     continue
                 yield ExpandConfig(bm, bn, br, warps, stages)
+        if bucket <= ONE_BLOCK_TUNE_MAX_BUCKET:
+            br = heuristics.one_block_rank(max_rank)
+            for bm, bn, warps in itertools.product(sorted({16, *_block_ms(bucket)}), (32, 64, 128), (4, 8)):
+                if bm * br <= heuristics.ONE_BLOCK_MAX_H_TILE:
+                    yield ExpandConfig(bm, bn, br, warps, 2)
         return
     n_loops = (1, 4, 8) if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else (1,)
     for bm, bn, n_loop in itertools.product(_block_ms(bucket), (64, 128), n_loops):
@@ -206,6 +220,24 @@ def search(kind, problems, candidates, expand_cfg=None):
     return best, timings[best], timings
 
 
+def search_pair(problems, shrink_candidates, expand_timings, max_rank):
+    """The fastest shrink + expand pair: each expand path's fastest config (kernels.expand: one rank block
+    adds the shrink's split-K partial sums itself; the rank loop has the shrink sum them), then the shrink
+    candidates timed before each. Returns (shrink, pair µs, the shrink's timings, expand, expand µs)."""
+    from lora_ops import launch
+    per_path = {}
+    for cfg, us in expand_timings.items():
+        path = launch.takes_partials(cfg, max_rank)
+        if path not in per_path or us < expand_timings[per_path[path]]:
+            per_path[path] = cfg
+    best = (None, math.inf, {}, None, math.inf)
+    for expand in per_path.values():
+        shrink, pair_us, timings = search("shrink", problems, shrink_candidates, expand)
+        if pair_us < best[1]:
+            best = (shrink, pair_us, timings, expand, expand_timings[expand])
+    return best
+
+
 def candidates_for(kind, bucket, features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     if kind == "shrink":
         return list(shrink_candidates(bucket, features, max_rank, num_slices, num_slots))
@@ -223,13 +255,16 @@ def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bu
     """Compile (and run once) each (kind, config) of `items` on one shape: fills Triton's on-disk cache, so
     worker processes can compile in parallel and the timing process only loads. Returns the count."""
     p = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket)
-    # Shrinks run as the tuner times them, with an expand adding their partial sums (the same constexprs
-    # for every expand candidate: takes_partials depends on the rank only).
-    pair = heuristics.expand_config(bucket, sum(slice_widths), max_rank, num_slots)
+    # Shrinks run as the tuner times them, before an expand of each path among the candidates: one that
+    # adds their split-K partial sums (the shrink compiles to write them) and one that does not.
+    pairs = [heuristics.expand_config(bucket, sum(slice_widths), max_rank, num_slots)]
+    if heuristics.rank_loops(max_rank) and bucket <= ONE_BLOCK_TUNE_MAX_BUCKET:
+        pairs.append(ExpandConfig(16, 64, heuristics.one_block_rank(max_rank), 8, 2))
     done = 0
     for kind, cfg in items:
         try:
-            RUNNERS[kind](p, cfg, pair if kind == "shrink" else None)()
+            for pair in pairs if kind == "shrink" else (None,):
+                RUNNERS[kind](p, cfg, pair)()
             done += 1
         except Exception:  # noqa: BLE001 — the timing pass skips it too
             pass
