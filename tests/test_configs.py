@@ -23,7 +23,7 @@ def test_configs_depend_on_bucket_not_raw_token_count():
         assert configs.expand_config(lo, 6144, 3, 16, 4) == configs.expand_config(hi, 6144, 3, 16, 4)
 
 
-@pytest.mark.parametrize("rank", [1, 16, 64, 320])
+@pytest.mark.parametrize("rank", [1, 16, 64, 128, 256, 320])
 @pytest.mark.parametrize("bucket", heuristics.TOKEN_BUCKETS)
 def test_heuristic_configs_are_valid(rank, bucket):
     s = heuristics.shrink_config(bucket, 4096, 3, rank, 4)
@@ -32,10 +32,14 @@ def test_heuristic_configs_are_valid(rank, bucket):
         assert block >= 16 and block & (block - 1) == 0      # tl.dot: powers of two, at least 16
     assert 1 <= s.split_k <= 32 and s.split_k <= heuristics.cdiv(4096, s.block_k)
     assert s.block_r == heuristics.rank_block(rank)
-    if heuristics.rank_loops(rank):  # the expand's rank loop, in steps of its own
-        assert e.block_r < rank
-    else:  # the whole rank in one block, as the shrink's
+    if heuristics.expand_rank_loops(bucket, rank):  # the expand's rank loop, in steps of its own
+        assert e.block_r < rank and heuristics.rank_loops(rank)
+    elif not heuristics.rank_loops(rank):  # the whole rank in one block, as the shrink's
         assert e.block_r == s.block_r
+    else:  # past 64 at decode sizes: one block holding the rank, its h tile within bounds
+        assert bucket <= heuristics.ONE_BLOCK_MAX_BUCKET and rank <= heuristics.ONE_BLOCK_MAX_RANK
+        assert e.block_r >= rank and e.block_m * e.block_r <= heuristics.ONE_BLOCK_MAX_H_TILE
+    assert launch.takes_partials(e, rank) == (not heuristics.expand_rank_loops(bucket, rank))
 
 
 def test_split_k_only_at_small_token_counts():
@@ -49,9 +53,12 @@ def test_split_k_capped_where_an_expand_adds_the_partial_sums():
     alone = heuristics.shrink_config(1024, 4096, 1, 16, 4)
     paired = heuristics.shrink_config(1024, 4096, 1, 16, 4, out_features=4096)
     assert alone.split_k > heuristics.MAX_EXPAND_PARTS == paired.split_k
-    # The rank loop takes h summed by the shrink itself: no cap.
-    assert heuristics.shrink_config(1, 4096, 1, 256, 4, out_features=4096).split_k == \
-        heuristics.shrink_config(1, 4096, 1, 256, 4).split_k > heuristics.MAX_EXPAND_PARTS
+    # The rank loop takes h summed by the shrink itself: no cap. (At decode sizes up to rank 256 the
+    # heuristic's expand holds the rank in one block and adds the partial sums: capped.)
+    assert heuristics.expand_rank_loops(1, 320) and not heuristics.expand_rank_loops(1, 256)
+    assert heuristics.shrink_config(1, 4096, 1, 320, 4, out_features=4096).split_k == \
+        heuristics.shrink_config(1, 4096, 1, 320, 4).split_k > heuristics.MAX_EXPAND_PARTS
+    assert heuristics.shrink_config(1, 4096, 1, 256, 4, out_features=4096).split_k == heuristics.MAX_EXPAND_PARTS
 
 
 @pytest.mark.parametrize("m, slots, block_m, bound", [(1, 4, 16, 1), (16, 4, 16, 5), (64, 8, 16, 12),

@@ -19,6 +19,7 @@ import lora_ops
 from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, dtype_id,
                       expand_reference, h_roundoff, make_case, rel_err, ulp)
 from lora_ops import configs, launch
+from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig
 from lora_ops.reference import shrink_reference
 
@@ -335,14 +336,18 @@ def test_nan_stays_in_its_slot(backend, dtype, path, add_lora_path, data):
 # ------------------------------------------------------------------------------------------------
 # Edges
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("M", [9, 300], ids=["decode-expand_one_block", "prefill-expand_rank_loop"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_rank_above_one_rank_block(backend, checked_dtype, add_lora_path):
+def test_rank_above_one_rank_block(backend, checked_dtype, add_lora_path, M):
     """Ranks past the kernels' 64-wide rank block: the rank loops take several blocks and stop at each
-    slot's own rank (rank rows past it hold NaN, so reading them shows)."""
+    slot's own rank (rank rows past it hold NaN, so reading them shows). The heuristic's expand holds the
+    rank in one block at decode sizes, and loops over it past ONE_BLOCK_MAX_BUCKET tokens."""
     dtype = checked_dtype
-    M, K, N, L, S, R = 9, 37, 29, 3, 2, 80
+    K, N, L, S, R = 37, 29, 3, 2, 80
+    if backend.interpreted:  # on CUDA a tuned table may choose otherwise
+        assert heuristics.expand_rank_loops(heuristics.token_bucket(M), R) == (M > heuristics.ONE_BLOCK_MAX_BUCKET)
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=11,
-                     ranks=[80, 65, 3], token_slots=[0, 1, 2, -1, 0, 1, 2, 0, 1])
+                     ranks=[80, 65, 3], token_slots=([0, 1, 2, -1, 0, 1, 2, 0, 1] * 34)[:M])
     ref = case.delta_reference()  # before the poison: the reference masks rank by multiplying
     y = case.new_y("random")
     y_in = y.clone()
@@ -370,18 +375,19 @@ def test_empty_batch_is_a_no_op(backend, dtype):
 # stores them; the interpreter (numpy) warns when such a row holds inf/NaN garbage.
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
-@pytest.mark.parametrize("R", [16, 80], ids=["expand_adds_splits", "shrink_adds_splits"])
+@pytest.mark.parametrize("R", [16, 80, 264], ids=["expand_adds_splits", "one_block_past_64", "shrink_adds_splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_split_k_matches_reference(backend, checked_dtype, R):
-    """K large enough that the Triton shrink splits K. Rank 16: the expand adds the partial sums (the whole
-    rank is one block); rank 80: the expand's rank loop takes h summed, so the shrink adds them."""
+    """K large enough that the Triton shrink splits K. Ranks 16 and 80: the expand adds the partial sums
+    (the whole rank is one block; past 64 only at decode sizes); rank 264: the expand's rank loop takes h
+    summed, so the shrink adds them."""
     dtype = checked_dtype
     M, K, N, L, S = 5, 517, 33, 3, 2
     if backend.interpreted:  # on CUDA a tuned table may choose otherwise
         cfg = configs.shrink_config(M, K, S, R, L, torch.device("cpu"), dtype)
         assert cfg.split_k > 1, "this shape no longer exercises split-K"
         ecfg = configs.expand_config(M, N, S, R, L, torch.device("cpu"), dtype)
-        assert launch.takes_partials(ecfg, R) == (R <= 64)
+        assert launch.takes_partials(ecfg, R) == (R <= heuristics.ONE_BLOCK_MAX_RANK)
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=7,
                      ranks=[R, 5, 0], token_slots=[2, 0, -1, 1, 0])
     y = case.new_y("zero")

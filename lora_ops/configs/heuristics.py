@@ -102,6 +102,23 @@ def one_block_rank(max_rank):
     return max(16, next_power_of_2(max_rank))
 
 
+# The heuristic's expand holds ranks up to ONE_BLOCK_MAX_RANK in one block up to ONE_BLOCK_MAX_BUCKET
+# tokens: H200 tuning (2026-12-03, Llama-3-8B and Phi-4-mini, ranks 128-320) chose it at every rank-128
+# shape of buckets 1-64 and at all but gate_up at rank 256, by 1.1-2.4x per add_lora_ call over the rank
+# loop; at rank 320 (a 512-wide block) the rank loop won about half the shapes from 16 tokens.
+ONE_BLOCK_MAX_BUCKET = 64
+ONE_BLOCK_MAX_RANK = 256
+# Its column block: the widest of 128 / 64 / 32 leaving this many programs (a decode step of a 4096-wide
+# layer has one token tile: 32 programs of 128 columns left most SMs idle; 32 columns won there).
+ONE_BLOCK_MIN_PROGRAMS = 96
+
+
+def expand_rank_loops(bucket, max_rank):
+    """Whether the heuristic's expand runs its rank loop (kernels.expand) for this bucket and rank; if not,
+    the whole rank is one block and the expand adds the shrink's split-K partial sums itself."""
+    return rank_loops(max_rank) and not (bucket <= ONE_BLOCK_MAX_BUCKET and max_rank <= ONE_BLOCK_MAX_RANK)
+
+
 def max_token_tiles(num_tokens, num_slots, block_m):
     """Upper bound on (slot, token tile) pairs: each slot adds at most one partial tile; each tile holds
     at least one token. The grid's token axis has this size (programs past the real work return)."""
@@ -130,7 +147,7 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_feat
     group = slice_group_for(num_slices, block_r)
     block_k = feature_block(in_features)
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
-    most = MAX_SPLIT_K if out_features is None or rank_loops(max_rank) else MAX_EXPAND_PARTS
+    most = MAX_SPLIT_K if out_features is None or expand_rank_loops(bucket, max_rank) else MAX_EXPAND_PARTS
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), most))
     # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
@@ -157,12 +174,17 @@ EXPAND_MIN_PROGRAMS = 512
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
-        # The rank loop: a GEMM with K = rank. Since its loads are vectors (kernels.work.rank_ceil) the
+        # Past one 64-wide block: at decode sizes the whole rank in one block (ONE_BLOCK_MAX_RANK), else
+        # the rank loop, a GEMM with K = rank. Since its loads are vectors (kernels.work.rank_ceil) the
         # tuner picks 64 x 256 tiles, 32-wide rank steps, 4 warps at every high-rank shape at 4096 tokens
         # (H200, 2026-12-03: 24 shapes, Llama-3-8B and Phi-4-mini, ranks 128-320; 1.1-1.3x the former
         # 128 x 256 x 64, 8 warps, whose registers spill).
         if bucket >= 1024:
             return ExpandConfig(64, 256, 32, num_warps=4, num_stages=3)
+        if not expand_rank_loops(bucket, max_rank):
+            tiles = max_token_tiles(bucket, num_slots, 16)
+            block_n = next((bn for bn in (128, 64) if cdiv(out_features, bn) * tiles >= ONE_BLOCK_MIN_PROGRAMS), 32)
+            return ExpandConfig(16, block_n, one_block_rank(max_rank), num_warps=8, num_stages=2)
         return ExpandConfig(block_m_for(bucket), feature_block(out_features), block_r, num_warps=4, num_stages=3)
     block_m, block_n = block_m_for(bucket), feature_block(out_features)
     n_loop = 1
