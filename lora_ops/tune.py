@@ -3,7 +3,8 @@
     python -m lora_ops.tune --model llama3-8b --ranks 16 64 --out lora_ops/configs/tuned/NVIDIA_H200.json
 
 For every layer shape, rank and token bucket it searches the expand's candidate configs, then the shrink's,
-each timed with the best expand adding its split-K partial sums (as add_lora_ runs them), then the
+each timed before the best expand of each expand code path (as add_lora_ runs them: one rank block adds the
+shrink's split-K partial sums, the rank loop has the shrink sum them), keeping the fastest pair, then the
 one-launch kernel's (lora_ops.configs.tuning); it records the fastest of each, with the heuristic's time
 beside it so the table shows what tuning gains; the "fused" entry names the one-launch config where it
 beats the best shrink + expand, else null (two launches). Lookups take the nearest entry

@@ -277,7 +277,10 @@ def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bu
 def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None,
              fused_only=False):
     """The fastest config for one key, on synthetic problems of the bucket's token count. For "fused":
-    the fastest one-launch config, or None when shrink + expand (each at its best) is faster."""
+    the fastest one-launch config, or None when shrink + expand (each at its best) is faster. The expand
+    is chosen by its own time (its key holds no input width to time pairs with), so above rank 64 its two
+    code paths are compared without the shrink work each implies; the offline tuner compares pairs
+    (search_pair)."""
     if kind == "shrink" and out_features:  # timed with the expand that adds its partial sums
         from lora_ops import configs
         problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
