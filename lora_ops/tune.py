@@ -49,10 +49,22 @@ def parse_args(argv=None):
                     help="CPU + Triton interpreter on tiny shapes: checks the tuner's code path, times nothing real")
     ap.add_argument("--merge", action="store_true",
                     help="keep the entries of an existing table at --out that this run does not retune")
+    ap.add_argument("--skip-tuned", action="store_true",
+                    help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
+                         "a tune that its time budget cut short)")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     return ap.parse_args(argv)
+
+
+def _tuned_shapes(path):
+    """(model, layer, rank, tokens) of the shapes a table holds (a shape's "fused" entry is written last)."""
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {(e.get("model"), e["layer"], e["rank"], e["tokens"]) for e in json.load(f)["entries"]
+                if e["kind"] == "fused"}
 
 
 def _shape_jobs(args, buckets):
@@ -161,7 +173,14 @@ def main(argv=None):
         gpu = torch.cuda.get_device_name(device)
     dtype = getattr(torch, args.dtype)
     buckets = args.tokens or list(heuristics.TOKEN_BUCKETS)
+    out = args.out or configs.table_path(gpu)
     jobs = _shape_jobs(args, buckets)
+    if args.skip_tuned:
+        if not args.merge:
+            sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
+        done = _tuned_shapes(out)
+        jobs = [job for job in jobs if (job[0], job[1], job[4], job[5]) not in done]
+        sys.stderr.write(f"{len(jobs)} shapes not yet in {out}\n")
     t0 = time.time()
     compile_s = precompile_all(jobs, args)
     entries = []
@@ -176,7 +195,6 @@ def main(argv=None):
     table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
                  triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
                  seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
-    out = args.out or configs.table_path(gpu)
     if args.merge and os.path.exists(out):
         def key(e):
             return (e["kind"], e.get("model"), e["layer"], e["rank"], e["tokens"])

@@ -127,6 +127,16 @@ def test_expand_entry_keeps_its_code_path_at_another_rank(entry, rank, expected)
     assert configs._expand_at_rank(entry, 128, rank) == expected
 
 
+@pytest.mark.parametrize("order", [1, -1], ids=["table_order", "reversed"])
+def test_tied_entries_go_to_the_fewer_tokens(order):
+    """256 tokens sit at distance 2 from both a 64- and a 1024-token entry: the 64-token one serves,
+    whichever comes first in the table."""
+    entries = [dict(kind="expand", features=4096, slices=1, rank=128, tokens=tokens,
+                    config=heuristics.ExpandConfig(16 if tokens == 64 else 64, 128, 32, 4, 3)._asdict())
+               for tokens in (64, 1024)][::order]
+    assert configs._nearest(entries, "expand", 4096, 1, 128, 256)["tokens"] == 64
+
+
 def test_shrink_op_alone_uses_the_heuristic(fake_gpu_table):
     # Shrink entries are tuned as add_lora_'s pair (the expand adds the split-K partial sums); the shrink
     # op alone (the backward's dh and h) adds its splits itself.

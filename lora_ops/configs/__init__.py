@@ -104,7 +104,13 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
             d += abs(math.log2(e["out_features"] / out_features))
         return d
     cands = [e for e in entries if e["kind"] == kind]
-    best = min(cands, key=dist) if cands else None
+    # Ties go to the entry nearer in token count (tiling and split-K follow the tokens), then to the fewer
+    # tokens, whatever the table's order: a config tuned for fewer tokens runs more programs when given
+    # more; one tuned for more leaves SMs idle when given fewer (H200, 2026-12-03: 1024-token entries at
+    # 256 tokens took 1.17-1.47x the heuristic's time at four high-rank shapes).
+    def rank_of(e):
+        return round(dist(e), 9), abs(math.log2(e["tokens"] / bucket)), e["tokens"]
+    best = min(cands, key=rank_of) if cands else None
     return best if best is not None and dist(best) <= MAX_DISTANCE else None
 
 

@@ -119,10 +119,11 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
 
 
 def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens):
-    """Enough independent copies of one synthetic problem to hold COLD_BYTES (at most MAX_COPIES)."""
+    """Enough independent copies of one synthetic problem to hold COLD_BYTES (at most MAX_COPIES); one off
+    the GPU (interpreter dry runs: no cache to keep cold, and every copy runs the interpreter again)."""
     first = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens)
     size = sum(first[k].numel() * first[k].element_size() for k in ("x", "A", "B", "y", "h"))
-    count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / max(size, 1))))
+    count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / max(size, 1)))) if first["x"].is_cuda else 1
     return [first] + [synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens,
                                         seed=i) for i in range(1, count)]
 
