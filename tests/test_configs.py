@@ -336,3 +336,24 @@ def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
     best = tuning.autotune("shrink", torch.device(DEVICE), torch.float32, 40, 2, 16, 3, 16, out_features=32)
     assert best in cands
     assert [c for c, _ in timed] == cands and all(e is not None for _, e in timed)
+
+
+@pytest.mark.parametrize("pair_us, chosen", [(5.0, None), (20.0, "fused")], ids=["pair_faster", "fused_faster"])
+def test_autotune_one_launch_against_the_fastest_pair(monkeypatch, pair_us, chosen):
+    """tuning.autotune("fused") keeps the one-launch config only where it beats the fastest shrink + expand
+    pair over both expand paths (search_pair), not a pair built on the fastest expand alone."""
+    fused = heuristics.FusedConfig(16, 128, 16, 128, 4, 3)
+    expand_us = {heuristics.ExpandConfig(16, 64, 64, 4, 3): 1.0}
+    asked = []
+
+    def fake_search(kind, problems, candidates, expand_cfg=None):
+        return (fused, 10.0, {fused: 10.0}) if kind == "fused" else (None, 0.0, expand_us)
+
+    def fake_pair(problems, shrink_candidates, timings, max_rank):
+        asked.append((timings, max_rank))
+        return None, pair_us, {}, None, 1.0
+    monkeypatch.setattr(tuning, "search", fake_search)
+    monkeypatch.setattr(tuning, "search_pair", fake_pair)
+    monkeypatch.setattr(tuning, "MAX_COPIES", 1)
+    best = tuning.autotune("fused", torch.device(DEVICE), torch.float32, 40, 2, 80, 3, 1, out_features=32)
+    assert best == (fused if chosen else None) and asked == [(expand_us, 80)]

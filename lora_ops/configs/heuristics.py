@@ -104,8 +104,9 @@ def one_block_rank(max_rank):
 
 # The heuristic's expand holds ranks up to ONE_BLOCK_MAX_RANK in one block up to ONE_BLOCK_MAX_BUCKET
 # tokens: H200 tuning (2026-12-03, Llama-3-8B and Phi-4-mini, ranks 128-320) chose it at every rank-128
-# shape of buckets 1-64 and at all but gate_up at rank 256, by 1.1-2.4x per add_lora_ call over the rank
-# loop; at rank 320 (a 512-wide block) the rank loop won about half the shapes from 16 tokens.
+# shape of buckets 1-64 and at all but gate_up at rank 256 (tuned pairs 1.02-2.67x the rank-loop
+# heuristic's speed per add_lora_ call, the shrink's tuning included); at rank 320 (a 512-wide block) the
+# rank loop won 4 of 8 shapes at 16 tokens and 6 of 8 at 64.
 ONE_BLOCK_MAX_BUCKET = 64
 ONE_BLOCK_MAX_RANK = 256
 # Its column block: the widest of 128 / 64 / 32 leaving this many programs (a decode step of a 4096-wide

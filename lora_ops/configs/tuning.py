@@ -280,8 +280,8 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     """The fastest config for one key, on synthetic problems of the bucket's token count. For "fused":
     the fastest one-launch config, or None when shrink + expand (each at its best) is faster. The expand
     is chosen by its own time (its key holds no input width to time pairs with), so above rank 64 its two
-    code paths are compared without the shrink work each implies; the offline tuner compares pairs
-    (search_pair)."""
+    code paths are compared without the shrink work each implies; the one-launch key and the offline
+    tuner compare pairs (search_pair)."""
     if kind == "shrink" and out_features:  # timed with the expand that adds its partial sums
         from lora_ops import configs
         problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
@@ -301,7 +301,7 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     best, fused_us, _ = search("fused", problems, candidates_for("fused", bucket, features, max_rank))
     if fused_only or best is None:
         return best
-    expand_cfg, _, _ = search("expand", problems, candidates_for("expand", bucket, out_features, max_rank))
-    _, pair_us, _ = search("shrink", problems, candidates_for("shrink", bucket, features, max_rank, num_slices,
-                                                              num_slots), expand_cfg)
+    _, _, expand_timings = search("expand", problems, candidates_for("expand", bucket, out_features, max_rank))
+    _, pair_us, _, _, _ = search_pair(problems, candidates_for("shrink", bucket, features, max_rank, num_slices,
+                                                               num_slots), expand_timings, max_rank)
     return best if fused_us < pair_us else None
