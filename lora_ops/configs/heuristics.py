@@ -86,8 +86,9 @@ def rank_align(max_rank):
 
 
 def rank_loops(max_rank):
-    """Whether the heuristic's expand runs its rank loop for this rank (kernels.expand): ranks past one
-    rank block. (A config's own path: the rank loop runs where its block_r is below the rank.)"""
+    """Whether the rank is past one 64-wide rank block, where the expand may run its rank loop
+    (kernels.expand). The heuristic's own path: :func:`expand_rank_loops`; a config's: the rank loop runs
+    where its block_r is below the rank (launch.takes_partials)."""
     return max_rank > rank_block(max_rank)
 
 

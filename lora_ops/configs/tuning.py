@@ -258,10 +258,11 @@ def precompile(device, dtype, in_features, slice_widths, max_rank, num_slots, bu
     p = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, bucket)
     # Shrinks run as the tuner times them, before an expand of each path among the candidates: one that
     # adds their split-K partial sums (the shrink compiles to write them) and one that does not.
-    pairs = [heuristics.expand_config(bucket, sum(slice_widths), max_rank, num_slots)]
     if heuristics.rank_loops(max_rank) and bucket <= ONE_BLOCK_TUNE_MAX_BUCKET:
         pairs = [ExpandConfig(16, 64, heuristics.rank_block(max_rank), 4, 3),
                  ExpandConfig(16, 64, heuristics.one_block_rank(max_rank), 8, 2)]
+    else:
+        pairs = [heuristics.expand_config(bucket, sum(slice_widths), max_rank, num_slots)]
     done = 0
     for kind, cfg in items:
         try:
