@@ -216,6 +216,8 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert shr and exp and len(set(shr)) == len(shr)
     assert bool(fused) == (bucket <= tuning.FUSED_TUNE_MAX_BUCKET) and len(set(fused)) == len(fused)
     assert all(c.split_k <= heuristics.cdiv(4096, c.block_k) for c in shr)
+    # From 1024 tokens 2 and 4 splits are always tried (a token axis of ~M / block_m tiles fills SMs unevenly).
+    assert ({2, 4} <= {c.split_k for c in shr}) == (bucket >= tuning.FEW_SPLITS_MIN_BUCKET)
     assert {c.block_r for c in shr} == {16}
     # Above rank 64 the shrink also tries a 128-wide rank block (8 warps: its accumulator is large).
     wide_shr = list(tuning.shrink_candidates(bucket, 4096, 320, 3))

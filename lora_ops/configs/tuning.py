@@ -38,6 +38,12 @@ def shrink_rank_blocks(max_rank):
     return (br, 128) if max_rank > 64 else (br,)
 
 
+# From this bucket the shrink also tries 2 and 4 splits: its token axis of ~cdiv(M, block_m) + slots tiles
+# fills 132 SMs unevenly (H200, 2026-12-03: Llama down r64 at 4096 tokens, 68 tiles, 2 splits: pair 84 -> 68
+# µs). Every slice in one program (a 256-wide dot at rank 64) was tried there too and won at no shape.
+FEW_SPLITS_MIN_BUCKET = 1024
+
+
 def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUNE_SLOTS):
     # split_k is a run-time argument (no recompile), so it is searched widely; the other knobs compile.
     for br in shrink_rank_blocks(max_rank):
@@ -49,6 +55,8 @@ def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUN
             base = max(1, heuristics.TARGET_PROGRAMS // programs)
             # Where `base` passes `most` (one token tile, long K), the counts below `most` still get a try.
             splits = (1, max(1, base // 4), max(1, base // 2), base, base * 2, max(1, most // 2), max(1, most // 4))
+            if bucket >= FEW_SPLITS_MIN_BUCKET:
+                splits += (2, 4)
             for sk in sorted({min(most, s) for s in splits}):
                 # A 128-wide rank block holds a 64 x 128 fp32 accumulator at least: 8 warps only.
                 for warps, stages in ((4, 3), (8, 3)) if br <= 64 else ((8, 3),):
