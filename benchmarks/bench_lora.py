@@ -189,9 +189,10 @@ def skipped_record(case, why):
 
 
 class RowRunner:
-    def __init__(self, args, timer, peers, dtype, copy_bytes_per_s):
+    def __init__(self, args, timer, peers, dtype, copy_bytes_per_s, matmul_flops_per_s=0.0):
         self.args, self.timer, self.peers, self.dtype = args, timer, peers, dtype
         self.copy_bytes_per_s = copy_bytes_per_s
+        self.matmul_flops_per_s = matmul_flops_per_s
         self.tol = problems.TOLERANCE[dtype]
 
     def check(self, rec, name, build, problem, inp, ref):
@@ -263,6 +264,10 @@ class RowRunner:
         if self.copy_bytes_per_s:
             rec["floor_bytes"] = problem.floor_bytes()
             rec["floor_us"] = rec["floor_bytes"] / self.copy_bytes_per_s * 1e6
+        flops = problem.floor_flops()
+        if self.matmul_flops_per_s and flops is not None:
+            # The compute bound beside the bytes bound: at high ranks it is the larger (DESIGN §7).
+            rec["mma_floor_us"] = flops / self.matmul_flops_per_s * 1e6
 
         def inputs(k):
             return inp if k == 0 else problem.inputs(k)
@@ -406,7 +411,7 @@ def main(argv=None):
     out_dir = args.out or default_out_dir()
     stem = file_stem(args, device)
     title = f"lora_ops {args.grid} grid on {env['gpu']} ({env['date']})"
-    runner = RowRunner(args, timer, peers, dtype, (env["copy_GBps"] or 0) * 1e9)
+    runner = RowRunner(args, timer, peers, dtype, (env["copy_GBps"] or 0) * 1e9, (env["matmul_TFLOPs"] or 0) * 1e12)
     for n in notes:
         print("note:", n, flush=True)
     print(f"{len(cases)} rows, grid {args.grid}, {env['dtype']}, {env['gpu']}, peers: {sorted(peers) or 'none'}; "

@@ -109,6 +109,16 @@ class Problem:
         adapters = sum(self.slot_ranks[s] * (self.S * self.K + self.N) for s in self.used_slots())
         return (self.M * self.K + adapters + 2 * self.M * self.N) * self.esize
 
+    def floor_flops(self):
+        """Tensor-core FLOPs of the delta at its own precision, counted at the dtype's matmul rate: each
+        adapted token's shrink (S slices of its slot's rank over K) and expand (N columns over the rank).
+        The expand's fp32 h meets B as two bf16 terms (bf16) or as TF32 at half the fp16 rate (fp16):
+        twice a 16-bit product either way. None for float32 (no 16-bit tensor-core path)."""
+        if self.dtype == torch.float32:
+            return None
+        per_rank = 2 * (self.S * self.K + 2 * self.N)
+        return sum(self.tokens_of(s) * self.slot_ranks[s] * per_rank for s in self.used_slots())
+
 
 # --- the float64 reference and the check
 

@@ -26,6 +26,12 @@ def geomean(values):
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+def bound_us(row):
+    """The larger of the bytes floor and the MMA floor: no kernel of the delta runs faster."""
+    floors = [row.get(k) for k in ("floor_us", "mma_floor_us") if row.get(k) is not None]
+    return max(floors) if floors and row.get("ours_us") is not None else None
+
+
 def best_peer_us(row):
     times = [row.get(f"{p}_us") for p in PEERS if row.get(f"{p}_us") is not None]
     return min(times) if times else None
@@ -79,6 +85,7 @@ def _columns(rows, wide):
         ("M", lambda r: str(r["M"])),
         ("base", lambda r: _fmt(r.get("base_us"))),
         ("floor", lambda r: _fmt(r.get("floor_us"))),
+        ("mma floor", lambda r: _fmt(r.get("mma_floor_us"))),
         ("ours", lambda r: _fmt(r.get("ours_us"))),
         ("ours/base", lambda r: _fmt(ratio(r.get("ours_us"), r.get("base_us")), 2)),
         ("ours/floor", lambda r: _fmt(ratio(r.get("ours_us"), r.get("floor_us")), 2)),
@@ -148,13 +155,14 @@ def _bin_means(rows, numerator, denominator):
 
 def summarise(rows):
     """Geometric means per group: X/base per token bin, X/floor at M >= 1024, ours/alone-sum per bin
-    (mixed grid), and how many rows ours is slower than a peer."""
+    (mixed grid), the bound (the larger of the bytes and MMA floors: what no kernel beats) over base, and
+    how many rows ours is slower than a peer."""
     timed = [r for r in rows if r.get("ours_us") is not None]
     out = {}
     for name, group in _groups(timed):
         g = {}
-        for impl in IMPLS + VARIANTS + ("best_peer",):
-            t = best_peer_us if impl == "best_peer" else (lambda r, i=impl: r.get(f"{i}_us"))
+        for impl in IMPLS + VARIANTS + ("best_peer", "bound"):
+            t = {"best_peer": best_peer_us, "bound": bound_us}.get(impl, lambda r, i=impl: r.get(f"{i}_us"))
             per_bin = _bin_means(group, t, lambda r: r.get("base_us"))
             per_bin[f"floor {FLOOR_BIN[0]}"] = geomean(ratio(t(r), r.get("floor_us"))
                                                        for r in group if FLOOR_BIN[1](r["M"]))
