@@ -48,12 +48,14 @@ VARIANTS = {
     # The whole layer as lora_linear; the time recorded is lora_linear's minus the base layer's.
     "overlap": lambda: lora_ops.launch.set_overlap("always"),         # shrink beside the base GEMM
     "in_order": lambda: lora_ops.launch.set_overlap("never"),         # GEMM, shrink, expand in order
+    "fast_bf16": lambda: lora_ops.launch.set_fast_bf16(True),         # h meets B as one bf16 term
 }
 LAYER_VARIANTS = ("overlap", "in_order")
 assert tuple(VARIANTS) == report.VARIANTS, "report.VARIANTS names the same variants, in this order"
 
 
 def reset_config_choice():
+    lora_ops.launch.set_fast_bf16(False)
     lora_ops.configs.enable_autotune(False)
     lora_ops.configs.use_tuned_tables(True)
     lora_ops.configs.force_path(None)

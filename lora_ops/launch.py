@@ -25,9 +25,26 @@ EXPAND = FastLauncher(expand_kernels.expand_kernel)
 FUSED = FastLauncher(fused_kernels.fused_add_lora_kernel)
 
 _DOT_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "tf32"}
-# How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.dot_f32_lhs);
-# one choice for the forward and the backward kernels.
+# How an fp32 operand (h, dh) meets a weight-dtype operand on the tensor cores (kernels.work.split_f32);
+# one choice for the forward and the backward kernels (f32_operand_precision).
 F32_OPERAND_PRECISION = {torch.float32: "ieee", torch.float16: "tf32", torch.bfloat16: "bf16x2"}
+_fast_bf16 = {"on": os.environ.get("LORA_OPS_FAST_BF16", "0") == "1"}
+
+
+def set_fast_bf16(on):
+    """bf16 weights: let the fp32 h (and the backward's dh) meet them on the tensor cores as one bf16 term
+    instead of two (default off; ``LORA_OPS_FAST_BF16=1`` turns it on). One MMA instead of two per
+    product, at about 1.4x the error (h rounded to 8 significant bits before the expand, as vLLM and PEFT's
+    bf16 path do; two terms keep ~16). CUDA graphs captured before the switch keep their kernels."""
+    _fast_bf16["on"] = bool(on)
+    plan.clear()      # plans hold the launch constexprs
+
+
+def f32_operand_precision(dtype):
+    """The kernels' H_PRECISION / PRECISION for weights of ``dtype`` (kernels.work.split_f32)."""
+    if dtype == torch.bfloat16 and _fast_bf16["on"]:
+        return "bf16"
+    return F32_OPERAND_PRECISION[dtype]
 
 
 def slice_layout(slice_widths, block_n):
@@ -143,7 +160,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
              ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
              RANK_ALIGN=rank_align(R),
-             H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+             H_PRECISION=f32_operand_precision(y.dtype),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
@@ -211,7 +228,7 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
         dict(SLICE_COLS=cols, SLICE_BLOCKS=blocks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
-             H_PRECISION=F32_OPERAND_PRECISION[y.dtype],
+             H_PRECISION=f32_operand_precision(y.dtype),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     ).run_if(run)
 

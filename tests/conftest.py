@@ -52,12 +52,13 @@ FLOAT32_ROUNDOFF = 2.0 ** -24  # the kernels accumulate in float32
 
 def h_roundoff(dtype, backend):
     """Unit roundoff of h (float32) as the expand's dot sees it on ``backend`` (lora_ops.launch's
-    F32_OPERAND_PRECISION): float32, except in the Triton kernel for bf16 (h as two bf16 terms, about 16
-    significant bits) and for fp16 on a GPU (tf32, whose operand conversion truncates: 2**-10; the interpreter
-    ignores tf32 and stays in float32).
+    f32_operand_precision): float32, except in the Triton kernel for bf16 (h as two bf16 terms, about 16
+    significant bits; one term, 8 bits, under launch.set_fast_bf16) and for fp16 on a GPU (tf32, whose
+    operand conversion truncates: 2**-10; the interpreter ignores tf32 and stays in float32).
     """
+    from lora_ops import launch
     if backend.name == "triton" and dtype == torch.bfloat16:
-        return 2.0 ** -16
+        return 2.0 ** -8 if launch.f32_operand_precision(dtype) == "bf16" else 2.0 ** -16
     if backend.name == "triton" and dtype == torch.float16 and not backend.interpreted:
         return 2.0 ** -10  # tf32 on the tensor cores truncates the fp32 operand to 10 mantissa bits
     return FLOAT32_ROUNDOFF

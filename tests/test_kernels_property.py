@@ -280,6 +280,36 @@ def test_expand_kernel_paths(backend, checked_dtype, path):
     assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4 + num_parts, dtype, backend)
 
 
+@pytest.mark.parametrize("path", ["one_block-3_col_blocks-11_parts", "rank_loop-2_col_blocks"])
+def test_fast_bf16_rounds_h_to_one_term(backend, bf16_interpreter, path):
+    """launch.set_fast_bf16: h meets B as one bf16 term. Within one rounding of h to 8 bits (plus one
+    output step) of the exact result, and measurably off the two-term result, so the switch is live."""
+    if backend.name != "triton":
+        pytest.skip("the Triton kernels' precision")
+    cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
+    dtype = torch.bfloat16
+    case = make_case(37, 9, 75, 4, 3, R, dtype=dtype, device=backend.device, seed=5, ranks=[R, R // 2 + 1, 0, 3],
+                     slice_widths=[41, 29, 5], capacity=42)
+    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
+    ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots, case.slice_widths)
+    abs_bound = expand_reference(parts.double().abs().sum(0), case.lora_b.abs(), case.rank, case.token_slots,
+                                 case.slice_widths)
+    y_in = case.new_y("random")
+    outs = {}
+    for fast in (False, True):
+        launch.set_fast_bf16(fast)
+        try:
+            outs[fast] = y_in.clone()
+            launch.launch_expand(outs[fast], parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
+            assert_one_rounding_step(outs[fast], y_in, ref, abs_bound, R + 4 + num_parts, dtype, backend)
+        finally:
+            launch.set_fast_bf16(False)
+    assert_rows_bit_identical(outs[True], y_in, case.no_adapter_rows(), "slot -1")
+    assert_delta_close(outs[True], y_in, ref, dtype)
+    assert not torch.equal(outs[True], outs[False])
+    assert rel_err(outs[True] - y_in.double(), ref) > rel_err(outs[False] - y_in.double(), ref)
+
+
 # ------------------------------------------------------------------------------------------------
 # Isolation: a NaN in one slot's weights (or one token's x) reaches exactly the outputs it should
 # ------------------------------------------------------------------------------------------------

@@ -106,12 +106,16 @@ def split_f32(a, PRECISION: tl.constexpr):
 
     "ieee" (b float32): a itself, exact fp32 products; "tf32" (b float16: fp16 fits tf32 exactly, ``a``
     keeps fp32 range): a itself; "bf16x2" (b bfloat16): two bf16 terms hi + lo, about 16 significant
-    bits, two MMAs. Returns (hi, lo); lo is hi where unused. Splitting once lets a kernel reuse the terms
-    across several dots (kernels.expand).
+    bits, two MMAs; "bf16" (b bfloat16, launch.set_fast_bf16): one bf16 term, 8 significant bits, one MMA.
+    Returns (hi, lo); lo is hi where unused. Splitting once lets a kernel reuse the terms across several
+    dots (kernels.expand).
     """
     if PRECISION == "bf16x2":
         hi = a.to(tl.bfloat16)
         lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+    elif PRECISION == "bf16":
+        hi = a.to(tl.bfloat16)
+        lo = hi
     else:
         hi = a
         lo = a
@@ -124,6 +128,8 @@ def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr):
     if PRECISION == "bf16x2":
         acc = tl.dot(hi, b, acc)
         acc = tl.dot(lo, b, acc)
+    elif PRECISION == "bf16":
+        acc = tl.dot(hi, b, acc)
     elif PRECISION == "tf32":
         acc = tl.dot(hi, b.to(tl.float32), acc, input_precision="tf32")
     else:
