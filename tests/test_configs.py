@@ -32,14 +32,14 @@ def test_heuristic_configs_are_valid(rank, bucket):
         assert block >= 16 and block & (block - 1) == 0      # tl.dot: powers of two, at least 16
     assert 1 <= s.split_k <= 32 and s.split_k <= heuristics.cdiv(4096, s.block_k)
     assert s.block_r == heuristics.rank_block(rank)
-    if heuristics.expand_rank_loops(bucket, rank):  # the expand's rank loop, in steps of its own
+    if heuristics.expand_rank_loops(bucket, rank, 6144):  # the expand's rank loop, in steps of its own
         assert e.block_r < rank and heuristics.rank_loops(rank)
     elif not heuristics.rank_loops(rank):  # the whole rank in one block, as the shrink's
         assert e.block_r == s.block_r
     else:  # past 64 at decode sizes: one block holding the rank, its h tile within bounds
-        assert bucket <= heuristics.ONE_BLOCK_MAX_BUCKET and rank <= heuristics.ONE_BLOCK_MAX_RANK
+        assert bucket <= max(b for b, _, _ in heuristics.ONE_BLOCK_LIMITS)
         assert e.block_r >= rank and e.block_m * e.block_r <= heuristics.ONE_BLOCK_MAX_H_TILE
-    assert launch.takes_partials(e, rank) == (not heuristics.expand_rank_loops(bucket, rank))
+    assert launch.takes_partials(e, rank) == (not heuristics.expand_rank_loops(bucket, rank, 6144))
 
 
 def test_split_k_only_at_small_token_counts():
@@ -53,12 +53,24 @@ def test_split_k_capped_where_an_expand_adds_the_partial_sums():
     alone = heuristics.shrink_config(1024, 4096, 1, 16, 4)
     paired = heuristics.shrink_config(1024, 4096, 1, 16, 4, out_features=4096)
     assert alone.split_k > heuristics.MAX_EXPAND_PARTS == paired.split_k
-    # The rank loop takes h summed by the shrink itself: no cap. (At decode sizes up to rank 256 the
+    # The rank loop takes h summed by the shrink itself: no cap. (At 64 tokens up to rank 256 the
     # heuristic's expand holds the rank in one block and adds the partial sums: capped.)
-    assert heuristics.expand_rank_loops(1, 320) and not heuristics.expand_rank_loops(1, 256)
-    assert heuristics.shrink_config(1, 4096, 1, 320, 4, out_features=4096).split_k == \
-        heuristics.shrink_config(1, 4096, 1, 320, 4).split_k > heuristics.MAX_EXPAND_PARTS
-    assert heuristics.shrink_config(1, 4096, 1, 256, 4, out_features=4096).split_k == heuristics.MAX_EXPAND_PARTS
+    assert heuristics.expand_rank_loops(64, 320, 4096) and not heuristics.expand_rank_loops(64, 256, 4096)
+    assert heuristics.shrink_config(64, 4096, 1, 320, 4, out_features=4096).split_k == \
+        heuristics.shrink_config(64, 4096, 1, 320, 4).split_k > heuristics.MAX_EXPAND_PARTS
+    assert heuristics.shrink_config(64, 4096, 1, 256, 4, out_features=4096).split_k == heuristics.MAX_EXPAND_PARTS
+
+
+@pytest.mark.parametrize("bucket, rank, out_features, loops", [
+    (1, 320, 6144, False), (1, 320, 28672, True), (16, 320, 4096, False), (16, 320, 6144, True),
+    (64, 256, 28672, False), (64, 320, 4096, True), (256, 128, 6144, False), (256, 128, 28672, True),
+    (256, 256, 4096, False), (256, 256, 6144, True), (1024, 128, 4096, True), (8192, 64, 28672, False)])
+def test_heuristic_expand_holds_the_rank_in_one_block_where_the_table_did(bucket, rank, out_features, loops):
+    """heuristics.ONE_BLOCK_LIMITS: one block at high rank for small buckets, at rank 320 and at 256 tokens
+    only for narrow outputs (each column block re-reads the shrink's partial sums)."""
+    assert heuristics.expand_rank_loops(bucket, rank, out_features) == loops
+    e = heuristics.expand_config(bucket, out_features, rank, 4)
+    assert launch.takes_partials(e, rank) == (not loops)
 
 
 @pytest.mark.parametrize("m, slots, block_m, bound", [(1, 4, 16, 1), (16, 4, 16, 5), (64, 8, 16, 12),

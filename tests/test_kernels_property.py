@@ -371,11 +371,11 @@ def test_nan_stays_in_its_slot(backend, dtype, path, add_lora_path, data):
 def test_rank_above_one_rank_block(backend, checked_dtype, add_lora_path, M):
     """Ranks past the kernels' 64-wide rank block: the rank loops take several blocks and stop at each
     slot's own rank (rank rows past it hold NaN, so reading them shows). The heuristic's expand holds the
-    rank in one block at decode sizes, and loops over it past ONE_BLOCK_MAX_BUCKET tokens."""
+    rank in one block at decode sizes (heuristics.ONE_BLOCK_LIMITS), and loops over it at 300 tokens."""
     dtype = checked_dtype
     K, N, L, S, R = 37, 29, 3, 2, 80
     if backend.interpreted:  # on CUDA a tuned table may choose otherwise
-        assert heuristics.expand_rank_loops(heuristics.token_bucket(M), R) == (M > heuristics.ONE_BLOCK_MAX_BUCKET)
+        assert heuristics.expand_rank_loops(heuristics.token_bucket(M), R, N) == (M == 300)
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=11,
                      ranks=[80, 65, 3], token_slots=([0, 1, 2, -1, 0, 1, 2, 0, 1] * 34)[:M])
     ref = case.delta_reference()  # before the poison: the reference masks rank by multiplying
@@ -409,17 +409,17 @@ def test_empty_batch_is_a_no_op(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_split_k_matches_reference(backend, checked_dtype, R):
     """K large enough that the Triton shrink splits K. Ranks 16 and 80: the expand adds the partial sums
-    (the whole rank is one block; past 64 only at decode sizes); rank 264: the expand's rank loop takes h
-    summed, so the shrink adds them."""
+    (the whole rank is one block; past 64 only at small token counts); rank 264 at 17 tokens: the expand's
+    rank loop takes h summed, so the shrink adds them."""
     dtype = checked_dtype
-    M, K, N, L, S = 5, 517, 33, 3, 2
+    M, K, N, L, S = 17, 517, 33, 3, 2
     if backend.interpreted:  # on CUDA a tuned table may choose otherwise
         cfg = configs.shrink_config(M, K, S, R, L, torch.device("cpu"), dtype)
         assert cfg.split_k > 1, "this shape no longer exercises split-K"
         ecfg = configs.expand_config(M, N, S, R, L, torch.device("cpu"), dtype)
-        assert launch.takes_partials(ecfg, R) == (R <= heuristics.ONE_BLOCK_MAX_RANK)
+        assert launch.takes_partials(ecfg, R) == (R != 264)
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=7,
-                     ranks=[R, 5, 0], token_slots=[2, 0, -1, 1, 0])
+                     ranks=[R, 5, 0], token_slots=([2, 0, -1, 1, 0] * 4)[:M])
     y = case.new_y("zero")
     add_lora(case, y)
     assert_delta_close(y, torch.zeros_like(y), case.delta_reference(), dtype)

@@ -103,22 +103,30 @@ def one_block_rank(max_rank):
     return max(16, next_power_of_2(max_rank))
 
 
-# The heuristic's expand holds ranks up to ONE_BLOCK_MAX_RANK in one block up to ONE_BLOCK_MAX_BUCKET
-# tokens: H200 tuning (2026-12-03, Llama-3-8B and Phi-4-mini, ranks 128-320) chose it at every rank-128
-# shape of buckets 1-64 and at all but gate_up at rank 256 (tuned pairs 1.02-2.67x the rank-loop
-# heuristic's speed per add_lora_ call, the shrink's tuning included); at rank 320 (a 512-wide block) the
-# rank loop won 4 of 8 shapes at 16 tokens and 6 of 8 at 64.
-ONE_BLOCK_MAX_BUCKET = 64
-ONE_BLOCK_MAX_RANK = 256
-# Its column block: the widest of 128 / 64 / 32 leaving this many programs (a decode step of a 4096-wide
-# layer has one token tile: 32 programs of 128 columns left most SMs idle; 32 columns won there).
+# Where the heuristic's expand holds the whole rank in one block: (up to this token bucket, a block up to this
+# rank (one_block_rank), out_features x that block up to this many, or None: any width). Each of a token
+# tile's column blocks re-reads all of the shrink's split-K partial sums, so at rank 320 and at 256 tokens
+# wide outputs take the rank loop (whose shrink sums its own splits). From the H200 table's choices
+# (2026-12-03, Llama-3-8B and Phi-4-mini, ranks 128-320) and three timings of the heuristic against the table
+# (highrank grid, M <= 256, session 11; `benchmarks/results/lab-h200-2026-12-03-session11.md` §7): rank 320 in
+# a 512 block at one token (Llama qkv 17.8 -> 13.0 µs, o 14.6 -> 12.5; gate_up, 28672 wide, keeps the loop)
+# and at 16 tokens for o and down; ranks <= 256 up to 64 tokens at any width (Llama gate_up r256 at 16
+# tokens: one block 36.7 µs, the rank loop 47.0); rank 128, and 256 for o and down, at 256 tokens (Llama o
+# r128 26.1 -> 17.0 µs).
+ONE_BLOCK_LIMITS = ((1, 512, 8 << 20), (16, 512, 2_200_000), (64, 256, None), (256, 256, 1_100_000))
+# Its column block up to 64 tokens: the widest of 128 / 64 / 32 leaving this many programs (a decode step
+# of a 4096-wide layer has one token tile: 32 programs of 128 columns left most SMs idle; 32 columns won).
 ONE_BLOCK_MIN_PROGRAMS = 96
 
 
-def expand_rank_loops(bucket, max_rank):
-    """Whether the heuristic's expand runs its rank loop (kernels.expand) for this bucket and rank; if not,
-    the whole rank is one block and the expand adds the shrink's split-K partial sums itself."""
-    return rank_loops(max_rank) and not (bucket <= ONE_BLOCK_MAX_BUCKET and max_rank <= ONE_BLOCK_MAX_RANK)
+def expand_rank_loops(bucket, max_rank, out_features):
+    """Whether the heuristic's expand runs its rank loop (kernels.expand) for this bucket, rank and output
+    width; if not, the whole rank is one block and the expand adds the shrink's split-K partial sums itself."""
+    if not rank_loops(max_rank):
+        return False
+    block = one_block_rank(max_rank)
+    return not any(bucket <= b and block <= r and (n is None or out_features * block <= n)
+                   for b, r, n in ONE_BLOCK_LIMITS)
 
 
 def max_token_tiles(num_tokens, num_slots, block_m):
@@ -149,7 +157,8 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_feat
     group = slice_group_for(num_slices, block_r)
     block_k = feature_block(in_features)
     programs = cdiv(num_slices, group) * cdiv(max_rank, block_r) * max_token_tiles(bucket, num_slots, block_m)
-    most = MAX_SPLIT_K if out_features is None or expand_rank_loops(bucket, max_rank) else MAX_EXPAND_PARTS
+    most = (MAX_SPLIT_K if out_features is None or expand_rank_loops(bucket, max_rank, out_features)
+            else MAX_EXPAND_PARTS)
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), most))
     # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
@@ -176,18 +185,23 @@ EXPAND_MIN_PROGRAMS = 512
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
-        # Past one 64-wide block: at decode sizes the whole rank in one block (ONE_BLOCK_MAX_RANK), else
+        # Past one 64-wide block: at decode sizes the whole rank in one block (ONE_BLOCK_LIMITS), else
         # the rank loop, a GEMM with K = rank. Since its loads are vectors (kernels.work.rank_ceil) the
         # tuner picks 64 x 256 tiles, 32-wide rank steps, 4 warps at every high-rank shape at 4096 tokens
         # (H200, 2026-12-03: 24 shapes, Llama-3-8B and Phi-4-mini, ranks 128-320; 1.1-1.3x the former
         # 128 x 256 x 64, 8 warps, whose registers spill).
         if bucket >= 1024:
             return ExpandConfig(64, 256, 32, num_warps=4, num_stages=3)
-        if not expand_rank_loops(bucket, max_rank):
+        if not expand_rank_loops(bucket, max_rank, out_features):
+            if bucket > 64:   # the table's choice at 256 tokens
+                return ExpandConfig(32, 128, one_block_rank(max_rank), num_warps=4, num_stages=2)
             tiles = max_token_tiles(bucket, num_slots, 16)
             block_n = next((bn for bn in (128, 64) if cdiv(out_features, bn) * tiles >= ONE_BLOCK_MIN_PROGRAMS), 32)
             return ExpandConfig(16, block_n, one_block_rank(max_rank), num_warps=8, num_stages=2)
-        return ExpandConfig(block_m_for(bucket), feature_block(out_features), block_r, num_warps=4, num_stages=3)
+        # The rank loop below 1024 tokens: token tiles of half the bucket, 16 to 64 rows (the table's at rank
+        # 320: 16 rows at 16 tokens, 32 at 64; 32 rows at 16 tokens took 1.14-1.33x the time).
+        return ExpandConfig(max(16, min(64, bucket // 2)), feature_block(out_features), block_r, num_warps=4,
+                            num_stages=3)
     block_m, block_n = block_m_for(bucket), feature_block(out_features)
     n_loop = 1
     if bucket >= EXPAND_N_LOOP_MIN_BUCKET:
