@@ -35,6 +35,20 @@ def _triton():
     return launch
 
 
+_interpreter_checked = []
+
+
+def _check_interpreter():
+    """Once per process, before CPU tensors first reach the Triton kernels (the interpreter): a clear error
+    where this Triton's interpreter cannot run them (triton_launch.interpreter_problem)."""
+    if not _interpreter_checked:
+        from lora_ops import triton_launch
+        problem = triton_launch.interpreter_problem()
+        if problem:
+            raise RuntimeError(f"set_cpu_backend('triton'): {problem}")
+        _interpreter_checked.append(True)
+
+
 # op name -> {"cuda": kernel, "cpu": kernel}, the functions registered below
 KERNELS = {}
 # Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
@@ -56,6 +70,7 @@ def register_kernels(op, launchers, check, cpu_kernel):
 
     def on_cpu(*args):
         if _cpu_backend == "triton":
+            _check_interpreter()
             return on_cuda(*args)
         check(*args)
         return cpu_kernel(*args)

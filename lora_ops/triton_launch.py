@@ -47,6 +47,19 @@ def _triton_version():
     return tuple(int(v) for v in triton.__version__.split(".")[:2])
 
 
+def interpreter_problem():
+    """Why Triton's interpreter cannot run our kernels in this environment, or None. Before 3.7 the
+    interpreter turns a loop bound (held in a 1-element array) into an int with ``int(array)``, which
+    numpy 2 refuses: every kernel with a run-time loop bound fails with "only 0-dimensional arrays can be
+    converted to Python scalars" (Triton 3.6 with numpy 2, the H200 image, 2026-12-03)."""
+    import numpy
+    import triton
+    if _triton_version() < (3, 7) and int(numpy.__version__.split(".")[0]) >= 2:
+        return (f"Triton {triton.__version__}'s interpreter cannot run the lora_ops kernels with numpy "
+                f"{numpy.__version__}: install numpy<2 or Triton >= 3.7 (compiled kernels on a GPU are not affected)")
+    return None
+
+
 def _direct_allowed():
     return _DIRECT_TRITON[0] <= _triton_version() <= _DIRECT_TRITON[1]
 

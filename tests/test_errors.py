@@ -291,3 +291,22 @@ def test_lora_linear_bad_argument_raises_naming_it(backend, change, error, messa
     with pytest.raises(error, match="^" + re.escape(message)):
         torch.ops.lora_ops.lora_linear(args["x"], args["weight"], args["bias"], args["lora_a"], args["lora_b"],
                                        args["scale"], args["rank"], args["slice_widths"], *meta)
+
+
+def test_interpreter_too_old_for_numpy_names_the_fix(monkeypatch):
+    """Triton < 3.7's interpreter cannot take numpy 2 (triton_launch.interpreter_problem): CPU tensors sent
+    to the Triton kernels raise saying what to install, instead of failing deep inside the interpreter."""
+    import numpy
+
+    from lora_ops import ops, triton_launch
+    monkeypatch.setattr(triton_launch, "_triton_version", lambda: (3, 6))
+    monkeypatch.setattr(numpy, "__version__", "2.1.0")
+    assert "numpy<2" in triton_launch.interpreter_problem()
+    monkeypatch.setattr(ops, "_interpreter_checked", [])
+    monkeypatch.setattr(ops, "_cpu_backend", "triton")
+    case = make_case(3, 8, 8, 2, 1, 4, dtype=torch.float32, device="cpu", seed=1)
+    with pytest.raises(RuntimeError, match="Triton >= 3.7"):
+        lora_ops.add_lora(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                          batch=case.meta, slice_widths=case.slice_widths)
+    monkeypatch.setattr(numpy, "__version__", "1.26.4")
+    assert triton_launch.interpreter_problem() is None
