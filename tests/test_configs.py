@@ -245,7 +245,7 @@ def test_tuner_candidates_include_valid_configs(bucket):
         assert len(set(wide)) == len(wide) and {c.n_loop for c in wide} == {1}
         assert all(c.block_m * c.block_r <= heuristics.ONE_BLOCK_MAX_H_TILE for c in wide if c.block_r >= rank)
     assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
-    assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1})
+    assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1, 2, 4})
 
 
 # (max rank, shrink, expand): the expand adds the shrink's 3 split-K partial sums of K = 40 itself (one
@@ -303,6 +303,32 @@ def test_tuner_picks_the_fastest_pair_over_both_expand_paths(monkeypatch):
     shrink, us, timings, expand, e_us = tuning.search_pair([], shrinks, expand_us, 128)
     assert (shrink, us, expand, e_us) == (shrinks[0], 12.0, one_block, 5.0)
     assert set(timed) == {loop_fast, one_block} and len(timings) == 2
+
+
+def test_tuner_pairs_each_column_block_count_with_the_shrinks(monkeypatch):
+    """An expand streaming several column blocks reads its tile's partial sums once for all of them: timed
+    alone (on one part) it looks slower, but after a shrink of many splits it wins the pair. Its pairs are
+    timed with the full search's fastest shrink shapes only, at every split count."""
+    one, four = heuristics.ExpandConfig(16, 64, 64, 4, 2, 1), heuristics.ExpandConfig(16, 64, 64, 4, 2, 4)
+    one_slow = heuristics.ExpandConfig(32, 64, 64, 4, 2, 1)
+    shapes = [heuristics.ShrinkConfig(16, 64, bk, 1, 4, 3) for bk in (64, 128, 256)] + \
+        [heuristics.ShrinkConfig(32, 64, bk, 1, 4, 3) for bk in (64, 128, 256)]
+    shrinks = [c._replace(split_k=sk) for c in shapes for sk in (4, 16)]
+    pair_us = {}
+    for i, c in enumerate(shrinks):   # with `one`: 4 splits best; the 32-row shapes slowest
+        pair_us[(c, one)] = 10.0 + i * 0.1 + (0.0 if c.split_k == 4 else 1.0)
+        pair_us[(c, four)] = 8.0 if (c.block_k, c.split_k, c.block_m) == (256, 16, 16) else 10.5
+    timed = []
+
+    def fake_time(kind, problems, cfg, expand_cfg=None):
+        timed.append((cfg, expand_cfg))
+        return pair_us[(cfg, expand_cfg)]
+    monkeypatch.setattr(tuning, "time_config", fake_time)
+    shrink, us, timings, expand, e_us = tuning.search_pair([], shrinks, {one: 3.0, one_slow: 3.5, four: 4.0}, 64)
+    assert (shrink, us, expand, e_us) == (shrinks[5], 8.0, four, 4.0)
+    after_four = {cfg for cfg, e in timed if e == four}
+    assert len(after_four) == 2 * tuning.PAIR_RETIME_SHAPES and {c.split_k for c in after_four} == {4, 16}
+    assert len([e for _, e in timed if e == one]) == len(shrinks) and one_slow not in {e for _, e in timed}
 
 
 def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeypatch):

@@ -88,7 +88,8 @@ def expand_candidates(bucket, out_features, max_rank):
                 if bm * br <= heuristics.ONE_BLOCK_MAX_H_TILE:
                     yield ExpandConfig(bm, bn, br, warps, 2)
         return
-    n_loops = (1, 4, 8) if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else (1,)
+    # Below 256 tokens up to 4 column blocks per program: fewer re-reads of the split-K partial sums (search_pair).
+    n_loops = (1, 4, 8) if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else (1, 2, 4)
     for bm, bn, n_loop in itertools.product(_block_ms(bucket), (64, 128), n_loops):
         for warps, stages in ((4, 2), (8, 2)):
             yield ExpandConfig(bm, bn, full, warps, stages, n_loop)
@@ -229,21 +230,36 @@ def search(kind, problems, candidates, expand_cfg=None):
     return best, timings[best], timings
 
 
+# Shrink shapes (all but the split count) from a path's full search that are timed again, at every split
+# count, before its expands streaming another count of column blocks (search_pair).
+PAIR_RETIME_SHAPES = 4
+
+
 def search_pair(problems, shrink_candidates, expand_timings, max_rank):
-    """The fastest shrink + expand pair: each expand path's fastest config (kernels.expand: one rank block
-    adds the shrink's split-K partial sums itself; the rank loop has the shrink sum them), then the shrink
-    candidates timed before each. Returns (shrink, pair µs, the shrink's timings, expand, expand µs)."""
+    """The fastest shrink + expand pair. Per expand path (kernels.expand: one rank block adds the shrink's
+    split-K partial sums itself; the rank loop has the shrink sum them), the path's fastest expand is timed
+    after every shrink candidate. An expand streaming another count of column blocks per program (n_loop)
+    reads its tile's partial sums once for all of its blocks, so timed alone on one part it hides what it
+    saves after a shrink of many splits: the path's fastest expand of each other count is timed after the
+    PAIR_RETIME_SHAPES fastest shrink shapes of the full search, at every split count.
+    Returns (shrink, pair µs, the shrink's timings, expand, expand µs)."""
     from lora_ops import launch
-    per_path = {}
+    fastest = {}   # (path, n_loop) -> the fastest expand
     for cfg, us in expand_timings.items():
-        path = launch.takes_partials(cfg, max_rank)
-        if path not in per_path or us < expand_timings[per_path[path]]:
-            per_path[path] = cfg
+        key = (launch.takes_partials(cfg, max_rank), cfg.n_loop)
+        if key not in fastest or us < expand_timings[fastest[key]]:
+            fastest[key] = cfg
     best = (None, math.inf, {}, None, math.inf)
-    for expand in per_path.values():
-        shrink, pair_us, timings = search("shrink", problems, shrink_candidates, expand)
-        if pair_us < best[1]:
-            best = (shrink, pair_us, timings, expand, expand_timings[expand])
+    for path in {path for path, _ in fastest}:
+        expands = sorted((cfg for (p, _), cfg in fastest.items() if p == path), key=expand_timings.get)
+        shrinks = shrink_candidates
+        for i, expand in enumerate(expands):
+            shrink, pair_us, timings = search("shrink", problems, shrinks, expand)
+            if pair_us < best[1]:
+                best = (shrink, pair_us, timings, expand, expand_timings[expand])
+            if i == 0:
+                shapes = {c._replace(split_k=0) for c in sorted(timings, key=timings.get)[:PAIR_RETIME_SHAPES]}
+                shrinks = [c for c in shrink_candidates if c._replace(split_k=0) in shapes]
     return best
 
 
