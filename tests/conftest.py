@@ -26,10 +26,9 @@ from lora_ops.reference import lora_delta_reference  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRETED:
-    from lora_ops import triton_launch  # noqa: E402
-    if triton_launch.interpreter_problem():
-        pytest.exit(f"{triton_launch.interpreter_problem()}; or run LORA_OPS_TEST_DEVICE=cuda python -m pytest "
-                    "on a GPU", returncode=4)
+    from lora_ops.triton_launch import interpreter_problem  # noqa: E402
+    if interpreter_problem():
+        pytest.exit(f"{interpreter_problem()}; or on a GPU: LORA_OPS_TEST_DEVICE=cuda python -m pytest", returncode=4)
 
 # Hypothesis: no deadline (the interpreter's first call of a kernel is slow) and modest example
 # counts so the suite stays well under 15 minutes on 2 cores; HYPOTHESIS_PROFILE=dev digs deeper.
