@@ -29,7 +29,7 @@ def geomean(values):
 def bound_us(row):
     """The larger of the bytes floor and the MMA floor: no kernel of the delta runs faster."""
     floors = [row.get(k) for k in ("floor_us", "mma_floor_us") if row.get(k) is not None]
-    return max(floors) if floors and row.get("ours_us") is not None else None
+    return max(floors) if floors else None
 
 
 def best_peer_us(row):

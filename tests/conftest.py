@@ -60,8 +60,8 @@ def h_roundoff(dtype, backend):
     significant bits; one term, 8 bits, under launch.set_fast_bf16) and for fp16 on a GPU (tf32, whose
     operand conversion truncates: 2**-10; the interpreter ignores tf32 and stays in float32).
     """
-    from lora_ops import launch
     if backend.name == "triton" and dtype == torch.bfloat16:
+        from lora_ops import launch   # imports Triton: only where the Triton kernels run
         return 2.0 ** -8 if launch.f32_operand_precision(dtype) == "bf16" else 2.0 ** -16
     if backend.name == "triton" and dtype == torch.float16 and not backend.interpreted:
         return 2.0 ** -10  # tf32 on the tensor cores truncates the fp32 operand to 10 mantissa bits

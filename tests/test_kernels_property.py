@@ -252,31 +252,40 @@ def test_expand_path_configs_cover_part_chunks():
     assert any(R > 64 and parts > 1 for _, R, parts in EXPAND_PATH_CONFIGS.values())
 
 
+def expand_path_problem(path, dtype, device, seed):
+    """EXPAND_PATH_CONFIGS[path] on a fixed problem: 37 tokens over 4 slots (ranks R, R // 2 + 1, 0, 3),
+    3 slices of unequal widths, h as the config's partial sums; B's rows past each slot's rank hold NaN
+    (they must not be read). Returns (config, R, parts, case, y before the expand (random; made first: it
+    takes its scale from the reference delta, which the poison would turn NaN), h's parts, the float64
+    delta, the delta with every term made positive)."""
+    cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
+    assert num_parts == 1 or launch.takes_partials(cfg, R)
+    M, K, N, L, S = 37, 9, 75, 4, 3
+    case = make_case(M, K, N, L, S, R, dtype=dtype, device=device, seed=seed, ranks=[R, R // 2 + 1, 0, 3],
+                     slice_widths=[41, 29, 5], capacity=M + 5)
+    y_in = case.new_y("random")
+    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
+    past_rank = torch.arange(R, device=case.lora_b.device) >= case.rank[:, None, None].to(case.lora_b.device)
+    case.lora_b.masked_fill_(past_rank, math.nan)  # must not be read
+    ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots, case.slice_widths)
+    abs_bound = expand_reference(parts.double().abs().sum(0), case.lora_b.abs(), case.rank, case.token_slots,
+                                 case.slice_widths)
+    return cfg, R, num_parts, case, y_in, parts, ref, abs_bound
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("path", EXPAND_PATH_CONFIGS, ids=str)
 def test_expand_kernel_paths(backend, checked_dtype, path):
     if backend.name != "triton":
         pytest.skip("the Triton expand kernel's configs")
     dtype = checked_dtype
-    cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
-    assert num_parts == 1 or launch.takes_partials(cfg, R)
-    M, K, N, L, S = 37, 9, 75, 4, 3
-    case = make_case(M, K, N, L, S, R, dtype=dtype, device=backend.device, seed=3, ranks=[R, R // 2 + 1, 0, 3],
-                     slice_widths=[41, 29, 5], capacity=M + 5)
-    y = case.new_y("random")
-    y_in = y.clone()
-    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
-    past_rank = torch.arange(R, device=case.lora_b.device) >= case.rank[:, None, None].to(case.lora_b.device)
-    case.lora_b.masked_fill_(past_rank, math.nan)  # must not be read
-    ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots,
-                           case.slice_widths)
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, backend.device, seed=3)
+    y = y_in.clone()
     launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
     assert_delta_close(y, y_in, ref, dtype)
     assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
     # The precision h meets B at (bf16: hi + lo terms; a plain cast to bf16 fails this).
-    abs_bound = expand_reference(parts.double().abs().sum(0), case.lora_b.abs(), case.rank, case.token_slots,
-                                 case.slice_widths)
     assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4 + num_parts, dtype, backend)
 
 
@@ -286,15 +295,8 @@ def test_fast_bf16_rounds_h_to_one_term(backend, bf16_interpreter, path):
     output step) of the exact result, and measurably off the two-term result, so the switch is live."""
     if backend.name != "triton":
         pytest.skip("the Triton kernels' precision")
-    cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
     dtype = torch.bfloat16
-    case = make_case(37, 9, 75, 4, 3, R, dtype=dtype, device=backend.device, seed=5, ranks=[R, R // 2 + 1, 0, 3],
-                     slice_widths=[41, 29, 5], capacity=42)
-    parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
-    ref = expand_reference(parts.double().sum(0), case.lora_b, case.rank, case.token_slots, case.slice_widths)
-    abs_bound = expand_reference(parts.double().abs().sum(0), case.lora_b.abs(), case.rank, case.token_slots,
-                                 case.slice_widths)
-    y_in = case.new_y("random")
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, backend.device, seed=5)
     outs = {}
     for fast in (False, True):
         launch.set_fast_bf16(fast)
