@@ -58,6 +58,8 @@ def shrink_kernel(
                                                   max_rank, capacity, BLOCK_M, SLOTS_POW2)
     if r0 >= rank:
         return
+    # Issued now, not after the K loop: there it was one more dependent round trip before the store.
+    slot_scale = tl.load(scale_ptr + slot)
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
 
     cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
@@ -79,7 +81,7 @@ def shrink_kernel(
         xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
         at = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
-    acc = acc * tl.load(scale_ptr + slot)
+    acc = acc * slot_scale
 
     mask = valid[:, None] & col_ok[None, :]
     if SPLIT_K:

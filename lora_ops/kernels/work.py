@@ -26,9 +26,12 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
     """
     ls = tl.arange(0, SLOTS_POW2)
     in_range = ls < num_slots
+    # Counts, ranks and starts in one round trip: at decode sizes a kernel is a chain of dependent memory
+    # round trips (metadata, token ids, operands), and the start loaded after the slot was known was one more.
     cnt = tl.load(slot_counts_ptr + ls, mask=in_range, other=0)
-    cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
     rk = tl.load(rank_ptr + ls, mask=in_range, other=0)
+    starts = tl.load(slot_starts_ptr + ls, mask=in_range, other=0)
+    cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
     rk = tl.minimum(tl.maximum(rk, 0), max_rank)
     tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
@@ -37,7 +40,7 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
     tile = pid - tl.sum(tl.where(mine, ends - tiles, 0), 0)
     count = tl.sum(tl.where(mine, cnt, 0), 0)
     rank = tl.sum(tl.where(mine, rk, 0), 0)
-    start = tl.load(slot_starts_ptr + slot, mask=slot < num_slots, other=0)
+    start = tl.sum(tl.where(mine, starts, 0), 0)
     start = tl.minimum(tl.maximum(start, 0), capacity)
     return slot, start + tile * BLOCK_M, count - tile * BLOCK_M, rank
 
