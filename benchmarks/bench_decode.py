@@ -3,8 +3,10 @@
 Decode step: `--layers` decoder blocks of Llama-3-8B's projection shapes (qkv 4096 -> 6144 packed q/k/v, o
 4096 -> 4096, gate_up 4096 -> 28672 packed gate/up, down 14336 -> 4096; attention itself is replaced by
 taking q, the MLP is SiLU-gated), bf16, a batch of `--batch` tokens spread round-robin over 4 adapters.
-The same model is timed without LoRA, then with every projection a LoRALinear (apply_lora), each step
-captured into one CUDA graph; tokens/s = batch / median replay time.
+The same model is timed without LoRA, then with every projection a LoRALinear (apply_lora; each rank in a
+stack of its own capacity, max_rank = rank), each step captured into one CUDA graph; tokens/s = batch /
+median replay time. (Before 2026-12-03 session 12 both ranks shared one capacity-64 stack, so the rank-16
+row ran rank-64 configs.)
 
 Host cost: eager calls of one qkv LoRALinear at `--batch` tokens, back to back, wall time per call,
 against the bare nn.Linear; the difference is what LoRA adds on the host per layer.
@@ -59,6 +61,12 @@ def packed(d):
             "gate_up_proj": {"gate_proj": d["inter"], "up_proj": d["inter"]}}
 
 
+def build_model(d, layers, dtype, device):
+    """`layers` blocks, their weights from one fixed seed (every call builds the same model)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d, dtype, device) for _ in range(layers)])
+
+
 def fill_adapters(ctx, rank, num_adapters, gen):
     """Random signed adapters of `rank` in slots 0..num_adapters-1 of every layer (written in place)."""
     for layer in ctx.layers.values():
@@ -108,7 +116,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
     d = TINY if args.tiny else LLAMA
     gen = torch.Generator(device=device).manual_seed(0)
-    model = nn.Sequential(*[Block(d, dtype, device) for _ in range(args.layers)])
+    model = build_model(d, args.layers, dtype, device)
     x = torch.randn(args.batch, d["hidden"], device=device, dtype=dtype, generator=gen)
     slots = torch.arange(args.batch, device=device) % 4
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -125,16 +133,21 @@ def main(argv=None):
     base_step = time_step()
     with torch.no_grad():
         base_host = host_us_per_call(lambda: base_lin(x), args.calls, device)
-    ctx = lora_ops.apply_lora(model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], max_loras=4,
-                              max_rank=max(args.ranks), max_tokens=args.batch, packed_modules=packed(d))
-    ctx.set_token_slots(slots)
-    lora_lin = model[0].qkv_proj
-    for rank in args.ranks:
+    for i, rank in enumerate(args.ranks):
+        # Each rank in a stack of its own capacity (max_rank = rank), as a server of such adapters sets it;
+        # the same base weights (a fresh model of the same seed) under every row.
+        if i:
+            model = build_model(d, args.layers, dtype, device)
+        ctx = lora_ops.apply_lora(model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], max_loras=4,
+                                  max_rank=rank, max_tokens=args.batch, packed_modules=packed(d))
+        ctx.set_token_slots(slots)
+        lora_lin = model[0].qkv_proj
         fill_adapters(ctx, rank, 4, gen)
         lora_step = time_step()
         with torch.no_grad():
             lora_host = host_us_per_call(lambda: lora_lin(x), args.calls, device)
-        row = {"rank": rank, "base_step_us": round(base_step, 1), "lora_step_us": round(lora_step, 1),
+        row = {"rank": rank, "capacity": rank, "base_step_us": round(base_step, 1),
+               "lora_step_us": round(lora_step, 1),
                "base_tokens_per_s": round(args.batch / base_step * 1e6),
                "lora_tokens_per_s": round(args.batch / lora_step * 1e6),
                "slowdown": round(lora_step / base_step, 3),
@@ -142,10 +155,11 @@ def main(argv=None):
                "lora_added_host_us": round(lora_host - base_host, 1)}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
+        del ctx, lora_lin
 
     lines = [f"# Decode step, {args.layers} Llama-3-8B-shaped blocks, batch {args.batch}, 4 adapters "
              f"({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, {result['date']})", "",
-             "CUDA-graph replay of one step (median); host: eager qkv layer calls back to back, wall per call.", "",
+             "CUDA-graph replay of one step (median); each rank in a stack of its own capacity; host: eager qkv layer calls back to back, wall per call.", "",
              "| rank | base step µs | LoRA step µs | base tok/s | LoRA tok/s | LoRA/base | base Linear host µs | "
              "LoRALinear host µs | LoRA adds µs |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
