@@ -25,9 +25,10 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $R/NAME.log, print the exi
     echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc"
 }
 if [ "$MODE" = quick ]; then
-    # 2026-12-03: 90-110 s did not finish the property subset on a cold machine (hypothesis + compiles);
-    # the core grid itself takes about 40-65 s.
-    step tests 200 bash -c 'export LORA_OPS_TEST_DEVICE=cuda; P="python -m pytest -q -p no:cacheprovider -rf"
+    # 2026-12-03: 90-110 s did not finish the property subset on a cold machine (hypothesis + compiles;
+    # 10-25 s a property test at 12 examples), hence the "gpu" profile's 4; the core grid takes 40-65 s.
+    step tests 200 bash -c 'export LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu
+        P="python -m pytest -q -p no:cacheprovider -rf"
         $P tests/test_kernels_property.py -k "expand or split_k or rank_above or nan_stays"
         $P tests/test_fast_launch.py tests/test_training.py tests/test_codegen.py'
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"

@@ -39,6 +39,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=200)
+# On a GPU each example of new shapes compiles kernels: at 12 examples a property test takes 10-25 s on a
+# cold machine (H200, 2026-12-03), too long for a device call. The CPU suite covers the property space;
+# a GPU run checks the compiled kernels on a few examples each (benchmarks/gpu_session.sh uses this).
+settings.register_profile("gpu", parent=settings.get_profile("ci"), max_examples=4)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # ---------------------------------------------------------------------------------------------

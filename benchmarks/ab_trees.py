@@ -1,0 +1,118 @@
+"""A/B of lora_ops source trees: add_lora_ on the core grid's shapes, one process per tree and pass.
+
+Two versions of the kernels cannot share a process (one package name), and two benchmark runs differ by
+a few % on the device (host, clocks). So each tree times every shape in a process of its own, the trees
+take turns, and each shape keeps its fastest pass (session 12, 2026-12-03: passes of one tree agreed
+within 1-2%). Every shape is checked against float64 before it is timed (the benchmark's check).
+
+    git archive HEAD lora_ops csrc_meta | tar -x -C /tmp/base      # a tree: lora_ops/ and csrc_meta/
+    for i in 1 2; do
+        python benchmarks/ab_trees.py time /tmp/base base "$OUT/ab"
+        python benchmarks/ab_trees.py time . new "$OUT/ab"
+    done
+    python benchmarks/ab_trees.py compare "$OUT/ab" base new
+
+Timing: the benchmark's (CUDA-graph replay medians, cold L2, inputs rotated). --tokens picks the token
+counts (default 1,16,64,256,1024); --device cpu with TRITON_INTERPRET=1 checks the logic on tiny shapes.
+"""
+import argparse
+import collections
+import glob
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def time_tree(tree, tag, out_dir, tokens, device):
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.abspath(tree))   # this tree's lora_ops and csrc_meta, before any other
+    import torch
+    import lora_ops
+    if not os.path.abspath(lora_ops.__file__).startswith(os.path.abspath(tree)):
+        sys.exit(f"ab_trees: imported {lora_ops.__file__}, not the tree {tree}")
+    import problems
+    import shapes
+    from timing import Timer
+    timer = Timer(device)
+    layers = shapes.LLAMA3_8B if device == "cuda" else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+    rows = {}
+    for M in tokens:
+        for layer in layers:
+            for rank in (16, 64):
+                p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), torch.bfloat16, device)
+                sets = {0: p.inputs(0)}
+
+                def inputs(k, p=p, sets=sets):
+                    if k not in sets:
+                        sets[k] = p.inputs(k)
+                    return sets[k]
+                ref = problems.reference_delta(p, sets[0])
+                check = problems.check_delta(p, sets[0], problems.ours(p, sets[0]), ref,
+                                             problems.TOLERANCE[torch.bfloat16])
+                us = timer.measure(lambda k, p=p: problems.ours(p, inputs(k)), p.set_bytes(), False)[0]
+                rows[f"{layer.name} r{rank} M={M}"] = dict(us=us, ok=check.ok, err=check.err)
+                del sets, ref
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    os.makedirs(out_dir, exist_ok=True)
+    n = len(glob.glob(os.path.join(out_dir, f"{tag}-*.json"))) + 1
+    path = os.path.join(out_dir, f"{tag}-{n}.json")
+    with open(path, "w") as f:
+        json.dump(dict(tree=os.path.abspath(tree), tokens=list(tokens), rows=rows), f, indent=1)
+    bad = [k for k, r in rows.items() if not r["ok"]]
+    print(f"{tag} pass {n}: {len(rows)} shapes, " + (f"CHECK FAILED at {bad}" if bad else "all pass"), flush=True)
+    return 1 if bad else 0
+
+
+def fastest(out_dir, tag):
+    """{shape: (fastest µs over the tag's passes, every pass checked ok)}."""
+    passes = [json.load(open(p))["rows"] for p in sorted(glob.glob(os.path.join(out_dir, f"{tag}-*.json")))]
+    if not passes:
+        sys.exit(f"ab_trees: no passes of {tag} in {out_dir}")
+    return {k: (min(p[k]["us"] for p in passes), all(p[k]["ok"] for p in passes)) for k in passes[0]}
+
+
+def compare(out_dir, base_tag, tags):
+    def geomean(v):
+        return math.exp(sum(map(math.log, v)) / len(v))
+    base = fastest(out_dir, base_tag)
+    runs = {tag: fastest(out_dir, tag) for tag in tags}
+    for tag, run in runs.items():
+        by_m = collections.defaultdict(list)
+        for k, (us, _) in run.items():
+            by_m[int(k.split("M=")[1])].append(us / base[k][0])
+        every = [r for v in by_m.values() for r in v]
+        ok = all(o for _, o in run.values())
+        print(f"{tag} / {base_tag}: " + "  ".join(f"M={m} {geomean(v):.3f}" for m, v in sorted(by_m.items()))
+              + f"  all {geomean(every):.3f}" + ("" if ok else "  (a check FAILED)"))
+    print()
+    print(f"{'shape':22s} {base_tag:>9s} " + " ".join(f"{t:>9s}" for t in tags))
+    for k, (us, _) in base.items():
+        print(f"{k:22s} {us:9.2f} " + " ".join(f"{runs[t][k][0]:9.2f}" for t in tags))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("time", help="one pass of one tree")
+    t.add_argument("tree")
+    t.add_argument("tag")
+    t.add_argument("out_dir")
+    t.add_argument("--tokens", default="1,16,64,256,1024")
+    t.add_argument("--device", default="cuda")
+    c = sub.add_parser("compare", help="each tag's fastest pass per shape against the base tag's")
+    c.add_argument("out_dir")
+    c.add_argument("base_tag")
+    c.add_argument("tags", nargs="+")
+    args = ap.parse_args(argv)
+    if args.cmd == "time":
+        return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device)
+    compare(args.out_dir, args.base_tag, args.tags)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
