@@ -155,7 +155,6 @@ def main(argv=None):
                "lora_added_host_us": round(lora_host - base_host, 1)}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-        del ctx, lora_lin
 
     lines = [f"# Decode step, {args.layers} Llama-3-8B-shaped blocks, batch {args.batch}, 4 adapters "
              f"({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, {result['date']})", "",

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from repo_path import HERE  # noqa: F401  (first: this checkout's lora_ops)
+import repo_path  # first: this checkout's lora_ops
 
 from lora_ops import configs, launch  # noqa: E402
 import problems  # noqa: E402
@@ -79,7 +79,7 @@ def main(out):
             g = math.exp(sum(math.log(r[key] / r["base"]) for r in part) / len(part))
             print(f"M={M}: {key}/base {g:.3f}")
     with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(dict(repo=repo_path.REPO, device=DEV, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
