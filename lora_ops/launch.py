@@ -326,13 +326,14 @@ def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, s
 
 
 def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                         h, scfg, ecfg):
+                         h, scfg, ecfg, pdl=False):
     """add_lora_'s two launches: the shrink into ``h`` (from :func:`shrink_buffer`: split-K partial sums
-    where it has several parts), then the expand reading it. The tuner times this (add_lora_ runs the same
-    launches through :func:`add_lora_launches`)."""
+    where it has several parts), then the expand reading it; ``pdl`` as add_lora_ takes it
+    (:func:`uses_pdl`). The tuner times this (add_lora_ runs the same launches through
+    :func:`add_lora_launches`)."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                  partials_out=h.shape[0] > 1)
-    launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
+                  partials_out=h.shape[0] > 1, pdl=pdl)
+    launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, pdl=pdl)
 
 
 def shrink_buffer_spec(M, S, R, scfg, ecfg):

@@ -284,6 +284,19 @@ def test_tuner_times_what_add_lora_runs(pair):
         torch.testing.assert_close(p["h"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_tuner_pair_launches_with_pdl_where_add_lora_does(monkeypatch, pdl):
+    """The pair's timing launches shrink and expand with PDL exactly where add_lora_ would (uses_pdl)."""
+    seen = []
+    monkeypatch.setattr(launch, "uses_pdl", lambda x: pdl)
+    monkeypatch.setattr(launch, "launch_shrink", lambda *a, **kw: seen.append(("shrink", kw.get("pdl"))))
+    monkeypatch.setattr(launch, "launch_expand", lambda *a, **kw: seen.append(("expand", kw.get("pdl"))))
+    R, scfg, ecfg = PAIRS["one_block"]
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
+    tuning.shrink_runner(p, scfg, ecfg)()
+    assert seen == [("shrink", pdl), ("expand", pdl)]
+
+
 def test_tuner_picks_the_fastest_pair_over_both_expand_paths(monkeypatch):
     """At ranks past 64 the expand's two paths differ in what they ask of the shrink (one rank block adds
     its partial sums; the rank loop has it sum them), so the tuner times the shrink before each path's

@@ -171,7 +171,9 @@ def wall_time_us(fns):
 def shrink_runner(p, cfg, expand_cfg=None):
     """The shrink op alone (it adds its split-K partial sums itself), or, given the expand's config, the
     pair as add_lora_ runs it: a shrink's split count is only as good as the expand that reads its
-    partial sums (each column block of a token tile re-reads all of them)."""
+    partial sums (each column block of a token tile re-reads all of them). The pair launches with
+    programmatic dependent launch where add_lora_ would (launch.uses_pdl): under it the expand's loads
+    before its wait run beside the shrink, which changes which pair is fastest (DESIGN §4)."""
     from lora_ops import launch
     if expand_cfg is None:
         h = p["h"]
@@ -180,10 +182,11 @@ def shrink_runner(p, cfg, expand_cfg=None):
             launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
         return run
     h = launch.shrink_buffer(p["x"], p["A"], cfg, expand_cfg)
+    pdl = launch.uses_pdl(p["x"])
 
     def run_pair():
         launch.launch_shrink_expand(p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], p["widths"], *p["meta"],
-                                    h, cfg, expand_cfg)
+                                    h, cfg, expand_cfg, pdl=pdl)
     return run_pair
 
 
