@@ -49,8 +49,11 @@ VARIANTS = {
     "overlap": lambda: lora_ops.launch.set_overlap("always"),         # shrink beside the base GEMM
     "in_order": lambda: lora_ops.launch.set_overlap("never"),         # GEMM, shrink, expand in order
     "fast_bf16": lambda: lora_ops.launch.set_fast_bf16(True),         # h meets B as one bf16 term
+    # The whole layer as lora_ops::lora_linear_stacked on [W; A]: one GEMM gives y and every slot's h, then
+    # the expand; recorded as its time minus the base layer's (run_stacked_variant).
+    "stacked": lambda: None,
 }
-LAYER_VARIANTS = ("overlap", "in_order")
+LAYER_VARIANTS = ("overlap", "in_order", "stacked")
 assert tuple(VARIANTS) == report.VARIANTS, "report.VARIANTS names the same variants, in this order"
 
 
@@ -284,8 +287,9 @@ class RowRunner:
         """Our op with one config choice changed (VARIANTS): checked on set 0, then graph-timed."""
         VARIANTS[variant]()
         if variant in LAYER_VARIANTS:
+            run_layer = self.run_stacked_variant if variant == "stacked" else self.run_layer_variant
             try:
-                self.run_layer_variant(rec, variant, problem, inp, ref)
+                run_layer(rec, variant, problem, inp, ref)
             finally:
                 reset_config_choice()
             return
@@ -320,6 +324,38 @@ class RowRunner:
             extra = problem.N * problem.K * problem.esize
             self.time(rec, f"{variant}_layer",
                       lambda k: problems.layer(problem, inp if k == 0 else problem.inputs(k), weight(k)),
+                      problem.set_bytes() + extra, eager=False)
+
+    def run_stacked_variant(self, rec, variant, problem, inp, ref):
+        """lora_linear_stacked with every slot's A stacked under W (DESIGN §4): its first N columns minus
+        the same GEMM's (the wider GEMM may round y unlike F.linear(x, W)) are checked as the delta; the
+        layer is graph-timed as stacked_layer_us (run() subtracts the base layer's time, so the delta's
+        figure holds the wider GEMM's extra cost)."""
+        op = torch.ops.lora_ops.lora_linear_stacked
+        N = problem.N
+        stacks = {}
+
+        def stacked(k, i):
+            if k not in stacks:
+                stacks[k] = torch.cat([problem.base_inputs(k)[1], i.lora_a.reshape(-1, problem.K)])
+            return stacks[k]
+
+        def call(k, i):
+            args = (i.x, stacked(k, i), None, i.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
+            return lambda: op(*args)
+
+        y0 = inp.y.clone()
+        try:
+            def build():
+                run = call(0, inp)
+                inp.y.copy_(torch.nn.functional.linear(inp.x, stacked(0, inp))[:, :N])   # "before": y alone
+                return lambda: inp.y.copy_(run()[:, :N])
+            self.check(rec, variant, build, problem, inp, ref)
+        finally:
+            inp.y.copy_(y0)
+        if not self.args.only_check:
+            extra = (N + problem.L * problem.S * problem.R) * problem.K * problem.esize
+            self.time(rec, f"{variant}_layer", lambda k: call(k, inp if k == 0 else problem.inputs(k)),
                       problem.set_bytes() + extra, eager=False)
 
     def run_alone(self, rec, problem):

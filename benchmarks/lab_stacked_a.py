@@ -5,7 +5,8 @@ slot's h; the expand then adds each token's slot's h @ B^T, and the shrink launc
 times, per Llama-3-8B layer, rank (16, 64) and token count (1, 16, 64): the base GEMM, the wider GEMM, our
 expand alone (the configured expand, fp32 h) and add_lora_; the estimate of the stacked path's delta is
 (wider GEMM - GEMM) + expand. Benchmark timer: CUDA-graph replay medians, cold L2, inputs rotated.
-Session 12 (H200) results: benchmarks/results/lab-h200-2026-12-03-session12.md section 6.
+Session 12 (H200) results: benchmarks/results/lab-h200-2026-12-03-session12.md section 6. The path itself is
+now the op lora_ops::lora_linear_stacked; `bench_lora.py --variants stacked` times it on the grids.
 
     python benchmarks/lab_stacked_a.py out.json            # H200 run
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_stacked_a.py /tmp/x.json   # logic check, tiny shapes

@@ -9,7 +9,7 @@ import os
 IMPLS = ("ours", "vllm", "sglang")
 PEERS = ("vllm", "sglang")
 # Our op with one config choice changed (bench_lora.VARIANTS); columns and summaries appear when timed.
-VARIANTS = ("heuristic", "autotune", "two_launch", "one_launch", "overlap", "in_order", "fast_bf16")
+VARIANTS = ("heuristic", "autotune", "two_launch", "one_launch", "overlap", "in_order", "fast_bf16", "stacked")
 
 # Token-count bins of the summaries: (label, predicate on M).
 BASE_BINS = (("M<=64", lambda M: M <= 64), ("M 256-1024", lambda M: 256 <= M <= 1024),

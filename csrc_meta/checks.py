@@ -247,6 +247,40 @@ def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths
     check_add_lora(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
 
 
+def stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths):
+    """(weight [N, K], bias [N] or None, lora_a [L, S, R, K]): the views of a stacked weight [N + L·S·R, K]
+    (and bias [N + L·S·R]) that lora_linear_stacked reads, with N, L, R from lora_b [L, N, R] and S from
+    slice_widths; a clear error where the stack's shape does not match them."""
+    if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != 3:
+        _fail(TypeError, f"lora_b: expected a 3-D tensor [L, N, R], got {tuple(getattr(lora_b, 'shape', ()))}")
+    L, N, R = lora_b.shape
+    S = len(slice_widths)
+    rows = N + L * S * R
+    if not isinstance(stacked_weight, torch.Tensor) or stacked_weight.dim() != 2 or stacked_weight.shape[0] != rows:
+        _fail(ValueError, f"stacked_weight: expected shape [N + L*S*R, K] with N + L*S*R = {N} + {L}*{S}*{R} = "
+                          f"{rows} (lora_b [L, N, R], {S} slices), got {tuple(getattr(stacked_weight, 'shape', ()))}")
+    if stacked_weight.stride(1) != 1 or stacked_weight.stride(0) != stacked_weight.shape[1]:
+        _fail(ValueError, f"stacked_weight: expected a contiguous [N + L*S*R, K] tensor, got strides "
+                          f"{tuple(stacked_weight.stride())}")
+    K = stacked_weight.shape[1]
+    bias = None
+    if stacked_bias is not None:
+        if not isinstance(stacked_bias, torch.Tensor) or tuple(stacked_bias.shape) != (rows,):
+            _fail(ValueError, f"stacked_bias: expected shape [{rows}] (stacked_weight's rows), got "
+                              f"{tuple(getattr(stacked_bias, 'shape', ()))}")
+        bias = stacked_bias[:N]
+    return stacked_weight[:N], bias, stacked_weight[N:].view(L, S, R, K)
+
+
+def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                              slot_starts, slot_counts):
+    """stacked_weight [N + L·S·R, K] (contiguous) and stacked_bias [N + L·S·R] (or None); then what
+    lora_linear checks, on the base weight, bias and lora_a the stack holds."""
+    weight, bias, lora_a = stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths)
+    check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                      slot_counts)
+
+
 def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     if _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
         return

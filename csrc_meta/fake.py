@@ -30,6 +30,14 @@ def lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths,
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+@torch.library.register_fake("lora_ops::lora_linear_stacked")
+def lora_linear_stacked_fake(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                             slot_starts, slot_counts):
+    checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
+                                     sorted_token_ids, slot_starts, slot_counts)
+    return x.new_empty((x.shape[0], stacked_weight.shape[0]))
+
+
 @torch.library.register_fake("lora_ops::add_lora")
 def add_lora_functional_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                              slot_counts):

@@ -14,6 +14,12 @@ add_lora_  y[t, slice i] += scale[s_t] (x[t] lora_a[s_t, i, :rank]^T) lora_b[s_t
 Rows whose slot is -1 are left untouched.
 lora_linear  out = x weight^T + bias + the add_lora_ delta         (a whole LoRALinear layer in one op: the
                     base GEMM and the LoRA kernels; differentiable in x, weight, bias, lora_a, lora_b)
+lora_linear_stacked  out = x stacked_weight^T + stacked_bias, then out[t, slice i of :N] +=
+                    scale[s_t] h[t, s_t, i, :rank] @ lora_b[s_t, slice i, :rank]^T, h = out[:, N:] as [M, L, S, R]
+                    stacked_weight [N + L*S*R, K] holds the base weight [N, K] over lora_a [L, S, R, K]
+                    (flattened), stacked_bias [N + L*S*R] (zeros past N) or None; out [M, N + L*S*R]: the
+                    layer's output in columns :N, every slot's unscaled h (in x's dtype) after. One GEMM
+                    computes y and h (no shrink launch); inference only (no autograd).
 
 Autograd (lora_ops.autograd registers the kernels and the backward formula):
 add_lora       out = y + the add_lora_ delta, out of place; differentiable in y, x, lora_a, lora_b
@@ -34,6 +40,8 @@ OPS = {
                   f"int[] slice_widths, {_META}) -> ()"),
     "lora_linear": ("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_a, Tensor lora_b, Tensor scale, "
                     f"Tensor rank, int[] slice_widths, {_META}) -> Tensor"),
+    "lora_linear_stacked": ("lora_linear_stacked(Tensor x, Tensor stacked_weight, Tensor? stacked_bias, "
+                            f"Tensor lora_b, Tensor scale, Tensor rank, int[] slice_widths, {_META}) -> Tensor"),
     "add_lora": ("add_lora(Tensor y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scale, Tensor rank, "
                  f"int[] slice_widths, {_META}) -> Tensor"),
     "lora_grad_x": f"lora_grad_x(Tensor dh, Tensor lora_a, Tensor rank, {_META}) -> Tensor",

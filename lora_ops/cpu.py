@@ -62,6 +62,20 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     return y
 
 
+@torch.no_grad()
+def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                        slot_starts, slot_counts):
+    L, N, R = lora_b.shape
+    S = len(slice_widths)
+    out = torch.nn.functional.linear(x, stacked_weight, stacked_bias)
+    h = out[:, N:].view(-1, L, S, R)   # every slot's h, unscaled, in x's dtype (rounded once)
+    y = out[:, :N]
+    for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, out.shape[0]):
+        r = min(r, R)
+        y[ids] = _expanded(y[ids], h[ids, slot, :, :r].float() * scale[slot], lora_b[slot, :, :r], slice_widths)
+    return out
+
+
 def _expanded(y_rows, h, b, slice_widths):
     """y_rows + h @ B^T slice by slice, computed in float32 and rounded once to y's dtype."""
     out = y_rows.float()

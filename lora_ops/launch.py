@@ -146,24 +146,51 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
     (see :func:`pdl_options`)."""
     M = y.shape[0]
-    L, _, R = lora_b.shape
+    R = lora_b.shape[2]
     num_parts = h.shape[0] if h.dim() == 4 else 1
     part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
-    one_rank_block = takes_partials(cfg, R)
-    if num_parts > 1 and not one_rank_block:
+    if num_parts > 1 and not takes_partials(cfg, R):
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
                          f"{num_parts} partial sums")
+    hp, hm, hs, hr = part_strides
+    return _expand_launch(y, h, (0, hp, hm, 0, hs, hr), num_parts, rank, lora_b, slice_widths, rank,
+                          sorted_token_ids, slot_starts, slot_counts, cfg, f32_operand_precision(y.dtype),
+                          dict(**pdl_options(pdl)), run)
+
+
+def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
+                          slot_counts, cfg, run=True):
+    """The stacked path's expand (kernels.expand, SCALE_BY_SLOT): y_ext [M, N + L·S·R] is
+    F.linear(x, [W; A]) with A [L, S, R, K] stacked under the base weight W [N, K]: columns [0, N) y,
+    columns N + (l·S + i)·R + r slot l's unscaled h for slice i. Adds scale[s_t] · h[t, s_t, i] @ B^T into
+    the y columns of each adapted token. Returns the :class:`Launch`, run unless ``run`` is False."""
+    L, _, R = lora_b.shape
+    S = len(slice_widths)
+    row, col = y_ext.stride()
+    # Layout of h inside y_ext: offset N columns, then [slot, slice, rank] blocks of the row.
+    h_layout = (out_features * col, 0, row, S * R * col, R * col, col)
+    precision = "bf16" if y_ext.dtype == torch.bfloat16 else F32_OPERAND_PRECISION[y_ext.dtype]   # h: exact
+    return _expand_launch(y_ext, y_ext, h_layout, 1, scale, lora_b, slice_widths, rank, sorted_token_ids,
+                          slot_starts, slot_counts, cfg, precision, dict(SCALE_BY_SLOT=True), run)
+
+
+def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
+                   slot_counts, cfg, h_precision, extra, run):
+    """The expand kernel's launch: h_layout = (offset, part, token, slot, slice, rank strides) of h in
+    elements; ``scale`` is read only with SCALE_BY_SLOT (in ``extra``)."""
+    M = y.shape[0]
+    L, _, R = lora_b.shape
+    h_offset, *h_strides = h_layout
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
     grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m))
     return Launch(
-        EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts),
-        (M, L, R, sorted_token_ids.shape[0], num_parts, *part_strides, *lora_b.stride(), *y.stride()),
+        EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
+        (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride()),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-             ONE_RANK_BLOCK=one_rank_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
-             RANK_ALIGN=rank_align(R),
-             H_PRECISION=f32_operand_precision(y.dtype),
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
+             ONE_RANK_BLOCK=takes_partials(cfg, R), PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
+             RANK_ALIGN=rank_align(R), H_PRECISION=h_precision,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra),
     ).run_if(run)
 
 
@@ -380,6 +407,28 @@ def _side_stream(device):
         # High priority: the shrink's few programs start as soon as the GEMM leaves room for them.
         stream = _side_streams[device.index] = torch.cuda.Stream(device, priority=-1)
     return stream
+
+
+def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                        slot_starts, slot_counts):
+    """F.linear(x, [W; A], [bias; 0]) gives the layer's output and every slot's h in one cuBLAS launch
+    (schemas.py); the expand then adds each token's slot's scaled h @ B^T into the output's first N
+    columns. Returns [M, N + L·S·R]; the layer's output is its first N columns."""
+    checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
+                                     sorted_token_ids, slot_starts, slot_counts)
+    out = F.linear(x, stacked_weight, stacked_bias)
+    M = x.shape[0]
+    if M == 0:
+        return out
+    L, N, R = lora_b.shape
+
+    def build():
+        cfg = configs.expand_config(M, N, len(slice_widths), R, L, x.device, x.dtype)
+        return [launch_expand_stacked(out, N, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
+                                      slot_counts, cfg, run=False)], (), ()
+    plan.run(plan.op_key("lora_linear_stacked", (out, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
+             (out, lora_b, rank, scale, sorted_token_ids, slot_starts, slot_counts), build)
+    return out
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,

@@ -33,6 +33,10 @@ def op_args(op_name, case):
         weight = requiring_grad(torch.randn(N, K, generator=case.gen).to(case.x.device))
         bias = requiring_grad(torch.randn(N, generator=case.gen).to(case.x.device))
         return (x, weight, bias, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
+    if op_name == "lora_linear_stacked":   # inference only: no input requires grad
+        stacked = torch.cat([torch.randn(N, K, generator=case.gen).to(case.x.device), case.lora_a.reshape(-1, K)])
+        bias = torch.cat([torch.randn(N, generator=case.gen), torch.zeros(L * S * R)]).to(case.x.device)
+        return (case.x, stacked, bias, case.lora_b, case.scale, case.rank, case.slice_widths, *meta)
     return (case.new_y("random"), x, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
 
 
@@ -40,7 +44,7 @@ def op_args(op_name, case):
 # check backprops through them anyway and torch warns about that.
 @pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered:UserWarning")
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_", "lora_linear"])
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_", "lora_linear", "lora_linear_stacked"])
 def test_opcheck(backend, op_name, shape):
     case = make_case(*shape, dtype=torch.float32, device=backend.device, seed=11)
     op = getattr(torch.ops.lora_ops, op_name).default
@@ -100,6 +104,11 @@ def call_launcher(op_name, p):
         return launch.shrink(p["x"], p["lora_a"], p["scale"], p["rank"], *p["meta"])
     if op_name == "expand_":
         return launch.expand_(p["y"], p["h"], p["lora_b"], p["slice_widths"], p["rank"], *p["meta"])
+    if op_name == "lora_linear_stacked":
+        L, S, R, K = p["lora_a"].shape
+        stacked = torch.empty(p["y"].shape[1] + L * S * R, K, dtype=p["x"].dtype, device="meta")
+        return launch.lora_linear_stacked(p["x"], stacked, None, p["lora_b"], p["scale"], p["rank"],
+                                          p["slice_widths"], *p["meta"])
     configs.force_path(op_name.split(":")[1])
     try:
         return launch.add_lora_(p["y"], p["x"], p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slice_widths"],
@@ -115,14 +124,14 @@ LAUNCH_IDS = ["decode-L64", "odd-S3", "prefill", "L1"]
 
 
 @pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=LAUNCH_IDS)
-@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_:fused", "add_lora_:split"])
+@pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_:fused", "add_lora_:split", "lora_linear_stacked"])
 def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
     M, K, N, L, S, R = shape
     p = meta_problem(M, K, N, L, S, R, capacity=M + 3)
     call_launcher(op_name, p)  # meta tensors: any host read of data would raise here
 
     expected = {"shrink": ["shrink"], "expand_": ["expand"], "add_lora_:fused": ["fused"],
-                "add_lora_:split": ["shrink", "expand"]}[op_name]
+                "add_lora_:split": ["shrink", "expand"], "lora_linear_stacked": ["expand"]}[op_name]
     assert [k for k in ("shrink", "expand", "fused") if recorders[k].launches] == expected
     for kind in expected:
         (grid, args), = recorders[kind].launches  # one launch each

@@ -8,15 +8,15 @@ from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, fin
 
 @triton.jit(do_not_specialize=["M"])
 def expand_kernel(
-    h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
-    M, num_slots, max_rank, capacity, num_parts,
-    stride_hp, stride_hm, stride_hs, stride_hr,
+    h_ptr, b_ptr, y_ptr, rank_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr, scale_ptr,
+    M, num_slots, max_rank, capacity, num_parts, h_offset,
+    stride_hp, stride_hm, stride_hl, stride_hs, stride_hr,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    H_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -31,6 +31,11 @@ def expand_kernel(
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
     Strides: every dimension of h (stride_hp between parts), B and y, in elements.
+    h_offset, stride_hl, scale_ptr, SCALE_BY_SLOT: h may hold every slot's h unscaled, as the stacked GEMM
+    writes it (launch.launch_expand_stacked: columns N.. of F.linear(x, [W; A]), in y's dtype): then the
+    tile's slot's block starts at h_ptr + h_offset + slot * stride_hl, and the product is multiplied by
+    scale[slot] (scale_ptr: float32 [L]) before it is added. Otherwise h_offset = stride_hl = 0 and
+    scale_ptr is not read. h is read in its own dtype and widened to float32.
     SLICE_COLS: S + 1 column offsets of the output slices in y and B (0, n_0, n_0 + n_1, ..., N);
     SLICE_CHUNKS: S + 1 offsets of each slice's first chunk (prefix sums of cdiv(n_i, N_LOOP * BLOCK_N)).
     Grid: (total chunks, token-tile bound).
@@ -57,11 +62,16 @@ def expand_kernel(
                                                   max_rank, capacity, BLOCK_M, SLOTS_POW2)
     if rank == 0:
         return
+    slot_scale = 1.0
+    if SCALE_BY_SLOT:
+        slot_scale = tl.load(scale_ptr + slot)
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = col0 + tl.arange(0, BLOCK_N)
     h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
+    if SCALE_BY_SLOT:   # the stacked GEMM's h: every slot's, the tile's slot's block (constexpr: the other
+        h_rows += h_offset + slot.to(tl.int64) * stride_hl   # path compiles as before)
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
     y_rows = y_ptr + tok[:, None] * stride_ym
 
@@ -77,7 +87,7 @@ def expand_kernel(
         if PDL:
             gdc_wait()   # h is the shrink's
         # h was written by the shrink kernel and is read once per program: past L1 (.cg).
-        ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg")
+        ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         part_step = tl.cast(stride_hp, tl.int64)
         for p0 in range(1, num_parts, PART_CHUNK):  # the splits' partial sums, added in split order
             chunk_rows = part_rows + p0 * part_step
@@ -99,6 +109,8 @@ def expand_kernel(
             y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
                              mask=valid[:, None] & next_ok[None, :], other=0.0)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
+            if SCALE_BY_SLOT:
+                acc = acc * slot_scale
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
             offs_n = next_n
             n_ok = next_ok
@@ -115,19 +127,21 @@ def expand_kernel(
             full = rank // BLOCK_R * BLOCK_R
             for r0 in range(0, full, BLOCK_R):
                 rs = r0 + offs_r
-                ht = tl.load(h_rows + rs[None, :] * stride_hr)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr).to(tl.float32)
                 bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
                 acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
             if full < rank:  # the last rank block, partial
                 rs = full + offs_r
                 r_ok = rs < rank
                 r_in = rs < rank_ceil(rank, RANK_ALIGN)
-                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0).to(tl.float32)
                 bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
                 acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc,
                                   H_PRECISION)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
+            if SCALE_BY_SLOT:
+                acc = acc * slot_scale
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
             y_old = tl.load(y_ptrs, mask=mask, other=0.0)
