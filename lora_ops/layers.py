@@ -228,9 +228,17 @@ class LoRALinear(nn.Module):
     the model's layers (slot capacity and batch); ``max_rank`` the largest rank a slot can hold.
     ``slice_widths`` splits the output into packed slices (e.g. a fused q/k/v projection holding
     adapters trained per projection); by default one slice of all ``out_features``.
+
+    ``stack_a`` (opt-in, not yet timed on a GPU; docs/DESIGN.md §4): the base weight and ``lora_a`` become
+    views of one buffer ``[N + L·S·R, K]`` (the bias, if any, of one ``[N + L·S·R]`` with zeros past N),
+    so at up to :data:`STACKED_MAX_TOKENS` tokens, without autograd or dropout, one GEMM gives the output
+    and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
+    weights' dtype once, as PEFT rounds it. The base layer's parameters are replaced by the views (apply
+    before building an optimizer over them); ``.to()`` and the other conversions re-stack. The output at
+    those sizes is a column view of the wider GEMM result (row stride N + L·S·R).
     """
 
-    def __init__(self, base, context, max_rank, slice_widths=None):
+    def __init__(self, base, context, max_rank, slice_widths=None, stack_a=False):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base: expected an nn.Linear, got {type(base).__name__}")
@@ -252,6 +260,37 @@ class LoRALinear(nn.Module):
         self.register_buffer("scale", torch.zeros(L, dtype=torch.float32, device=weight.device))
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
+        self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
+        if stack_a:
+            self._stack()
+
+    @torch.no_grad()
+    def _stack(self):
+        """Put the base weight over lora_a in one buffer (and the bias over zeros), the parameters becoming
+        views of it; values are kept. Called at construction and after conversions (:meth:`_apply`)."""
+        base, lora_a = self.base, self.lora_a
+        weight, bias = base.weight, base.bias
+        N, K = weight.shape
+        E = lora_a.numel() // K   # L·S·R rows
+        stacked = torch.cat([weight.detach(), lora_a.detach().reshape(E, K)])
+        stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(E)])
+        base.weight = nn.Parameter(stacked[:N], requires_grad=weight.requires_grad)
+        if bias is not None:
+            base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
+        self.lora_a = nn.Parameter(stacked[N:].view(lora_a.shape), requires_grad=lora_a.requires_grad)
+        self._stacked = (stacked, stacked_bias)
+
+    def _stack_intact(self, weight, bias, lora_a):
+        """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
+        parameter replaced by hand drops the layer back to lora_linear)."""
+        stacked, stacked_bias = self._stacked
+        if torch.compiler.is_compiling():
+            return True
+        ptr, row = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
+        return (weight.data_ptr() == ptr and lora_a.data_ptr() == ptr + weight.shape[0] * row
+                and weight.dtype == stacked.dtype and lora_a.dtype == stacked.dtype
+                and (bias is None) == (stacked_bias is None)
+                and (bias is None or bias.data_ptr() == stacked_bias.data_ptr()))
 
     @property
     def in_features(self):
@@ -288,10 +327,21 @@ class LoRALinear(nn.Module):
         args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
         base = self._modules["base"]
         if not dropout and _plain_linear(base):
+            weight, bias = base._parameters["weight"], base._parameters["bias"]
+            if (self._stacked is not None and x2d.shape[0] <= STACKED_MAX_TOKENS
+                    and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
+                                                          or lora_a.requires_grad or lora_b.requires_grad
+                                                          or (bias is not None and bias.requires_grad)))
+                    and self._stack_intact(weight, bias, lora_a)):
+                # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
+                stacked, stacked_bias = self._stacked
+                out = ops.call("lora_linear_stacked", x2d, stacked, stacked_bias, lora_b, scale, rank,
+                               self.slice_widths, *context.meta)[:, :weight.shape[0]]
+                return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
             # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
             # (A bare nn.Linear keeps its weight and bias in its dict.)
-            out = ops.call("lora_linear", x2d, base._parameters["weight"], base._parameters["bias"], *args)
+            out = ops.call("lora_linear", x2d, weight, bias, *args)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
@@ -342,6 +392,8 @@ class LoRALinear(nn.Module):
         super()._apply(fn, *args, **kwargs)
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(device=self.scale.device)
+        if self._stacked is not None:   # the conversion made the parameters separate tensors: stack again
+            self._stack()
         return self
 
     def extra_repr(self):
@@ -352,7 +404,12 @@ class LoRALinear(nn.Module):
 
 # ---- the model-wide helper -----------------------------------------------------------------------------
 
-def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None):
+# stack_a's one-GEMM path serves batches up to this many tokens (where it was estimated to pay, H200,
+# benchmarks/results/lab-h200-2026-12-03-session12.md §6); larger ones take lora_linear.
+STACKED_MAX_TOKENS = 64
+
+
+def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None, stack_a=False):
     """Wrap the ``nn.Linear`` modules that ``target_modules`` selects in :class:`LoRALinear`, in place;
     returns their shared :class:`LoRAContext`.
 
@@ -367,6 +424,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     or one of its slices' names is.
 
     Apply after moving the model to its device and dtype (``.to()`` later works but moves the stacks).
+    ``stack_a``: each layer's base weight and ``lora_a`` in one buffer (opt-in; :class:`LoRALinear`).
     """
     packed = _normalise_packed(packed_modules)
     selected = _select_targets(model, target_modules, packed)
@@ -379,7 +437,8 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     ctx = LoRAContext(max_loras, max_tokens, device=devices.pop())
     ctx._model = weakref.ref(model)
     for path, module, slices in selected:
-        layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None)
+        layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
+                           stack_a=stack_a)
         _replace_module(model, path, layer)
         ctx.layers[path] = layer
         ctx.targets[path] = (layer, None)

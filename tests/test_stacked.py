@@ -101,3 +101,114 @@ def test_stacked_weight_errors_name_the_argument():
         op(case.x, stacked, bias[:N], *args)
     with pytest.raises(ValueError, match="weight: expected shape"):
         op(case.x[:, :-1], stacked, None, *args)
+
+
+# ---- LoRALinear(stack_a=True): the layer owns the stacked buffer ----------------------------------------
+
+def stacked_models(dtype=torch.float32, device="cpu"):
+    """A fused toy LM with LoRA twice, stack_a off and on, the same two adapters loaded into each."""
+    from layer_helpers import PACKED, fused_copy, module_shapes, peft_tensors, toy_lm
+    import lora_ops
+    base = toy_lm(seed=1, dtype=dtype, device=device)
+    models, ctxs = [], []
+    for stack_a in (False, True):
+        model = fused_copy(base).to(dtype=dtype, device=device)
+        ctx = lora_ops.apply_lora(model, "all-linear", max_loras=3, max_rank=8, max_tokens=80,
+                                  packed_modules=PACKED, stack_a=stack_a)
+        for name, seed, r in (("a", 1, 8), ("b", 2, 4)):
+            tensors = peft_tensors(module_shapes(base), r, seed, dtype=dtype)
+            ctx.load_adapter_tensors(name, tensors, {"r": r, "lora_alpha": 2 * r})
+        models.append(model)
+        ctxs.append(ctx)
+    return models, ctxs
+
+
+# Whole-model logits: a float32 summation order that differs (one wider GEMM) moves the toy model's logits
+# by up to ~1e-4 relative through attention; a wrong delta moves them by O(1).
+MODEL_TOL = dict(rtol=1e-3, atol=1e-3)
+
+
+def run_batch(model, ctx, requests, seed=0):
+    ctx.set_batch(requests)
+    tokens = sum(n for _, n in requests)
+    ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids)
+
+
+def stack_ops_used(monkeypatch):
+    from lora_ops import ops
+    used = []
+    real = ops.call
+    monkeypatch.setattr(ops, "call", lambda name, *a: used.append(name) or real(name, *a))
+    return used
+
+
+def test_stack_a_layer_matches_the_unstacked_one(monkeypatch):
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    layer = stacked.model.layers[0].self_attn.qkv_proj
+    stack, _ = layer._stacked
+    assert layer.base.weight.data_ptr() == stack.data_ptr()
+    assert layer.lora_a.data_ptr() == stack[layer.base.weight.shape[0]:].data_ptr()
+    requests = [("a", 5), (None, 3), ("b", 4)]
+    used = stack_ops_used(monkeypatch)
+    ours = run_batch(stacked, ctx1, requests)
+    assert set(used) == {"lora_linear_stacked"}
+    torch.testing.assert_close(ours, run_batch(plain, ctx0, requests), **MODEL_TOL)
+    # One layer on one input: the two paths differ by float32 summation order only.
+    x = torch.randn(12, layer.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain.model.layers[0].self_attn.qkv_proj(x), rtol=1e-5, atol=1e-5)
+
+
+def test_stack_a_takes_lora_linear_past_its_token_limit_and_under_autograd(monkeypatch):
+    from lora_ops import layers
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    used = stack_ops_used(monkeypatch)
+    requests = [("a", layers.STACKED_MAX_TOKENS), ("b", 5)]
+    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
+    assert "lora_linear_stacked" not in used
+    ctx1.set_batch([("a", 6)])
+    x = torch.randn(6, 32, requires_grad=True)
+    layer = stacked.model.layers[0].self_attn.o_proj
+    used.clear()
+    layer(x).sum().backward()
+    assert used[0] == "lora_linear" and "lora_linear_stacked" not in used and x.grad is not None
+
+
+def test_stack_a_restacks_after_a_conversion_and_survives_loads():
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    stacked.half().float()   # two conversions, each re-stacking (values rounded alike in both models)
+    plain.half().float()
+    layer = stacked.model.layers[1].mlp.gate_up_proj
+    stack, _ = layer._stacked
+    assert stack.dtype == torch.float32 and layer.base.weight.data_ptr() == stack.data_ptr()
+    assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
+    # A load after the conversion writes through the views into the stack.
+    from layer_helpers import module_shapes, peft_tensors, toy_lm
+    tensors = peft_tensors(module_shapes(toy_lm(seed=1)), 8, 9)
+    for ctx in (ctx0, ctx1):
+        ctx.load_adapter_tensors("a", tensors, {"r": 8, "lora_alpha": 8}, replace=True)
+    requests = [("a", 7), ("b", 2)]
+    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
+
+
+def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    layer = stacked.model.layers[0].self_attn.o_proj
+    layer.base.weight = torch.nn.Parameter(layer.base.weight.detach().clone())   # no longer the stack's view
+    used = stack_ops_used(monkeypatch)
+    requests = [("a", 4)]
+    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
+    assert "lora_linear" in used
+
+
+def test_stack_a_compiles_without_graph_breaks():
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    requests = [("a", 5), ("b", 3)]
+    expected = run_batch(plain, ctx0, requests)
+    ctx1.set_batch(requests)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(stacked, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), expected, **MODEL_TOL)
