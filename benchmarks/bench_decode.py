@@ -109,6 +109,8 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--stack-a", action="store_true",
+                    help="apply_lora(stack_a=True): one GEMM over [W; A] per layer at <= 64 tokens (DESIGN §4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -139,14 +141,15 @@ def main(argv=None):
         if i:
             model = build_model(d, args.layers, dtype, device)
         ctx = lora_ops.apply_lora(model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], max_loras=4,
-                                  max_rank=rank, max_tokens=args.batch, packed_modules=packed(d))
+                                  max_rank=rank, max_tokens=args.batch, packed_modules=packed(d),
+                                  stack_a=args.stack_a)
         ctx.set_token_slots(slots)
         lora_lin = model[0].qkv_proj
         fill_adapters(ctx, rank, 4, gen)
         lora_step = time_step()
         with torch.no_grad():
             lora_host = host_us_per_call(lambda: lora_lin(x), args.calls, device)
-        row = {"rank": rank, "capacity": rank, "base_step_us": round(base_step, 1),
+        row = {"rank": rank, "capacity": rank, "stack_a": args.stack_a, "base_step_us": round(base_step, 1),
                "lora_step_us": round(lora_step, 1),
                "base_tokens_per_s": round(args.batch / base_step * 1e6),
                "lora_tokens_per_s": round(args.batch / lora_step * 1e6),
@@ -167,8 +170,8 @@ def main(argv=None):
                      f"{r['lora_linear_host_us']} | {r['lora_added_host_us']} |")
     text = "\n".join(lines)
     print(text)
-    report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"), "decode_step",
-                           result, text)
+    report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"),
+                           "decode_step-stacked" if args.stack_a else "decode_step", result, text)
 
 
 if __name__ == "__main__":
