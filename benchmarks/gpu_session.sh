@@ -8,6 +8,9 @@
 #                                              # the peers, host time, decode step (~7 min)
 #     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step and
 #                                              # its profile (~8 min)
+#     bash benchmarks/gpu_session.sh stacked   # apply_lora(stack_a=True) (DESIGN §4): its GPU tests, the
+#                                              # core grid to 256 tokens with the `stacked` variant, and the
+#                                              # decode step without and with it (~5 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -34,6 +37,13 @@ if [ "$MODE" = quick ]; then
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
+elif [ "$MODE" = stacked ]; then
+    step tests 150 bash -c 'LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_stacked.py tests/test_ops_contract.py -k "stacked or stack_a"'
+    step core 150 python benchmarks/bench_lora.py --grid core --ms 1,16,64,256 --variants stacked --time-budget 135 \
+        --out "$R"
+    step decode 80 python benchmarks/bench_decode.py --out "$R"
+    step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
@@ -49,7 +59,7 @@ else
     step mixed 120 python benchmarks/bench_lora.py --grid mixed --time-budget 105 --out "$R"   # 70 s left rows out
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode highrank grad profile mixed variants tune; do
+for log in tests core host decode decode_stacked highrank grad profile mixed variants tune; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
