@@ -234,8 +234,9 @@ class LoRALinear(nn.Module):
     so at up to :data:`STACKED_MAX_TOKENS` tokens, without autograd or dropout, one GEMM gives the output
     and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
     weights' dtype once, as PEFT rounds it. The base layer's parameters are replaced by the views (apply
-    before building an optimizer over them); ``.to()`` and the other conversions re-stack. The output at
-    those sizes is a column view of the wider GEMM result (row stride N + L·S·R).
+    before building an optimizer over them; a weight tied to another module stops being shared with it);
+    ``.to()`` and the other conversions re-stack. The output at those sizes is a column view of the wider
+    GEMM result (row stride N + L·S·R).
     """
 
     def __init__(self, base, context, max_rank, slice_widths=None, stack_a=False):
