@@ -310,21 +310,10 @@ class RowRunner:
             if k not in weights:
                 weights[k] = problem.base_inputs(k)[1]
             return weights[k]
-
-        y0 = inp.y.clone()
-        try:
-            def build():
-                call = problems.layer(problem, inp, weight(0))
-                inp.y.copy_(torch.nn.functional.linear(inp.x, weight(0)))   # "before": the base output
-                return lambda: inp.y.copy_(call())
-            self.check(rec, variant, build, problem, inp, ref)
-        finally:
-            inp.y.copy_(y0)
-        if not self.args.only_check:
-            extra = problem.N * problem.K * problem.esize
-            self.time(rec, f"{variant}_layer",
-                      lambda k: problems.layer(problem, inp if k == 0 else problem.inputs(k), weight(k)),
-                      problem.set_bytes() + extra, eager=False)
+        self.check_and_time_layer(rec, variant, problem, inp, ref,
+                                  lambda k, i: problems.layer(problem, i, weight(k)),
+                                  lambda: torch.nn.functional.linear(inp.x, weight(0)),
+                                  problem.N * problem.K * problem.esize)
 
     def run_stacked_variant(self, rec, variant, problem, inp, ref):
         """lora_linear_stacked with every slot's A stacked under W (DESIGN §4): its first N columns minus
@@ -340,23 +329,30 @@ class RowRunner:
                 stacks[k] = torch.cat([problem.base_inputs(k)[1], i.lora_a.reshape(-1, problem.K)])
             return stacks[k]
 
-        def call(k, i):
+        def layer(k, i):
             args = (i.x, stacked(k, i), None, i.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
-            return lambda: op(*args)
+            return lambda: op(*args)[:, :N]
+        self.check_and_time_layer(rec, variant, problem, inp, ref, layer,
+                                  lambda: torch.nn.functional.linear(inp.x, stacked(0, inp))[:, :N],
+                                  (N + problem.L * problem.S * problem.R) * problem.K * problem.esize)
 
+    def check_and_time_layer(self, rec, variant, problem, inp, ref, layer, before, extra_bytes):
+        """One whole-layer variant: ``layer(k, inputs)`` builds the call on input set k (it returns the
+        layer's [M, N] output), ``before()`` the same layer's output without the delta on set 0. The
+        output minus ``before()`` is checked as the delta (inp.y restored afterwards); then the layer is
+        graph-timed as {variant}_layer_us, each set ``extra_bytes`` (its weights) larger than the delta's."""
         y0 = inp.y.clone()
         try:
             def build():
-                run = call(0, inp)
-                inp.y.copy_(torch.nn.functional.linear(inp.x, stacked(0, inp))[:, :N])   # "before": y alone
-                return lambda: inp.y.copy_(run()[:, :N])
+                call = layer(0, inp)
+                inp.y.copy_(before())
+                return lambda: inp.y.copy_(call())
             self.check(rec, variant, build, problem, inp, ref)
         finally:
             inp.y.copy_(y0)
         if not self.args.only_check:
-            extra = (N + problem.L * problem.S * problem.R) * problem.K * problem.esize
-            self.time(rec, f"{variant}_layer", lambda k: call(k, inp if k == 0 else problem.inputs(k)),
-                      problem.set_bytes() + extra, eager=False)
+            self.time(rec, f"{variant}_layer", lambda k: layer(k, inp if k == 0 else problem.inputs(k)),
+                      problem.set_bytes() + extra_bytes, eager=False)
 
     def run_alone(self, rec, problem):
         """Each used slot's tokens alone, at its own rank: checked, and (unless --only-check) timed.

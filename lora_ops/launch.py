@@ -155,7 +155,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     hp, hm, hs, hr = part_strides
     return _expand_launch(y, h, (0, hp, hm, 0, hs, hr), num_parts, rank, lora_b, slice_widths, rank,
                           sorted_token_ids, slot_starts, slot_counts, cfg, f32_operand_precision(y.dtype),
-                          dict(**pdl_options(pdl)), run)
+                          pdl_options(pdl), run)
 
 
 def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
