@@ -7,7 +7,9 @@ each timed before the best expand of each expand code path (as add_lora_ runs th
 shrink's split-K partial sums, the rank loop has the shrink sum them), keeping the fastest pair, then the
 one-launch kernel's (lora_ops.configs.tuning); it records the fastest of each, with the heuristic's time
 beside it so the table shows what tuning gains; the "fused" entry names the one-launch config where it
-beats the best shrink + expand, else null (two launches). Lookups take the nearest entry
+beats the best shrink + expand, else null (two launches). The "stacked" entry is the expand's config in
+the stacked path (launch.lora_linear_stacked), timed as that whole layer: the GEMM over [W; A], then the
+expand (``--kinds stacked`` tunes only these). Lookups take the nearest entry
 (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
 timed one by one in this process as CUDA-graph replays.
 """
@@ -52,19 +54,26 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tuned", action="store_true",
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
                          "a tune that its time budget cut short)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                    help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's expand")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     return ap.parse_args(argv)
 
 
-def _tuned_shapes(path):
-    """(model, layer, rank, tokens) of the shapes a table holds (a shape's "fused" entry is written last)."""
+KINDS = ("pair", "stacked")
+_LAST_ENTRY = {"pair": "fused", "stacked": "stacked"}   # the entry a tuned shape of each kind ends with
+
+
+def _tuned_shapes(path, kind):
+    """(model, layer, rank, tokens) of the shapes a table holds for ``kind`` (of "pair": its "fused" entry,
+    written last)."""
     if not os.path.exists(path):
         return set()
     with open(path) as f:
         return {(e.get("model"), e["layer"], e["rank"], e["tokens"]) for e in json.load(f)["entries"]
-                if e["kind"] == "fused"}
+                if e["kind"] == _LAST_ENTRY[kind]}
 
 
 def _shape_jobs(args, buckets):
@@ -86,9 +95,13 @@ def compile_work(jobs, args):
     the slice layout is compiled into the expand and one-launch kernels, the slice count into the shrink)."""
     from lora_ops.configs import tuning
     seen, work = set(), {}
+    def kinds(K, N):
+        return (((("shrink", K), ("expand", N), ("fused", K)) if "pair" in args.kinds else ())
+                + ((("stacked", N),) if "stacked" in args.kinds else ()))
     for job in jobs:
         _, _, K, widths, r, bucket = job
-        for kind, features in (("shrink", K), ("expand", sum(widths)), ("fused", K)):
+        N = sum(widths)
+        for kind, features in kinds(K, N):
             for cfg in tuning.candidates_for(kind, bucket, features, r, len(widths), args.slots)[:args.max_candidates]:
                 compiled = cfg._replace(split_k=min(cfg.split_k, 2)) if kind == "shrink" else cfg
                 key = (kind, compiled, len(widths) if kind == "shrink" else tuple(widths))
@@ -159,6 +172,30 @@ def tune_shape(job, args, device, dtype):
     return entries
 
 
+def tune_stacked(job, args, device, dtype):
+    """The "stacked" entry for one layer shape, rank and token bucket: the expand's config in the stacked
+    path, timed as the whole layer (tuning.stacked_runner), beside the configs it falls back to without
+    the entry (add_lora_'s expand: the table's, and the heuristic's)."""
+    from lora_ops import configs
+    from lora_ops.configs import heuristics, tuning
+    model, name, K, widths, r, bucket = job
+    S, N = len(widths), sum(widths)
+    problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
+    cands = tuning.candidates_for("stacked", bucket, N, r, S, args.slots)[:args.max_candidates]
+    best, best_us, timings = tuning.search("stacked", problems, cands)
+    if best is None:
+        return []
+
+    def us_of(cfg):
+        return timings.get(cfg) or tuning.time_config("stacked", problems, cfg)
+    fallback = configs.expand_config(bucket, N, S, r, args.slots, device, dtype)
+    return [dict(kind="stacked", features=N, in_features=K, model=model, layer=name, slices=S, rank=r,
+                 tokens=bucket, config=best._asdict(), us=round(best_us, 2),
+                 expand_entry_us=round(us_of(fallback), 2),
+                 heuristic_us=round(us_of(heuristics.expand_config(bucket, N, r, args.slots)), 2),
+                 candidates=len(timings))]
+
+
 def main(argv=None):
     args = parse_args(argv)
     from lora_ops import configs
@@ -175,11 +212,14 @@ def main(argv=None):
     buckets = args.tokens or list(heuristics.TOKEN_BUCKETS)
     out = args.out or configs.table_path(gpu)
     jobs = _shape_jobs(args, buckets)
+    todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
     if args.skip_tuned:
         if not args.merge:
             sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
-        done = _tuned_shapes(out)
-        jobs = [job for job in jobs if (job[0], job[1], job[4], job[5]) not in done]
+        for kind in args.kinds:
+            done = _tuned_shapes(out, kind)
+            todo[kind] = {job for job in jobs if (job[0], job[1], job[4], job[5]) not in done}
+        jobs = [job for job in jobs if any(job in shapes for shapes in todo.values())]
         sys.stderr.write(f"{len(jobs)} shapes not yet in {out}\n")
     t0 = time.time()
     compile_s = precompile_all(jobs, args)
@@ -189,8 +229,11 @@ def main(argv=None):
             sys.stderr.write(f"\ntime budget reached after {i} of {len(jobs)} shapes\n")
             break
         progress(i, len(jobs), "{} {} r={} M={}".format(*job[:2], *job[4:]))
-        entries += tune_shape(job, args, device, dtype)
-    progress(len(entries) // 3, len(jobs), "done")
+        if job in todo.get("pair", ()):
+            entries += tune_shape(job, args, device, dtype)
+        if job in todo.get("stacked", ()):
+            entries += tune_stacked(job, args, device, dtype)
+    progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
     table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
                  triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
@@ -213,6 +256,11 @@ def main(argv=None):
         geo = torch.tensor(list(by_layer.values())).log().mean().exp().item()
         print(f"wrote {len(entries)} entries to {out}; per add_lora_ call, tuned vs heuristic: geomean "
               f"speed-up {geo:.2f}x over {len(by_layer)} shapes")
+    stacked = [e["expand_entry_us"] / e["us"] for e in entries if e["kind"] == "stacked"]
+    if stacked:
+        geo = torch.tensor(stacked).log().mean().exp().item()
+        print(f"stacked layer, tuned vs add_lora_'s expand config: geomean speed-up {geo:.2f}x over "
+              f"{len(stacked)} shapes")
     return table
 
 

@@ -93,6 +93,8 @@ def fake_gpu_table(tmp_path, monkeypatch):
         dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=1,
              config=heuristics.FusedConfig(16, 256, 16, 256, 8, 3)._asdict()),
         dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=64, config=None),
+        dict(kind="stacked", features=4096, in_features=14336, slices=1, rank=64, tokens=64,
+             config=heuristics.ExpandConfig(16, 32, 64, 4, 2)._asdict()),
     ]
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
@@ -111,6 +113,16 @@ def test_table_entry_is_used_on_its_gpu(fake_gpu_table):
     cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144)
     assert cfg == heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.float16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
+
+
+def test_stacked_entry_is_used_and_else_the_expand_serves(fake_gpu_table):
+    """The stacked path's expand takes the table's "stacked" entry; a shape without one near takes
+    add_lora_'s expand config (the table's expand entry, else the heuristic), as before stacked entries."""
+    assert configs.stacked_config(40, 4096, 1, 64, 4, 14336, CUDA, torch.bfloat16) == \
+        heuristics.ExpandConfig(16, 32, 64, 4, 2)
+    assert configs.stacked_config(64, 6144, 3, 16, 4, 4096, CUDA, torch.bfloat16) == \
+        configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
+    assert configs.stacked_config(1, 4096, 1, 64, 4, 14336) == heuristics.expand_config(1, 4096, 64, 4)   # CPU
 
 
 def test_nearest_entry_adapts_rank_block(fake_gpu_table):
@@ -211,7 +223,8 @@ def test_heuristic_path_choice(bucket, rank, features, fused):
 
 
 def test_shipped_tables_parse_and_hold_valid_configs():
-    make = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig}
+    make = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig,
+            "stacked": heuristics.ExpandConfig}
     for path in configs.TUNED_DIR.glob("*.json"):
         table = json.loads(path.read_text())
         assert table["entries"], path
@@ -244,6 +257,12 @@ def test_tuner_candidates_include_valid_configs(bucket):
         assert {c.block_r for c in wide} == ({32, 64, one_block} if one else {32, 64})
         assert len(set(wide)) == len(wide) and {c.n_loop for c in wide} == {1}
         assert all(c.block_m * c.block_r <= heuristics.ONE_BLOCK_MAX_H_TILE for c in wide if c.block_r >= rank)
+    # The stacked path's expand: one rank block up to rank 64 (16-token tiles always among them); the
+    # expand's space above.
+    stk = list(tuning.stacked_candidates(bucket, 6144, 16))
+    assert len(set(stk)) == len(stk) and {c.block_r for c in stk} == {16} and 16 in {c.block_m for c in stk}
+    assert (4 in {c.n_loop for c in stk}) == (bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET)
+    assert list(tuning.stacked_candidates(bucket, 6144, 320)) == list(tuning.expand_candidates(bucket, 6144, 320))
     assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
     assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1, 2, 4})
 
@@ -410,3 +429,34 @@ def test_autotune_one_launch_against_the_fastest_pair(monkeypatch, pair_us, chos
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("fused", torch.device(DEVICE), torch.float32, 40, 2, 80, 3, 1, out_features=32)
     assert best == (fused if chosen else None) and asked == [(expand_us, 80)]
+
+
+def test_autotune_times_the_stacked_layer(monkeypatch):
+    """tuning.autotune("stacked") times each candidate as the stacked layer runs it (the GEMM over [W; A],
+    then the expand reading h from its output) on problems of the layer's input width, and returns the
+    fastest that runs; configs.stacked_config asks it once per key, with the input width."""
+    timed = []
+    real_runner = tuning.stacked_runner
+
+    def recording_runner(p, cfg, expand_cfg=None):
+        run = real_runner(p, cfg, expand_cfg)
+        timed.append((cfg, tuple(p["Wst"].shape)))
+        return run
+    cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 2)]
+    monkeypatch.setitem(tuning.RUNNERS, "stacked", recording_runner)
+    monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
+    monkeypatch.setattr(tuning, "MAX_COPIES", 1)
+    # 3 slots, 2 slices of 24 + 24 outputs, rank 16, K 40: [W; A] is [48 + 3 * 2 * 16, 40].
+    best = tuning.autotune("stacked", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)
+    assert best in cands and timed == [(c, (48 + 96, 40)) for c in cands]
+
+    asked = []
+    monkeypatch.setattr(tuning, "autotune", lambda kind, *a, **k: asked.append((kind, a)) or cands[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    configs.enable_autotune(True)
+    try:
+        for m in (40, 64):
+            assert configs.stacked_config(m, 6144, 3, 16, 4, 4096, CUDA, torch.bfloat16) == cands[0]
+        assert asked == [("stacked", (CUDA, torch.bfloat16, 6144, 3, 16, 4, 64, 4096))]
+    finally:
+        configs.enable_autotune(False)

@@ -12,7 +12,9 @@ from lora_ops.configs import heuristics
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--dry-run runs the kernels on the interpreter")
 
 DRY = ["--dry-run", "--model", "tiny", "--layers", "down", "--ranks", "8", "--max-candidates", "2"]
-MAKE = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig}
+MAKE = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig,
+        "stacked": heuristics.ExpandConfig}
+KINDS = ("expand", "fused", "shrink", "stacked")
 
 
 def shapes(table):
@@ -22,7 +24,7 @@ def shapes(table):
 def test_dry_run_table_merge_and_skip_tuned(tmp_path):
     out = str(tmp_path / "table.json")
     first = tune.main(DRY + ["--tokens", "1", "--out", out])
-    assert shapes(first) == [(kind, "down", 8, 1) for kind in ("expand", "fused", "shrink")]
+    assert shapes(first) == [(kind, "down", 8, 1) for kind in KINDS]
     for e in first["entries"]:
         assert e["config"] is None and e["kind"] == "fused" or MAKE[e["kind"]](**e["config"])
         if e["kind"] == "shrink":
@@ -32,11 +34,23 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
             assert e["pair_us"] > 0 and math.isfinite(e["us"]) and math.isfinite(e["heuristic_us"])
         else:
             assert e["us"] > 0 and e["heuristic_us"] > 0
+        if e["kind"] == "stacked":   # the layer timed with the config it replaces beside it
+            assert e["in_features"] == 80 and e["expand_entry_us"] > 0
     assert json.load(open(out))["entries"] == first["entries"]
 
     # --skip-tuned with --merge: the one-token shape stays as it was, only the 16-token one is tuned.
     second = tune.main(DRY + ["--tokens", "1", "16", "--merge", "--skip-tuned", "--out", out])
-    assert shapes(second) == sorted(shapes(first) + [(kind, "down", 8, 16) for kind in ("expand", "fused", "shrink")])
+    assert shapes(second) == sorted(shapes(first) + [(kind, "down", 8, 16) for kind in KINDS])
     assert [e for e in second["entries"] if e["tokens"] == 1] == first["entries"]
     with pytest.raises(SystemExit, match="needs --merge"):
         tune.main(DRY + ["--skip-tuned", "--out", out])
+
+
+def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
+    """--kinds stacked --merge --skip-tuned on a table of pair entries: only the stacked entries are added."""
+    out = str(tmp_path / "table.json")
+    first = tune.main(DRY + ["--tokens", "1", "--kinds", "pair", "--out", out])
+    assert {e["kind"] for e in first["entries"]} == {"expand", "fused", "shrink"}
+    second = tune.main(DRY + ["--tokens", "1", "--kinds", "stacked", "--merge", "--skip-tuned", "--out", out])
+    assert shapes(second) == [(kind, "down", 8, 1) for kind in KINDS]
+    assert [e for e in second["entries"] if e["kind"] != "stacked"] == first["entries"]

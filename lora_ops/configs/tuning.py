@@ -95,6 +95,25 @@ def expand_candidates(bucket, out_features, max_rank):
             yield ExpandConfig(bm, bn, full, warps, stages, n_loop)
 
 
+# The stacked path's expand (launch.lora_linear_stacked) reads bf16 h from the GEMM's output and adds no
+# partial sums. H200 lab (session 13): its best tiles differ from add_lora_'s expand by up to 2x at a shape
+# (Llama down, rank 64, 256 tokens: 15.3 -> 7.5 µs), from 16-token tiles with 256-wide column blocks to
+# 64-token tiles with 32-wide ones.
+STACKED_ONE_BLOCK_SHAPES = ((32, 1, 4), (64, 1, 4), (64, 2, 4), (128, 1, 4), (128, 1, 8), (128, 2, 4), (256, 1, 8))
+
+
+def stacked_candidates(bucket, out_features, max_rank):
+    if heuristics.rank_loops(max_rank):   # the rank loop's space (and one block where h's tile fits)
+        yield from expand_candidates(bucket, out_features, max_rank)
+        return
+    shapes = STACKED_ONE_BLOCK_SHAPES
+    if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET:
+        shapes += ((64, 4, 4), (128, 4, 4))
+    for bm in sorted({16, *_block_ms(bucket)}):
+        for bn, n_loop, warps in shapes:
+            yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), warps, 2, n_loop)
+
+
 def fused_candidates(bucket, in_features, max_rank):
     """The one-launch kernel's space; empty past the buckets where it can win (one tile's h is recomputed
     by every column block)."""
@@ -206,7 +225,26 @@ def fused_runner(p, cfg, expand_cfg=None):
     return run
 
 
-RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner}
+def stacked_runner(p, cfg, expand_cfg=None):
+    """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A], then the expand with
+    ``cfg`` (its PDL as there). The GEMM's time is the same for every candidate."""
+    from lora_ops import launch
+    if "Wst" not in p:
+        x, A = p["x"], p["A"]
+        g = torch.Generator(device=x.device).manual_seed(7)
+        N, K = p["B"].shape[1], x.shape[1]
+        W = (torch.randn(N, K, generator=g, device=x.device) * K ** -0.5).to(x.dtype)
+        p["Wst"] = torch.cat([W, A.reshape(-1, K)])
+    M, N = p["x"].shape[0], p["B"].shape[1]
+    pdl = launch.uses_pdl(p["x"]) and M <= launch.STACKED_PDL_MAX_TOKENS
+
+    def run():
+        out = torch.nn.functional.linear(p["x"], p["Wst"])
+        launch.launch_expand_stacked(out, N, p["B"], p["widths"], p["rank"], p["scale"], *p["meta"], cfg, pdl=pdl)
+    return run
+
+
+RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner, "stacked": stacked_runner}
 
 
 def time_config(kind, problems, cfg, expand_cfg=None):
@@ -271,6 +309,8 @@ def candidates_for(kind, bucket, features, max_rank, num_slices=1, num_slots=TUN
         return list(shrink_candidates(bucket, features, max_rank, num_slices, num_slots))
     if kind == "expand":
         return list(expand_candidates(bucket, features, max_rank))
+    if kind == "stacked":
+        return list(stacked_candidates(bucket, features, max_rank))
     return list(fused_candidates(bucket, features, max_rank))
 
 
@@ -321,6 +361,9 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
     elif kind == "expand":
         problems = problem_copies(device, dtype, 64, split_widths(features, num_slices), max_rank, num_slots, bucket)
+    elif kind == "stacked":   # features: the output's; out_features: the input's (configs.stacked_config)
+        problems = problem_copies(device, dtype, out_features, split_widths(features, num_slices), max_rank,
+                                  num_slots, bucket)
     else:
         problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
                                   num_slots, bucket)
