@@ -159,11 +159,12 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
 
 
 def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
-                          slot_counts, cfg, run=True):
+                          slot_counts, cfg, run=True, pdl=False):
     """The stacked path's expand (kernels.expand, SCALE_BY_SLOT): y_ext [M, N + L·S·R] is
     F.linear(x, [W; A]) with A [L, S, R, K] stacked under the base weight W [N, K]: columns [0, N) y,
     columns N + (l·S + i)·R + r slot l's unscaled h for slice i. Adds scale[s_t] · h[t, s_t, i] @ B^T into
-    the y columns of each adapted token. Returns the :class:`Launch`, run unless ``run`` is False."""
+    the y columns of each adapted token. Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``:
+    launched with programmatic dependent launch right behind the GEMM (the kernel waits before reading y)."""
     L, _, R = lora_b.shape
     S = len(slice_widths)
     row, col = y_ext.stride()
@@ -171,7 +172,7 @@ def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale
     h_layout = (out_features * col, 0, row, S * R * col, R * col, col)
     precision = "bf16" if y_ext.dtype == torch.bfloat16 else F32_OPERAND_PRECISION[y_ext.dtype]   # h: exact
     return _expand_launch(y_ext, y_ext, h_layout, 1, scale, lora_b, slice_widths, rank, sorted_token_ids,
-                          slot_starts, slot_counts, cfg, precision, dict(SCALE_BY_SLOT=True), run)
+                          slot_starts, slot_counts, cfg, precision, dict(SCALE_BY_SLOT=True, **pdl_options(pdl)), run)
 
 
 def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
@@ -409,6 +410,12 @@ def _side_stream(device):
     return stream
 
 
+# The stacked path's expand launches with PDL right behind the GEMM up to this many tokens (H200, cuBLAS of
+# CUDA 13, session 13 lab: 1-64 tokens 0.177 -> 0.156 and 0.245 -> 0.229 of the base layer; from 1024 tokens
+# it cost up to 2x: the early expand's programs seem to hold SMs the GEMM's later waves need).
+STACKED_PDL_MAX_TOKENS = 64
+
+
 def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                         slot_starts, slot_counts):
     """F.linear(x, [W; A], [bias; 0]) gives the layer's output and every slot's h in one cuBLAS launch
@@ -423,9 +430,10 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
     L, N, R = lora_b.shape
 
     def build():
-        cfg = configs.expand_config(M, N, len(slice_widths), R, L, x.device, x.dtype)
+        cfg = configs.stacked_config(M, N, len(slice_widths), R, L, x.shape[1], x.device, x.dtype)
+        pdl = uses_pdl(x) and M <= STACKED_PDL_MAX_TOKENS
         return [launch_expand_stacked(out, N, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
-                                      slot_counts, cfg, run=False)], (), ()
+                                      slot_counts, cfg, run=False, pdl=pdl)], (), ()
     plan.run(plan.op_key("lora_linear_stacked", (out, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
              (out, lora_b, rank, scale, sorted_token_ids, slot_starts, slot_counts), build)
     return out

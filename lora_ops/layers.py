@@ -229,10 +229,11 @@ class LoRALinear(nn.Module):
     ``slice_widths`` splits the output into packed slices (e.g. a fused q/k/v projection holding
     adapters trained per projection); by default one slice of all ``out_features``.
 
-    ``stack_a`` (opt-in, not yet timed on a GPU; docs/DESIGN.md §4): the base weight and ``lora_a`` become
-    views of one buffer ``[N + L·S·R, K]`` (the bias, if any, of one ``[N + L·S·R]`` with zeros past N),
-    so at up to :data:`STACKED_MAX_TOKENS` tokens, without autograd or dropout, one GEMM gives the output
-    and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
+    ``stack_a`` (opt-in; docs/DESIGN.md §4): the base weight and ``lora_a`` become views of one buffer
+    ``[N + L·S·R, K]`` (the bias, if any, of one ``[N + L·S·R]`` with zeros past N), so at up to
+    ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid on the H200; 0, and nothing
+    stacked, where the stack is too wide against N), without autograd or dropout, one GEMM gives the
+    output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
     weights' dtype once, as PEFT rounds it. The base layer's parameters are replaced by the views (apply
     before building an optimizer over them; a weight tied to another module stops being shared with it);
     ``.to()`` and the other conversions re-stack. The output at those sizes is a column view of the wider
@@ -262,7 +263,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
-        if stack_a:
+        self.stacked_max_tokens = stacked_token_limit(N, K, L * S * R) if stack_a else 0
+        if self.stacked_max_tokens:
             self._stack()
 
     @torch.no_grad()
@@ -329,7 +331,7 @@ class LoRALinear(nn.Module):
         base = self._modules["base"]
         if not dropout and _plain_linear(base):
             weight, bias = base._parameters["weight"], base._parameters["bias"]
-            if (self._stacked is not None and x2d.shape[0] <= STACKED_MAX_TOKENS
+            if (self._stacked is not None and x2d.shape[0] <= self.stacked_max_tokens
                     and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
                                                           or lora_a.requires_grad or lora_b.requires_grad
                                                           or (bias is not None and bias.requires_grad)))
@@ -405,9 +407,23 @@ class LoRALinear(nn.Module):
 
 # ---- the model-wide helper -----------------------------------------------------------------------------
 
-# stack_a's one-GEMM path serves batches up to this many tokens (where it was estimated to pay, H200,
-# benchmarks/results/lab-h200-2026-12-03-session12.md §6); larger ones take lora_linear.
-STACKED_MAX_TOKENS = 64
+# Where stack_a's one-GEMM path pays (H200, benchmarks/results/lab-h200-2026-12-03-session13.md): the GEMM
+# computes every slot's h for every token, so its extra rows cost what their bytes cost at small batches
+# (a stack of more than half the base weight's rows lost at one token: Llama qkv, 4 slots of rank 320) and
+# MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every grid row; beyond, while the extra
+# multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the H200's tensor cores; the shrink it spares
+# costs about that much there). Larger batches take lora_linear.
+STACKED_MAX_ROWS_FRACTION = 0.5
+STACKED_ALWAYS_TOKENS = 256
+STACKED_MAX_EXTRA_MACS = 2 ** 32
+
+
+def stacked_token_limit(out_features, in_features, stack_rows):
+    """The most tokens at which stack_a's one-GEMM path serves a layer of this shape whose stack holds
+    ``stack_rows`` = L·S·R rows of A; 0 where stacking does not pay at all."""
+    if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features:
+        return 0
+    return max(STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * stack_rows))
 
 
 def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None, stack_a=False):

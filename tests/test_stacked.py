@@ -105,6 +105,14 @@ def test_stacked_weight_errors_name_the_argument():
 
 # ---- LoRALinear(stack_a=True): the layer owns the stacked buffer ----------------------------------------
 
+@pytest.fixture(autouse=True)
+def toy_stacks_pay(monkeypatch):
+    """The toy model's stacks (3 slots of rank 8 on 32-wide layers) are wider than half their base weight,
+    where layers.stacked_token_limit leaves a layer unstacked; the tests want them stacked."""
+    from lora_ops import layers
+    monkeypatch.setattr(layers, "STACKED_MAX_ROWS_FRACTION", 4.0)
+
+
 def stacked_models(dtype=torch.float32, device="cpu"):
     """A fused toy LM with LoRA twice, stack_a off and on, the same two adapters loaded into each."""
     from layer_helpers import PACKED, fused_copy, module_shapes, peft_tensors, toy_lm
@@ -163,11 +171,17 @@ def test_stack_a_layer_matches_the_unstacked_one(monkeypatch):
 
 def test_stack_a_takes_lora_linear_past_its_token_limit_and_under_autograd(monkeypatch):
     from lora_ops import layers
+    monkeypatch.setattr(layers, "STACKED_ALWAYS_TOKENS", 16)
+    monkeypatch.setattr(layers, "STACKED_MAX_EXTRA_MACS", 0)
     (plain, stacked), (ctx0, ctx1) = stacked_models()
+    assert {m.stacked_max_tokens for m in ctx1.layers.values()} == {16}
     used = stack_ops_used(monkeypatch)
-    requests = [("a", layers.STACKED_MAX_TOKENS), ("b", 5)]
+    requests = [("a", 16), ("b", 1)]
     torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
-    assert "lora_linear_stacked" not in used
+    assert "lora_linear_stacked" not in used and "lora_linear" in used
+    used.clear()
+    run_batch(stacked, ctx1, [("a", 16)])
+    assert set(used) == {"lora_linear_stacked"}
     ctx1.set_batch([("a", 6)])
     x = torch.randn(6, 32, requires_grad=True)
     layer = stacked.model.layers[0].self_attn.o_proj
@@ -212,3 +226,32 @@ def test_stack_a_compiles_without_graph_breaks():
     compiled = torch.compile(stacked, fullgraph=True, backend="eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids), expected, **MODEL_TOL)
+
+
+def test_stacked_token_limit_on_llama_shapes(monkeypatch):
+    """Where stack_a serves a layer: every batch up to STACKED_ALWAYS_TOKENS unless the stack is over half
+    the base weight's rows; beyond, while the extra multiply-adds stay under the budget."""
+    from lora_ops import layers
+    from lora_ops.layers import STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS, stacked_token_limit
+    monkeypatch.setattr(layers, "STACKED_MAX_ROWS_FRACTION", 0.5)   # the shipped value (toy_stacks_pay raised it)
+    assert STACKED_ALWAYS_TOKENS == 256 and STACKED_MAX_EXTRA_MACS == 2 ** 32
+    L = 4
+    assert stacked_token_limit(6144, 4096, L * 3 * 320) == 0              # qkv, rank 320: 3840 rows > 3072
+    assert stacked_token_limit(4096, 4096, L * 1 * 320) == 819            # o, rank 320: 2^32 / (4096 * 1280)
+    assert stacked_token_limit(4096, 14336, L * 1 * 320) == 256           # down, rank 320: 234, raised to 256
+    assert stacked_token_limit(4096, 4096, L * 1 * 64) == 4096            # o, rank 64: 2^32 / (4096 * 256)
+    assert stacked_token_limit(6144, 4096, L * 3 * 64) == 1365           # qkv, rank 64
+    assert stacked_token_limit(4096, 14336, L * 1 * 16) == 4681          # down, rank 16
+    assert stacked_token_limit(4096, 14336, L * 1 * 64) == 1170          # down, rank 64
+
+
+def test_stack_a_leaves_a_too_wide_layer_unstacked(monkeypatch):
+    from lora_ops import LoRAContext, LoRALinear, layers
+    monkeypatch.setattr(layers, "STACKED_MAX_ROWS_FRACTION", 0.5)
+    ctx = LoRAContext(4, 8)
+    base = torch.nn.Linear(32, 48)
+    weight = base.weight
+    wide = LoRALinear(base, ctx, 8, slice_widths=(16, 16, 16), stack_a=True)   # 4 * 3 * 8 = 96 rows > 24
+    assert wide.stacked_max_tokens == 0 and wide._stacked is None and wide.base.weight is weight
+    narrow = LoRALinear(torch.nn.Linear(32, 64), ctx, 8, stack_a=True)        # 32 rows <= 32
+    assert narrow.stacked_max_tokens == layers.STACKED_MAX_EXTRA_MACS // (32 * 32) and narrow._stacked is not None

@@ -50,7 +50,8 @@ def expand_kernel(
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
-    before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
+    before it reads h. With SCALE_BY_SLOT (behind the stacked GEMM, which writes y and h) only the
+    metadata and token ids are loaded before the wait. Everything earlier in the stream is complete by then (each shrink program waited
     for it before letting this kernel launch); y is only stored after the wait.
     """
     pid_n = tl.program_id(0)
@@ -76,6 +77,8 @@ def expand_kernel(
     y_rows = y_ptr + tok[:, None] * stride_ym
 
     if ONE_RANK_BLOCK:
+        if PDL and SCALE_BY_SLOT:
+            gdc_wait()   # y and h are the stacked GEMM's
         # y is the bulk of the bytes: the first block's load is in flight while h is read.
         n_ok = offs_n < col_hi
         y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
@@ -84,7 +87,7 @@ def expand_kernel(
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
         part_rows = h_rows + offs_r[None, :] * stride_hr
-        if PDL:
+        if PDL and not SCALE_BY_SLOT:
             gdc_wait()   # h is the shrink's
         # h was written by the shrink kernel and is read once per program: past L1 (.cg).
         ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
