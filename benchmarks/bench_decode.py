@@ -110,7 +110,7 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--stack-a", action="store_true",
-                    help="apply_lora(stack_a=True): one GEMM over [W; A] per layer at <= 64 tokens (DESIGN §4)")
+                    help="apply_lora(stack_a=True): one GEMM over [W; A] per layer where it pays (DESIGN §4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)

@@ -8,9 +8,10 @@
 #                                              # the peers, host time, decode step (~7 min)
 #     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step and
 #                                              # its profile (~8 min)
-#     bash benchmarks/gpu_session.sh stacked   # apply_lora(stack_a=True) (DESIGN §4): its GPU tests, the
-#                                              # core grid to 256 tokens with the `stacked` variant, and the
-#                                              # decode step without and with it (~5 min)
+#     bash benchmarks/gpu_session.sh stacked   # apply_lora(stack_a=True) (DESIGN §4): its GPU tests (with
+#                                              # CUDA-graph capture), the core grid with the `stacked` variant,
+#                                              # the decode step without and with it, and the Llama high-rank
+#                                              # grid's stacked rows to 1024 tokens (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -39,11 +40,13 @@ if [ "$MODE" = quick ]; then
     step decode 80 python benchmarks/bench_decode.py --out "$R"
 elif [ "$MODE" = stacked ]; then
     step tests 150 bash -c 'LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_stacked.py tests/test_ops_contract.py -k "stacked or stack_a"'
-    step core 150 python benchmarks/bench_lora.py --grid core --ms 1,16,64,256 --variants stacked --time-budget 135 \
-        --out "$R"
-    step decode 80 python benchmarks/bench_decode.py --out "$R"
-    step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
+        tests/test_stacked.py tests/test_ops_contract.py tests/test_model_compile.py -k "stacked or stack_a or cuda_graph"'
+    step core 180 python benchmarks/bench_lora.py --grid core --variants stacked --time-budget 165 --out "$R"
+    step decode 60 python benchmarks/bench_decode.py --out "$R"
+    step decode_stacked 60 python benchmarks/bench_decode.py --stack-a --out "$R"
+    # Wide stacks (ranks 128-320: where layers.stacked_token_limit stops stacking), no peers.
+    step highrank 100 python benchmarks/bench_lora.py --grid highrank --models llama3-8b --ms 1,64,256,1024 \
+        --variants stacked --peers '' --time-budget 85 --out "$R"
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"

@@ -34,10 +34,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def toy_model(device="cpu", max_tokens=64):
+def toy_model(device="cpu", max_tokens=64, stack_a=False):
     """The fused toy LM (packed q/k/v and gate/up slices plus plain layers) with adapters a and b."""
     model = fused_copy(toy_lm(seed=5)).to(device)
-    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=max_tokens, packed_modules=PACKED)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=max_tokens, packed_modules=PACKED,
+                     stack_a=stack_a)
     shapes = module_shapes(toy_lm())
     ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1), {"r": 4, "lora_alpha": 8})
     ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2), {"r": 8, "lora_alpha": 4, "use_rslora": True})
@@ -201,9 +202,21 @@ def sync_is_an_error():
 
 
 @cuda_only
+@pytest.mark.parametrize("stack_a", [False, True], ids=["lora_linear", "stack_a"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager_step", "compiled_step"])
-def test_cuda_graph_replays_new_slots_and_swapped_adapters(compiled):
-    model, ctx, shapes = toy_model("cuda")
+def test_cuda_graph_replays_new_slots_and_swapped_adapters(compiled, stack_a, monkeypatch):
+    """stack_a: every layer runs lora_linear_stacked (its expand launched with PDL behind the GEMM)."""
+    from lora_ops import layers
+    monkeypatch.setattr(layers, "STACKED_MAX_ROWS_FRACTION", 4.0)   # the toy's stacks are wide (test_stacked)
+    model, ctx, shapes = toy_model("cuda", stack_a=stack_a)
+    assert all((layer._stacked is not None) == stack_a for layer in ctx.layers.values())
+    if stack_a:   # the stacked model against the plain one, eagerly
+        plain, plain_ctx, _ = toy_model("cuda")
+        for c in (ctx, plain_ctx):
+            c.set_batch([("a", 3), (None, 2), ("b", 3)])
+        ids = torch.randint(0, 64, (1, 8), device="cuda")
+        with torch.no_grad():
+            assert rel_err(model(ids), plain(ids)) <= 1e-4
     step = torch.compile(model, fullgraph=True) if compiled else model
     requests = [("a", 3), (None, 2), ("b", 3)]
     ctx.set_batch(requests)
