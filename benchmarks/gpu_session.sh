@@ -41,12 +41,12 @@ if [ "$MODE" = quick ]; then
 elif [ "$MODE" = stacked ]; then
     step tests 150 bash -c 'LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_stacked.py tests/test_ops_contract.py tests/test_model_compile.py -k "stacked or stack_a or cuda_graph"'
-    step core 180 python benchmarks/bench_lora.py --grid core --variants stacked --time-budget 165 --out "$R"
+    step core 170 python benchmarks/bench_lora.py --grid core --variants stacked --time-budget 150 --out "$R"
     step decode 60 python benchmarks/bench_decode.py --out "$R"
     step decode_stacked 60 python benchmarks/bench_decode.py --stack-a --out "$R"
     # Wide stacks (ranks 128-320: where layers.stacked_token_limit stops stacking), no peers.
-    step highrank 100 python benchmarks/bench_lora.py --grid highrank --models llama3-8b --ms 1,64,256,1024 \
-        --variants stacked --peers '' --time-budget 85 --out "$R"
+    step highrank 90 python benchmarks/bench_lora.py --grid highrank --models llama3-8b --ms 1,64,256,1024 \
+        --variants stacked --peers '' --time-budget 75 --out "$R"
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
