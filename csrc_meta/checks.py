@@ -73,6 +73,30 @@ def _lora_linear_ok(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, 
         return False
 
 
+def _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                            slot_starts, slot_counts):
+    """What check_lora_linear_stacked passes, without building the stack's views (~8 µs of host time)."""
+    try:
+        dt, dev = x.dtype, x.device
+        M, K = x.shape
+        L, N, R = lora_b.shape
+        S = len(slice_widths)
+        rows = N + L * S * R
+        if not (type(M) is int and type(K) is int and type(N) is int):
+            return False
+        return (dt in FLOAT_DTYPES and stacked_weight.dtype is dt and lora_b.dtype is dt
+                and stacked_weight.shape == (rows, K) and stacked_weight.stride() == (K, 1)
+                and (stacked_bias is None or (stacked_bias.dtype is dt and stacked_bias.shape == (rows,)
+                                              and stacked_bias.device == dev))
+                and L >= 1 and S >= 1 and R >= 1 and min(slice_widths) > 0 and sum(slice_widths) == N
+                and scale.dtype is torch.float32 and scale.shape == (L,)
+                and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
+                and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
+                and _on(dev, stacked_weight, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts))
+    except _QUICK_ERRORS:
+        return False
+
+
 def _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     try:
         dt, dev = x.dtype, x.device
@@ -276,6 +300,9 @@ def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, ra
                               slot_starts, slot_counts):
     """stacked_weight [N + L·S·R, K] (contiguous) and stacked_bias [N + L·S·R] (or None); then what
     lora_linear checks, on the base weight, bias and lora_a the stack holds."""
+    if _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                               slot_starts, slot_counts):
+        return
     weight, bias, lora_a = stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths)
     check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                       slot_counts)
