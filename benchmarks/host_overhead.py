@@ -6,6 +6,7 @@ host is the bottleneck. Rows, each the median of --rounds rounds of --calls call
 
   F.linear                 the base layer alone
   LoRALinear               the layer as users call it (dispatcher skipped, fast launches)
+  ... stack_a              the same layer with apply_lora(stack_a=True): one GEMM over [W; A], the expand
   ... via torch.ops        the same through the torch dispatcher (what lora_ops did before ops.call)
   ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
   ... both                 neither shortcut (the baseline before 2026-12-02's change)
@@ -53,11 +54,11 @@ def profile_calls(layer, x, calls):
     return buf.getvalue()
 
 
-def build(args, device, dtype):
+def build(args, device, dtype, stack_a=False):
     K, widths = (64, [64, 16, 16]) if args.tiny else (4096, [4096, 1024, 1024])
     base = nn.Linear(K, sum(widths), bias=False, device=device, dtype=dtype)
     ctx = lora_ops.LoRAContext(4, args.tokens, device=device)
-    layer = lora_ops.LoRALinear(base, ctx, args.rank, slice_widths=widths)
+    layer = lora_ops.LoRALinear(base, ctx, args.rank, slice_widths=widths, stack_a=stack_a)
     with torch.no_grad():
         layer.lora_a.normal_(0, K ** -0.5)
         layer.lora_b.normal_(0, args.rank ** -0.5)
@@ -83,6 +84,7 @@ def main(argv=None):
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     layer, x = build(args, device, dtype)
+    stacked_layer, _ = build(args, device, dtype, stack_a=not args.tiny)   # the tiny stack is too wide to stack
     y = layer.base(x)
     op_args = (y, x, layer.lora_a, layer.lora_b, layer.scale, layer.rank, list(layer.slice_widths),
                *layer.context.meta)
@@ -110,6 +112,7 @@ def main(argv=None):
     variants = {
         "F.linear": ({}, lambda: F.linear(x, layer.base.weight)),
         "LoRALinear": ({}, lambda: layer(x)),
+        "LoRALinear, stack_a (lora_linear_stacked)": ({}, lambda: stacked_layer(x)),
         "LoRALinear without launch plans": (dict(plans=False), lambda: layer(x)),
         "LoRALinear, plans replayed through Triton's CudaLauncher": (dict(direct=False), lambda: layer(x)),
         "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
