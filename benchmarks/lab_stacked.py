@@ -37,7 +37,8 @@ from timing import Timer  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16   # the interpreter computes bf16 wrongly (tests/interp_bf16.py)
+# The interpreter computes bf16 wrongly (tests/interp_bf16.py): float16 off the GPU.
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 BUDGET = float(os.environ.get("BUDGET", "480"))
 T0 = time.time()
 LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
@@ -197,7 +198,8 @@ def main(out):
             elif s == "sweep1":
                 section_sweep(timer, (1, 256), (16, 64) if not TINY else (8,))
             elif s == "wide":
-                specs = (shapes.uniform(128), shapes.uniform(320), shapes.MIXED) if not TINY else (shapes.tiny_ranks(shapes.MIXED),)
+                specs = ((shapes.uniform(128), shapes.uniform(320), shapes.MIXED) if not TINY
+                         else (shapes.tiny_ranks(shapes.MIXED),))
                 section_wide(timer, (1, 64, 256) if not TINY else (1,), specs)
             print(f"[{time.time() - T0:.0f} s] section {s} done", flush=True)
     finally:
@@ -215,7 +217,8 @@ def summary():
     print("== cross: geomean over layers and ranks, X/base")
     for M in sorted({r["M"] for r in rows if r["sec"] == "cross"}):
         part = [r for r in rows if r["sec"] == "cross" and r["M"] == M]
-        print(f"M={M:<5d} ours {gm([r['ours'] / r['base'] for r in part]):.3f} stk {gm([r['stk'] / r['base'] for r in part]):.3f} "
+        print(f"M={M:<5d} ours {gm([r['ours'] / r['base'] for r in part]):.3f} "
+              f"stk {gm([r['stk'] / r['base'] for r in part]):.3f} "
               f"stk_pdl {gm([r['stk_pdl'] / r['base'] for r in part]):.3f} (n={len(part)})")
     print("== wide")
     for key in sorted({(r["spec"], r["M"]) for r in rows if r["sec"] == "wide"}):

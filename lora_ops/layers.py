@@ -410,9 +410,9 @@ class LoRALinear(nn.Module):
 # Where stack_a's one-GEMM path pays (H200, benchmarks/results/lab-h200-2026-12-03-session13.md): the GEMM
 # computes every slot's h for every token, so its extra rows cost what their bytes cost at small batches
 # (a stack of more than half the base weight's rows lost at one token: Llama qkv, 4 slots of rank 320) and
-# MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every grid row; beyond, while the extra
-# multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the H200's tensor cores; the shrink it spares
-# costs about that much there). Larger batches take lora_linear.
+# MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every core grid row of the runs that set
+# these figures; beyond, while the extra multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the
+# H200's tensor cores; the shrink it spares costs about that much there). Larger batches take lora_linear.
 STACKED_MAX_ROWS_FRACTION = 0.5
 STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32

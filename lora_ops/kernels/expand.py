@@ -50,9 +50,10 @@ def expand_kernel(
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
-    before it reads h. With SCALE_BY_SLOT (behind the stacked GEMM, which writes y and h) only the
-    metadata and token ids are loaded before the wait. Everything earlier in the stream is complete by then (each shrink program waited
-    for it before letting this kernel launch); y is only stored after the wait.
+    before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
+    for it before letting this kernel launch); y is only stored after the wait. With SCALE_BY_SLOT (PDL
+    right behind the stacked GEMM, which writes y and h) only the metadata, token ids and scale are
+    loaded before the wait.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
