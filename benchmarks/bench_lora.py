@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import lora_ops  # noqa: E402
 import lora_ops.configs  # noqa: E402,F401  (the variants set config choices; not imported by lora_ops itself)
 import lora_ops.launch  # noqa: E402,F401
+from lora_ops.layers import stacked_token_limit  # noqa: E402
 import problems  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -262,6 +263,10 @@ class RowRunner:
             for variant in LAYER_VARIANTS:   # what the delta adds to the layer: lora_linear - base
                 if rec.get(f"{variant}_layer_us") is not None and rec.get("base_us") is not None:
                     rec[f"{variant}_us"] = rec[f"{variant}_layer_us"] - rec["base_us"]
+            if rec.get("stacked_us") is not None and rec.get("ours_us") is not None:
+                # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else add_lora_.
+                limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R)
+                rec["stack_a_us"] = rec["stacked_us"] if case.M <= limit else rec["ours_us"]
         rec["ok"] = all(rec.get(f"{name}_ok") for name in checked)
         return rec
 

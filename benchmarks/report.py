@@ -10,6 +10,8 @@ IMPLS = ("ours", "vllm", "sglang")
 PEERS = ("vllm", "sglang")
 # Our op with one config choice changed (bench_lora.VARIANTS); columns and summaries appear when timed.
 VARIANTS = ("heuristic", "autotune", "two_launch", "one_launch", "overlap", "in_order", "fast_bf16", "stacked")
+# Derived from the timed columns (bench_lora): stack_a, what LoRALinear(stack_a=True) runs at the row.
+DERIVED = ("stack_a",)
 
 # Token-count bins of the summaries: (label, predicate on M).
 BASE_BINS = (("M<=64", lambda M: M <= 64), ("M 256-1024", lambda M: 256 <= M <= 1024),
@@ -91,7 +93,7 @@ def _columns(rows, wide):
         ("ours/floor", lambda r: _fmt(ratio(r.get("ours_us"), r.get("floor_us")), 2)),
         ("alone-sum", lambda r: _fmt(r.get("alone_us"))),
         ("ours/alone", lambda r: _fmt(ratio(r.get("ours_us"), r.get("alone_us")), 2)),
-        *[(v, lambda r, v=v: _peer_time(r, v)) for v in VARIANTS],
+        *[(v, lambda r, v=v: _peer_time(r, v)) for v in VARIANTS + DERIVED],
         ("vllm", lambda r: _peer_time(r, "vllm")),
         ("sglang", lambda r: _peer_time(r, "sglang")),
     ]
@@ -161,7 +163,7 @@ def summarise(rows):
     out = {}
     for name, group in _groups(timed):
         g = {}
-        for impl in IMPLS + VARIANTS + ("best_peer", "bound"):
+        for impl in IMPLS + VARIANTS + DERIVED + ("best_peer", "bound"):
             t = {"best_peer": best_peer_us, "bound": bound_us}.get(impl, lambda r, i=impl: r.get(f"{i}_us"))
             per_bin = _bin_means(group, t, lambda r: r.get("base_us"))
             per_bin[f"floor {FLOOR_BIN[0]}"] = geomean(ratio(t(r), r.get("floor_us"))
@@ -178,6 +180,10 @@ def summarise(rows):
             if any(r.get(f"{p}_us") for r in compared):
                 slower[f"than {p}"] = sum(1 for r in compared if r.get(f"{p}_us") and r["ours_us"] > r[f"{p}_us"])
         g["ours slower than a peer"] = slower
+        layered = [r for r in compared if r.get("stack_a_us") is not None]
+        if layered:   # the path LoRALinear(stack_a=True) takes (bench_lora's stacked variant)
+            g["stack_a slower than a peer"] = {"rows": sum(1 for r in layered if r["stack_a_us"] > best_peer_us(r)),
+                                               "of": len(layered)}
         out[name] = g
     return out
 
@@ -191,7 +197,7 @@ def summary_text(summary):
              f"{'':<28}" + "".join(f"{h:>14}" for h in head)]
     for group, g in summary.items():
         for key, vals in g.items():
-            if key == "ours slower than a peer":
+            if key.endswith("slower than a peer"):
                 continue
             if key == "ours/alone-sum":
                 cells = [vals.get(h) for h in head[:-1]] + [vals.get("all M")]
@@ -204,6 +210,9 @@ def summary_text(summary):
             per_peer = ", ".join(f"{k} {v}" for k, v in slow.items() if k.startswith("than "))
             lines.append(f"{group + ' ours slower than a peer':<28}{slow['rows']:>14} of {slow['of']} rows "
                          f"({per_peer})")
+        if "stack_a slower than a peer" in g:
+            slow = g["stack_a slower than a peer"]
+            lines.append(f"{group + ' stack_a slower than a peer':<28}{slow['rows']:>14} of {slow['of']} rows")
     return "\n".join(lines)
 
 
