@@ -109,11 +109,18 @@ def global_loads(ptx):
     return census
 
 
+def _census(ptx):
+    return {f"{kind} {width} B": n for (kind, width), n in sorted(global_loads(ptx).items())}
+
+
 def summary(compiled):
-    """{'registers', 'spill_bytes', 'loads': {'cp.async 16 B': n, 'ld.global 2 B': n, ...}}"""
-    regs, spills = ptxas_usage(compiled.asm["ptx"])
-    loads = {f"{kind} {width} B": n for (kind, width), n in sorted(global_loads(compiled.asm["ptx"]).items())}
-    return {"registers": regs, "spill_bytes": spills, "loads": loads}
+    """{'registers', 'spill_bytes', 'loads': {'cp.async 16 B': n, 'ld.global 2 B': n, ...},
+    'loads_before_wait': the same census before the first griddepcontrol.wait (PDL), or None without one}"""
+    ptx = compiled.asm["ptx"]
+    regs, spills = ptxas_usage(ptx)
+    wait = ptx.find("griddepcontrol.wait")
+    return {"registers": regs, "spill_bytes": spills, "loads": _census(ptx),
+            "loads_before_wait": _census(ptx[:wait]) if wait >= 0 else None}
 
 
 def cases():
@@ -132,6 +139,24 @@ def cases():
         def run(p=p, cfg=cfg):
             launch.launch_expand(p["y"], p["h"].unsqueeze(0), p["B"], p["widths"], p["rank"], *p["meta"], cfg)
         yield name, launch.EXPAND, run
+
+    # Under PDL: add_lora_'s expand (y and B loaded before its wait) and the stacked path's (behind the GEMM,
+    # which writes y and h: only metadata, token ids and the scale before the wait), both code paths.
+    p = tuning.synthetic_problem(cpu, bf16, 64, [256, 256], 16, 4, 64)
+
+    def expand_pdl(p=p):
+        launch.launch_expand(p["y"], p["h"].unsqueeze(0), p["B"], p["widths"], p["rank"], *p["meta"],
+                             ExpandConfig(16, 64, 16, 4, 2, 1), pdl=True)
+    yield "expand_pdl_r16", launch.EXPAND, expand_pdl
+    for name, R, cfg in (("expand_stacked_pdl_r16", 16, ExpandConfig(16, 64, 16, 4, 2, 1)),
+                         ("expand_stacked_pdl_rank_loop_r320", 320, ExpandConfig(64, 256, 32, 4, 3, 1))):
+        p = tuning.synthetic_problem(cpu, bf16, 64, [256, 256], R, 4, 64)
+        out = torch.randn(64, 512 + 4 * 2 * R, dtype=bf16)   # F.linear(x, [W; A]): y, then every slot's h
+
+        def stacked(p=p, cfg=cfg, out=out):
+            launch.launch_expand_stacked(out, 512, p["B"], p["widths"], p["rank"], p["scale"], *p["meta"], cfg,
+                                         pdl=True)
+        yield name, launch.EXPAND, stacked
 
     p = tuning.synthetic_problem(cpu, bf16, 256, [512, 128, 128], 16, 4, 64)
     scfg = configs.heuristics.shrink_config(64, 4096, 3, 16, 4, out_features=768)

@@ -3,7 +3,8 @@
 A run-time rank mask on the contiguous dimension once made every h and B load a 2- or 4-byte one and kept
 the rank loop from pipelining them (H200: the high-rank grid 30-40% slower, docs/DESIGN.md §4). These
 tests hold the fix in every kernel: bf16 operands never load 2 bytes at a time, no cp.async is narrower
-than 16 bytes, and the rank loop streams its operands with 16-byte cp.async.
+than 16 bytes, and the rank loop streams its operands with 16-byte cp.async. Under PDL, the stacked
+path's expand must not read y before it waits for the GEMM that writes it.
 """
 import json
 import os
@@ -32,8 +33,9 @@ def codegen():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_split_k_r16",
-         "fused_r16", "grad_x_r64", "segment_outer_r64"]
+CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "expand_pdl_r16",
+         "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
+         "grad_x_r64", "segment_outer_r64"]
 
 
 def test_every_compiled_case_is_checked(codegen):
@@ -54,3 +56,17 @@ def test_no_narrow_cp_async(codegen, case):
 
 def test_rank_loop_streams_its_operands(codegen):
     assert codegen["expand_rank_loop_r320"]["loads"].get("cp.async 16 B", 0) > 0, codegen["expand_rank_loop_r320"]
+
+
+@pytest.mark.parametrize("case", ["expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320"])
+def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case):
+    """Behind the stacked GEMM (PDL), only the slot metadata, the token ids and the slot's scale (4-byte
+    scalar loads) come before griddepcontrol.wait: y and h, which the GEMM writes, load as 16-byte vectors
+    after it. add_lora_'s expand, whose y nobody writes meanwhile, loads y before its wait: the check can
+    fail. One rank block: exactly add_lora_'s scalar loads plus the scale."""
+    before = codegen[case]["loads_before_wait"]
+    assert before is not None and set(before) == {"ld.global 4 B"}, codegen[case]
+    reference = codegen["expand_pdl_r16"]["loads_before_wait"]
+    assert any(k != "ld.global 4 B" for k in reference), reference
+    if case == "expand_stacked_pdl_r16":
+        assert before["ld.global 4 B"] == reference["ld.global 4 B"] + 1, (before, reference)
