@@ -102,47 +102,46 @@ def base_ours(timer, r):
     return base, ours
 
 
-def section_cross(timer, Ms, ranks):
-    for M in Ms:
-        for layer in LAYERS:
-            for rank in ranks:
-                if left() < 20:
-                    return
-                r = Row(layer, shapes.uniform(rank), M)
-                cfg = r.default_cfg()
-                e0, e1 = r.check(cfg, False), r.check(cfg, True)
-                base, ours = base_ours(timer, r)
-                stk = r.time_stacked(timer, cfg, False) - base
-                stkp = r.time_stacked(timer, cfg, True) - base
-                row = dict(sec="cross", layer=layer.name, rank=rank, M=M, base=base, ours=ours, stk=stk, stk_pdl=stkp,
-                           err=e0, err_pdl=e1, cfg=list(cfg))
-                rows.append(row)
-                print(f"cross {layer.name:8s} r{rank:<3d} M={M:<5d} base {base:7.1f} ours {ours:6.1f} stk {stk:6.1f} "
-                      f"pdl {stkp:6.1f} | o/b {ours / base:.2f} s/b {stk / base:.2f} p/b {stkp / base:.2f} "
-                      f"err {e0:.1e} {e1:.1e} {tuple(cfg)}", flush=True)
-                del r
-                torch.cuda.empty_cache() if DEV == "cuda" else None
-
-
-def section_wide(timer, Ms, specs):
+def problems_within_budget(Ms, specs, reserve_s):
+    """(M, layer, spec, Row) for every token count, rank spec and layer, while more than ``reserve_s`` of
+    the time budget is left; each Row's tensors are freed before the next."""
     for M in Ms:
         for spec in specs:
             for layer in LAYERS:
-                if left() < 20:
+                if left() < reserve_s:
                     return
-                r = Row(layer, spec, M)
-                cfg = r.default_cfg()
-                e0 = r.check(cfg, True)
-                base, ours = base_ours(timer, r)
-                stkp = r.time_stacked(timer, cfg, True) - base
-                row = dict(sec="wide", layer=layer.name, spec=spec.label, M=M, base=base, ours=ours, stk_pdl=stkp,
-                           err=e0, cfg=list(cfg), extra_cols=r.p.L * r.p.S * r.p.R, N=r.p.N)
-                rows.append(row)
-                print(f"wide  {layer.name:8s} {spec.label:5s} M={M:<5d} base {base:7.1f} ours {ours:6.1f} "
-                      f"stk_pdl {stkp:6.1f} | o/b {ours / base:.2f} s/b {stkp / base:.2f} cols+{row['extra_cols']}"
-                      f" err {e0:.1e}", flush=True)
-                del r
-                torch.cuda.empty_cache() if DEV == "cuda" else None
+                yield M, layer, spec, Row(layer, spec, M)
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def section_cross(timer, Ms, ranks):
+    for M, layer, spec, r in problems_within_budget(Ms, [shapes.uniform(rank) for rank in ranks], 20):
+        cfg = r.default_cfg()
+        e0, e1 = r.check(cfg, False), r.check(cfg, True)
+        base, ours = base_ours(timer, r)
+        stk = r.time_stacked(timer, cfg, False) - base
+        stkp = r.time_stacked(timer, cfg, True) - base
+        rank = spec.capacity
+        rows.append(dict(sec="cross", layer=layer.name, rank=rank, M=M, base=base, ours=ours, stk=stk, stk_pdl=stkp,
+                         err=e0, err_pdl=e1, cfg=list(cfg)))
+        print(f"cross {layer.name:8s} r{rank:<3d} M={M:<5d} base {base:7.1f} ours {ours:6.1f} stk {stk:6.1f} "
+              f"pdl {stkp:6.1f} | o/b {ours / base:.2f} s/b {stk / base:.2f} p/b {stkp / base:.2f} "
+              f"err {e0:.1e} {e1:.1e} {tuple(cfg)}", flush=True)
+
+
+def section_wide(timer, Ms, specs):
+    for M, layer, spec, r in problems_within_budget(Ms, specs, 20):
+        cfg = r.default_cfg()
+        e0 = r.check(cfg, True)
+        base, ours = base_ours(timer, r)
+        stkp = r.time_stacked(timer, cfg, True) - base
+        row = dict(sec="wide", layer=layer.name, spec=spec.label, M=M, base=base, ours=ours, stk_pdl=stkp,
+                   err=e0, cfg=list(cfg), extra_cols=r.p.L * r.p.S * r.p.R, N=r.p.N)
+        rows.append(row)
+        print(f"wide  {layer.name:8s} {spec.label:5s} M={M:<5d} base {base:7.1f} ours {ours:6.1f} "
+              f"stk_pdl {stkp:6.1f} | o/b {ours / base:.2f} s/b {stkp / base:.2f} cols+{row['extra_cols']}"
+              f" err {e0:.1e}", flush=True)
 
 
 def sweep_cfgs(M, R):
@@ -152,38 +151,38 @@ def sweep_cfgs(M, R):
             yield ExpandConfig(bm, bn, heuristics.rank_block(R), warps, 2, n_loop)
 
 
+def sweep_times(timer, r, M, base):
+    """{config: the stacked layer's µs minus base} over sweep_cfgs, each checked first (a failing or
+    non-compiling config is skipped, with a line saying so)."""
+    times = {}
+    for cfg in sweep_cfgs(M, r.p.R):
+        if left() < 25:
+            break
+        try:
+            err = r.check(cfg, True)
+            if not err < 2e-2:
+                print("  BAD", cfg, err)
+                continue
+            times[cfg] = r.time_stacked(timer, cfg, True) - base
+        except Exception as e:  # noqa: BLE001
+            print("  fail", cfg, type(e).__name__)
+    return times
+
+
 def section_sweep(timer, Ms, ranks):
-    for M in Ms:
-        for layer in LAYERS:
-            for rank in ranks:
-                if left() < 30:
-                    return
-                r = Row(layer, shapes.uniform(rank), M)
-                base = timer.measure(lambda k, r=r: problems.base(*r.inputs(k)[:2]), r.p.base_set_bytes(), False)[0]
-                d = r.default_cfg()
-                times = {}
-                t_def = r.time_stacked(timer, d, True) - base
-                for cfg in sweep_cfgs(M, r.p.R):
-                    if left() < 25:
-                        break
-                    try:
-                        err = r.check(cfg, True)
-                        if not err < 2e-2:
-                            print("  BAD", cfg, err)
-                            continue
-                        times[cfg] = r.time_stacked(timer, cfg, True) - base
-                    except Exception as e:  # noqa: BLE001
-                        print("  fail", cfg, type(e).__name__)
-                best = min(times, key=times.get) if times else None
-                row = dict(sec="sweep", layer=layer.name, rank=rank, M=M, base=base, default=t_def,
-                           default_cfg=list(d), best=times.get(best), best_cfg=list(best) if best else None,
-                           all={str(tuple(c)): t for c, t in times.items()})
-                rows.append(row)
-                print(f"sweep {layer.name:8s} r{rank:<3d} M={M:<5d} base {base:6.1f} default {t_def:5.1f} {tuple(d)} "
-                      f"best {times.get(best, math.nan):5.1f} {tuple(best) if best else None} ({len(times)} cfgs)",
-                      flush=True)
-                del r
-                torch.cuda.empty_cache() if DEV == "cuda" else None
+    for M, layer, spec, r in problems_within_budget(Ms, [shapes.uniform(rank) for rank in ranks], 30):
+        base = timer.measure(lambda k, r=r: problems.base(*r.inputs(k)[:2]), r.p.base_set_bytes(), False)[0]
+        d = r.default_cfg()
+        t_def = r.time_stacked(timer, d, True) - base
+        times = sweep_times(timer, r, M, base)
+        best = min(times, key=times.get) if times else None
+        rank = spec.capacity
+        rows.append(dict(sec="sweep", layer=layer.name, rank=rank, M=M, base=base, default=t_def,
+                         default_cfg=list(d), best=times.get(best), best_cfg=list(best) if best else None,
+                         all={str(tuple(c)): t for c, t in times.items()}))
+        print(f"sweep {layer.name:8s} r{rank:<3d} M={M:<5d} base {base:6.1f} default {t_def:5.1f} {tuple(d)} "
+              f"best {times.get(best, math.nan):5.1f} {tuple(best) if best else None} ({len(times)} cfgs)",
+              flush=True)
 
 
 def main(out):
