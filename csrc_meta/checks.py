@@ -85,9 +85,10 @@ def _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank
         if not (type(M) is int and type(K) is int and type(N) is int):
             return False
         return (dt in FLOAT_DTYPES and stacked_weight.dtype is dt and lora_b.dtype is dt
-                and stacked_weight.shape == (rows, K) and stacked_weight.stride() == (K, 1)
-                and (stacked_bias is None or (stacked_bias.dtype is dt and stacked_bias.shape == (rows,)
-                                              and stacked_bias.device == dev))
+                and stacked_weight.shape[0] >= rows and stacked_weight.shape[1] == K
+                and stacked_weight.stride() == (K, 1)
+                and (stacked_bias is None or (stacked_bias.dtype is dt and stacked_bias.device == dev
+                                              and stacked_bias.shape == (stacked_weight.shape[0],)))
                 and L >= 1 and S >= 1 and R >= 1 and min(slice_widths) > 0 and sum(slice_widths) == N
                 and scale.dtype is torch.float32 and scale.shape == (L,)
                 and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
@@ -272,28 +273,30 @@ def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths
 
 
 def stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths):
-    """(weight [N, K], bias [N] or None, lora_a [L, S, R, K]): the views of a stacked weight [N + L·S·R, K]
-    (and bias [N + L·S·R]) that lora_linear_stacked reads, with N, L, R from lora_b [L, N, R] and S from
-    slice_widths; a clear error where the stack's shape does not match them."""
+    """(weight [N, K], bias [N] or None, lora_a [L, S, R, K]): the views of a stacked weight
+    [N + L·S·R + P, K] (and bias [N + L·S·R + P]) that lora_linear_stacked reads, with N, L, R from lora_b
+    [L, N, R] and S from slice_widths (P >= 0 trailing rows are padding, never read into the layer's output);
+    a clear error where the stack's shape does not match them."""
     if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != 3:
         _fail(TypeError, f"lora_b: expected a 3-D tensor [L, N, R], got {tuple(getattr(lora_b, 'shape', ()))}")
     L, N, R = lora_b.shape
     S = len(slice_widths)
     rows = N + L * S * R
-    if not isinstance(stacked_weight, torch.Tensor) or stacked_weight.dim() != 2 or stacked_weight.shape[0] != rows:
-        _fail(ValueError, f"stacked_weight: expected shape [N + L*S*R, K] with N + L*S*R = {N} + {L}*{S}*{R} = "
-                          f"{rows} (lora_b [L, N, R], {S} slices), got {tuple(getattr(stacked_weight, 'shape', ()))}")
+    if not isinstance(stacked_weight, torch.Tensor) or stacked_weight.dim() != 2 or stacked_weight.shape[0] < rows:
+        _fail(ValueError, f"stacked_weight: expected shape [N + L*S*R (+ padding rows), K] with N + L*S*R = "
+                          f"{N} + {L}*{S}*{R} = {rows} (lora_b [L, N, R], {S} slices), got "
+                          f"{tuple(getattr(stacked_weight, 'shape', ()))}")
     if stacked_weight.stride(1) != 1 or stacked_weight.stride(0) != stacked_weight.shape[1]:
         _fail(ValueError, f"stacked_weight: expected a contiguous [N + L*S*R, K] tensor, got strides "
                           f"{tuple(stacked_weight.stride())}")
     K = stacked_weight.shape[1]
     bias = None
     if stacked_bias is not None:
-        if not isinstance(stacked_bias, torch.Tensor) or tuple(stacked_bias.shape) != (rows,):
-            _fail(ValueError, f"stacked_bias: expected shape [{rows}] (stacked_weight's rows), got "
-                              f"{tuple(getattr(stacked_bias, 'shape', ()))}")
+        if not isinstance(stacked_bias, torch.Tensor) or tuple(stacked_bias.shape) != (stacked_weight.shape[0],):
+            _fail(ValueError, f"stacked_bias: expected shape [{stacked_weight.shape[0]}] (stacked_weight's rows), "
+                              f"got {tuple(getattr(stacked_bias, 'shape', ()))}")
         bias = stacked_bias[:N]
-    return stacked_weight[:N], bias, stacked_weight[N:].view(L, S, R, K)
+    return stacked_weight[:N], bias, stacked_weight[N:rows].view(L, S, R, K)
 
 
 def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,

@@ -15,11 +15,13 @@ Rows whose slot is -1 are left untouched.
 lora_linear  out = x weight^T + bias + the add_lora_ delta         (a whole LoRALinear layer in one op: the
                     base GEMM and the LoRA kernels; differentiable in x, weight, bias, lora_a, lora_b)
 lora_linear_stacked  out = x stacked_weight^T + stacked_bias, then out[t, slice i of :N] +=
-                    scale[s_t] h[t, s_t, i, :rank] @ lora_b[s_t, slice i, :rank]^T, h = out[:, N:] as [M, L, S, R]
-                    stacked_weight [N + L*S*R, K] holds the base weight [N, K] over lora_a [L, S, R, K]
-                    (flattened), stacked_bias [N + L*S*R] (zeros past N) or None; out [M, N + L*S*R]: the
-                    layer's output in columns :N, every slot's unscaled h (in x's dtype) after. One GEMM
-                    computes y and h (no shrink launch); inference only (no autograd).
+                    scale[s_t] h[t, s_t, i, :rank] @ lora_b[s_t, slice i, :rank]^T, h = out[:, N:N+L*S*R]
+                    as [M, L, S, R]. stacked_weight [N + L*S*R + P, K] holds the base weight [N, K] over
+                    lora_a [L, S, R, K] (flattened), then P >= 0 padding rows (a row count cuBLAS handles
+                    well; their output columns are ignored); stacked_bias [N + L*S*R + P] (zeros past N)
+                    or None; out [M, N + L*S*R + P]: the layer's output in columns :N, every slot's
+                    unscaled h (in x's dtype) after. One GEMM computes y and h (no shrink launch);
+                    inference only (no autograd).
 
 Autograd (lora_ops.autograd registers the kernels and the backward formula):
 add_lora       out = y + the add_lora_ delta, out of place; differentiable in y, x, lora_a, lora_b

@@ -68,7 +68,7 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
     L, N, R = lora_b.shape
     S = len(slice_widths)
     out = torch.nn.functional.linear(x, stacked_weight, stacked_bias)
-    h = out[:, N:].view(-1, L, S, R)   # every slot's h, unscaled, in x's dtype (rounded once)
+    h = out[:, N:N + L * S * R].view(-1, L, S, R)   # every slot's h, unscaled, in x's dtype (rounded once)
     y = out[:, :N]
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, out.shape[0]):
         r = min(r, R)

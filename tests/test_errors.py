@@ -205,9 +205,11 @@ def test_quick_checks_accept_the_valid_case(backend):
     assert checks._lora_linear_ok(a["x"], weight, None, a["lora_a"], a["lora_b"], a["scale"], a["rank"],
                                   a["slice_widths"], *meta)
     stacked = torch.cat([weight, a["lora_a"].reshape(-1, K)])
-    for stacked_bias in (torch.cat([bias, bias.new_zeros(stacked.shape[0] - N)]), None):
-        assert checks._lora_linear_stacked_ok(a["x"], stacked, stacked_bias, a["lora_b"], a["scale"], a["rank"],
-                                              a["slice_widths"], *meta)
+    padded = torch.cat([stacked, stacked.new_zeros(3, K)])   # zero rows a tuned layout puts after A
+    for st in (stacked, padded):
+        for stacked_bias in (torch.cat([bias, bias.new_zeros(st.shape[0] - N)]), None):
+            assert checks._lora_linear_stacked_ok(a["x"], st, stacked_bias, a["lora_b"], a["scale"], a["rank"],
+                                                  a["slice_widths"], *meta)
     dh = torch.randn(M, S, R, device=backend.device)
     assert checks._lora_grad_x_ok(dh, a["lora_a"], a["rank"], *meta)
     assert checks._segment_outer_ok(dh[:, 0], a["x"], a["rank"], *meta)
