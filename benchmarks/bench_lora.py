@@ -178,6 +178,12 @@ def environment(args, timer, dtype, notes):
 # --- one row
 
 
+def stack_pad(problem):
+    """The zero rows LoRALinear(stack_a=True) puts after [W; A] for this problem's layer (tuned table)."""
+    return lora_ops.configs.stack_pad_rows(problem.N, problem.K, problem.L * problem.S * problem.R,
+                                           torch.device(problem.device), problem.dtype)
+
+
 def new_record(case, problem):
     slots = problem.slots_cpu
     return {
@@ -265,7 +271,8 @@ class RowRunner:
                     rec[f"{variant}_us"] = rec[f"{variant}_layer_us"] - rec["base_us"]
             if rec.get("stacked_us") is not None and rec.get("ours_us") is not None:
                 # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else add_lora_.
-                limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R)
+                limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R,
+                                            pad_rows=stack_pad(problem))
                 rec["stack_a_us"] = rec["stacked_us"] if case.M <= limit else rec["ours_us"]
         rec["ok"] = all(rec.get(f"{name}_ok") for name in checked)
         return rec
@@ -328,10 +335,12 @@ class RowRunner:
         op = torch.ops.lora_ops.lora_linear_stacked
         N = problem.N
         stacks = {}
+        pad = stack_pad(problem)   # the zero rows LoRALinear(stack_a=True) would put after A
 
         def stacked(k, i):
             if k not in stacks:
-                stacks[k] = torch.cat([problem.base_inputs(k)[1], i.lora_a.reshape(-1, problem.K)])
+                w = problem.base_inputs(k)[1]
+                stacks[k] = torch.cat([w, i.lora_a.reshape(-1, problem.K), w.new_zeros(pad, problem.K)])
             return stacks[k]
 
         def layer(k, i):
@@ -339,7 +348,7 @@ class RowRunner:
             return lambda: op(*args)[:, :N]
         self.check_and_time_layer(rec, variant, problem, inp, ref, layer,
                                   lambda: torch.nn.functional.linear(inp.x, stacked(0, inp))[:, :N],
-                                  (N + problem.L * problem.S * problem.R) * problem.K * problem.esize)
+                                  (N + problem.L * problem.S * problem.R + pad) * problem.K * problem.esize)
 
     def check_and_time_layer(self, rec, variant, problem, inp, ref, layer, before, extra_bytes):
         """One whole-layer variant: ``layer(k, inputs)`` builds the call on input set k (it returns the

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from lora_ops import adapters, ops, training
+from lora_ops import adapters, configs, ops, training
 from lora_ops.batch import LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
@@ -230,7 +230,8 @@ class LoRALinear(nn.Module):
     adapters trained per projection); by default one slice of all ``out_features``.
 
     ``stack_a`` (opt-in; docs/DESIGN.md §4): the base weight and ``lora_a`` become views of one buffer
-    ``[N + L·S·R, K]`` (the bias, if any, of one ``[N + L·S·R]`` with zeros past N), so at up to
+    ``[N + L·S·R, K]`` (plus the zero rows a tuned table asks for: :func:`lora_ops.configs.stack_pad_rows`;
+    the bias, if any, of one as long, with zeros past N), so at up to
     ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid on the H200; 0, and nothing
     stacked, where the stack is too wide against N), without autograd or dropout, one GEMM gives the
     output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
@@ -263,8 +264,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
-        self.stacked_max_tokens = stacked_token_limit(N, K, L * S * R) if stack_a else 0
-        if self.stacked_max_tokens:
+        self.stacked_max_tokens = 0     # set by _stack
+        if stack_a and stacked_token_limit(N, K, L * S * R):
             self._stack()
 
     @torch.no_grad()
@@ -275,13 +276,16 @@ class LoRALinear(nn.Module):
         weight, bias = base.weight, base.bias
         N, K = weight.shape
         E = lora_a.numel() // K   # L·S·R rows
-        stacked = torch.cat([weight.detach(), lora_a.detach().reshape(E, K)])
-        stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(E)])
+        # Zero rows after A where the tuned table says cuBLAS runs the wider GEMM faster (configs.stack_pad_rows).
+        P = configs.stack_pad_rows(N, K, E, weight.device, weight.dtype)
+        stacked = torch.cat([weight.detach(), lora_a.detach().reshape(E, K), weight.new_zeros(P, K)])
+        stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(E + P)])
         base.weight = nn.Parameter(stacked[:N], requires_grad=weight.requires_grad)
         if bias is not None:
             base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
-        self.lora_a = nn.Parameter(stacked[N:].view(lora_a.shape), requires_grad=lora_a.requires_grad)
+        self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
         self._stacked = (stacked, stacked_bias)
+        self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P)
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
@@ -418,12 +422,13 @@ STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32
 
 
-def stacked_token_limit(out_features, in_features, stack_rows):
+def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0):
     """The most tokens at which stack_a's one-GEMM path serves a layer of this shape whose stack holds
-    ``stack_rows`` = L·S·R rows of A; 0 where stacking does not pay at all."""
+    ``stack_rows`` = L·S·R rows of A (and ``pad_rows`` zero rows after them); 0 where stacking does not pay
+    at all."""
     if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features:
         return 0
-    return max(STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * stack_rows))
+    return max(STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * (stack_rows + pad_rows)))
 
 
 def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None, stack_a=False):

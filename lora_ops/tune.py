@@ -55,15 +55,17 @@ def parse_args(argv=None):
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
                          "a tune that its time budget cut short)")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
-                    help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's expand")
+                    help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
+                         "expand; stack_pad: zero rows after stack_a's [W; A] (once per layer and rank)")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     return ap.parse_args(argv)
 
 
-KINDS = ("pair", "stacked")
-_LAST_ENTRY = {"pair": "fused", "stacked": "stacked"}   # the entry a tuned shape of each kind ends with
+KINDS = ("pair", "stacked", "stack_pad")
+# The entry a tuned shape of each kind ends with (stack_pad: one per layer and rank, at its first bucket).
+_LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "stack_pad": "stack_pad"}
 
 
 def _tuned_shapes(path, kind):
@@ -196,6 +198,20 @@ def tune_stacked(job, args, device, dtype):
                  candidates=len(timings))]
 
 
+def tune_stack_pad(job, args, device, dtype, buckets):
+    """The "stack_pad" entry of one layer shape and rank: the zero rows after [W; A] (L·S·R rows of A at
+    args.slots slots) that make cuBLAS's wider GEMM fastest over the buckets up to STACK_PAD_MAX_BUCKET."""
+    from lora_ops.configs import tuning
+    model, name, K, widths, r, bucket = job
+    S, N = len(widths), sum(widths)
+    rows = args.slots * S * r
+    timed = [b for b in buckets if b <= tuning.STACK_PAD_MAX_BUCKET] or [min(buckets)]
+    times = tuning.stack_pad_times(device, dtype, N, K, rows, timed)
+    return [dict(kind="stack_pad", model=model, layer=name, features=N, in_features=K, slices=S, rank=r, rows=rows,
+                 tokens=bucket, pad=tuning.best_stack_pad(times), buckets=timed,
+                 us={str(pad): [round(t, 2) for t in ts] for pad, ts in times.items()})]
+
+
 def main(argv=None):
     args = parse_args(argv)
     from lora_ops import configs
@@ -213,12 +229,14 @@ def main(argv=None):
     out = args.out or configs.table_path(gpu)
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
+    if "stack_pad" in todo:   # once per layer and rank: its first (smallest) bucket's job
+        todo["stack_pad"] = {job for job in jobs if job[5] == min(buckets)}
     if args.skip_tuned:
         if not args.merge:
             sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
         for kind in args.kinds:
             done = _tuned_shapes(out, kind)
-            todo[kind] = {job for job in jobs if (job[0], job[1], job[4], job[5]) not in done}
+            todo[kind] = {job for job in todo[kind] if (job[0], job[1], job[4], job[5]) not in done}
         jobs = [job for job in jobs if any(job in shapes for shapes in todo.values())]
         sys.stderr.write(f"{len(jobs)} shapes not yet in {out}\n")
     t0 = time.time()
@@ -233,6 +251,8 @@ def main(argv=None):
             entries += tune_shape(job, args, device, dtype)
         if job in todo.get("stacked", ()):
             entries += tune_stacked(job, args, device, dtype)
+        if job in todo.get("stack_pad", ()):
+            entries += tune_stack_pad(job, args, device, dtype, buckets)
     progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
     table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
@@ -256,6 +276,10 @@ def main(argv=None):
         geo = torch.tensor(list(by_layer.values())).log().mean().exp().item()
         print(f"wrote {len(entries)} entries to {out}; per add_lora_ call, tuned vs heuristic: geomean "
               f"speed-up {geo:.2f}x over {len(by_layer)} shapes")
+    pads = [e for e in entries if e["kind"] == "stack_pad"]
+    if pads:
+        padded = ", ".join(f"{e['layer']} r{e['rank']} +{e['pad']}" for e in pads if e["pad"])
+        print(f"stack_a padding: {sum(1 for e in pads if e['pad'])} of {len(pads)} layer shapes padded ({padded})")
     stacked = [e["expand_entry_us"] / e["us"] for e in entries if e["kind"] == "stacked"]
     if stacked:
         geo = torch.tensor(stacked).log().mean().exp().item()

@@ -16,10 +16,11 @@ K, N, L, S = 40, 75, 4, 3
 WIDTHS = [41, 29, 5]
 
 
-def stacked_problem(M, R, dtype, device, seed, with_bias=True):
-    """A case, its stacked weight [N + L·S·R, K] (base weight over lora_a) and bias (zeros past N), with
-    NaN in the rows of A past each slot's rank and in B past it (neither may reach y); the base output
-    F.linear(x, stacked, bias) as the op's GEMM computes it; the float64 delta."""
+def stacked_problem(M, R, dtype, device, seed, with_bias=True, pad=0):
+    """A case, its stacked weight [N + L·S·R + pad, K] (base weight over lora_a, then ``pad`` rows of NaN)
+    and bias (zeros past N), with NaN in the rows of A past each slot's rank and in B past it (none of
+    them may reach y); the base output F.linear(x, stacked, bias) as the op's GEMM computes it; the
+    float64 delta."""
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=device, seed=seed, slice_widths=WIDTHS,
                      ranks=[R, R // 2 + 1, 0, 3], capacity=M + 5)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -29,8 +30,8 @@ def stacked_problem(M, R, dtype, device, seed, with_bias=True):
     past = torch.arange(R, device=device) >= case.rank[:, None].to(device)           # [L, R]
     lora_a = case.lora_a.masked_fill(past[:, None, :, None], math.nan)
     case.lora_b.masked_fill_(past[:, None, :], math.nan)
-    stacked = torch.cat([weight, lora_a.reshape(-1, K)])
-    stacked_bias = None if bias is None else torch.cat([bias, bias.new_zeros(L * S * R)])
+    stacked = torch.cat([weight, lora_a.reshape(-1, K), weight.new_full((pad, K), math.nan)])
+    stacked_bias = None if bias is None else torch.cat([bias, bias.new_zeros(L * S * R + pad)])
     before = F.linear(case.x, stacked, stacked_bias)
     return case, stacked, stacked_bias, before, ref
 
@@ -44,15 +45,17 @@ def check_output(out, before, case, ref, dtype):
     torch.testing.assert_close(out[:, N:], before[:, N:], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("with_bias,pad", [(True, 0), (False, 0), (True, 5)], ids=["bias", "no_bias", "bias-pad_5"])
 @pytest.mark.parametrize("M,R", [(1, 16), (37, 24), (130, 80)], ids=["decode-r16", "M37-r24", "M130-r80"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_lora_linear_stacked_matches_reference(backend, checked_dtype, M, R, with_bias):
+def test_lora_linear_stacked_matches_reference(backend, checked_dtype, M, R, with_bias, pad):
+    """pad: NaN rows after the stack (a tuned layout pads with zeros): their columns never reach y."""
     dtype = checked_dtype
-    case, stacked, bias, before, ref = stacked_problem(M, R, dtype, backend.device, seed=M + R, with_bias=with_bias)
+    case, stacked, bias, before, ref = stacked_problem(M, R, dtype, backend.device, seed=M + R, with_bias=with_bias,
+                                                       pad=pad)
     out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, bias, case.lora_b, case.scale, case.rank,
                                                  case.slice_widths, *case.meta)
-    assert out.shape == (M, N + L * S * R)
+    assert out.shape == (M, N + L * S * R + pad)
     check_output(out, before, case, ref, dtype)
 
 
@@ -93,7 +96,8 @@ def test_stacked_weight_errors_name_the_argument():
     case, stacked, bias, _, _ = stacked_problem(5, 8, torch.float32, "cpu", seed=3)
     args = (case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
     op = torch.ops.lora_ops.lora_linear_stacked
-    with pytest.raises(ValueError, match=r"stacked_weight: expected shape \[N \+ L\*S\*R, K\]"):
+    with pytest.raises(ValueError, match=r"stacked_weight: expected shape \[N \+ L\*S\*R \(\+ padding rows\), K\] "
+                                         r"with N \+ L\*S\*R = 75 \+ 4\*3\*8 = 171"):
         op(case.x, stacked[:-1], None, *args)
     with pytest.raises(ValueError, match="stacked_weight: expected a contiguous"):
         op(case.x, torch.cat([stacked, stacked], 1)[:, :K], None, *args)
@@ -243,6 +247,54 @@ def test_stacked_token_limit_on_llama_shapes(monkeypatch):
     assert stacked_token_limit(6144, 4096, L * 3 * 64) == 1365           # qkv, rank 64
     assert stacked_token_limit(4096, 14336, L * 1 * 16) == 4681          # down, rank 16
     assert stacked_token_limit(4096, 14336, L * 1 * 64) == 1170          # down, rank 64
+
+
+def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
+    """configs.stack_pad_rows: zero rows after A in the layer's buffer (its bias too); the layer's output,
+    its token limit (the pad's MACs count) and a conversion's re-stack follow."""
+    from lora_ops import configs, layers
+    asked = []
+    monkeypatch.setattr(configs, "stack_pad_rows", lambda N, K, E, device, dtype: asked.append((N, K, E)) or 5)
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    layer = stacked.model.layers[0].self_attn.o_proj
+    N, K = layer.base.weight.shape
+    E = layer.lora_a.numel() // K
+    stack, stack_bias = layer._stacked
+    assert stack.shape == (N + E + 5, K) and (N, K, E) in asked
+    assert torch.equal(stack[N + E:], stack.new_zeros(5, K))
+    assert stack_bias is None or stack_bias.shape == (N + E + 5,)
+    assert layer.stacked_max_tokens == layers.stacked_token_limit(N, K, E, pad_rows=5)
+    requests = [("a", 5), (None, 3), ("b", 4)]
+    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
+    stacked.half().float()
+    assert layer._stacked[0].shape == (N + E + 5, K) and layer._stack_intact(layer.base.weight, layer.base.bias,
+                                                                              layer.lora_a)
+
+
+def test_stack_pad_rows_reads_exact_table_entries(monkeypatch, tmp_path):
+    """A "stack_pad" entry applies to its exact (N, K, L·S·R) on its GPU; anything else, the CPU, float32
+    and tables turned off get no padding."""
+    import json
+    from lora_ops import configs
+    name = "Pretend GPU 9000"
+    entry = dict(kind="stack_pad", model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64,
+                 rows=256, tokens=1, pad=128)
+    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
+    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=[entry])))
+    monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
+    configs.load_table.cache_clear()
+    cuda = torch.device("cuda", 0)
+    try:
+        assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 128
+        assert configs.stack_pad_rows(4096, 4096, 192, cuda, torch.bfloat16) == 0
+        assert configs.stack_pad_rows(4096, 14336, 256, cuda, torch.bfloat16) == 0
+        assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.float32) == 0
+        assert configs.stack_pad_rows(4096, 4096, 256) == 0                                  # CPU
+        configs.use_tuned_tables(False)
+        assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 0
+    finally:
+        configs.use_tuned_tables(True)
+        configs.load_table.cache_clear()
 
 
 def test_stack_a_leaves_a_too_wide_layer_unstacked(monkeypatch):

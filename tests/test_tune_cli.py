@@ -7,7 +7,7 @@ import pytest
 
 from conftest import INTERPRETED
 from lora_ops import tune
-from lora_ops.configs import heuristics
+from lora_ops.configs import heuristics, tuning
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--dry-run runs the kernels on the interpreter")
 
@@ -24,8 +24,12 @@ def shapes(table):
 def test_dry_run_table_merge_and_skip_tuned(tmp_path):
     out = str(tmp_path / "table.json")
     first = tune.main(DRY + ["--tokens", "1", "--out", out])
-    assert shapes(first) == [(kind, "down", 8, 1) for kind in KINDS]
+    assert shapes(first) == sorted([(kind, "down", 8, 1) for kind in KINDS] + [("stack_pad", "down", 8, 1)])
     for e in first["entries"]:
+        if e["kind"] == "stack_pad":   # the wider GEMM's padding: one entry per layer and rank
+            assert e["rows"] == 4 * 1 * 8 and e["pad"] in tuning.STACK_PAD_ROWS and e["buckets"] == [1]
+            assert set(e["us"]) == {str(p) for p in tuning.STACK_PAD_ROWS}
+            continue
         assert e["config"] is None and e["kind"] == "fused" or MAKE[e["kind"]](**e["config"])
         if e["kind"] == "shrink":
             # The shrink's share is the pair's time less the expand's, two timings: a difference that wall
@@ -38,7 +42,8 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
             assert e["in_features"] == 80 and e["expand_entry_us"] > 0
     assert json.load(open(out))["entries"] == first["entries"]
 
-    # --skip-tuned with --merge: the one-token shape stays as it was, only the 16-token one is tuned.
+    # --skip-tuned with --merge: the one-token shape stays as it was, only the 16-token one is tuned (the
+    # layer's padding was tuned at its first bucket already).
     second = tune.main(DRY + ["--tokens", "1", "16", "--merge", "--skip-tuned", "--out", out])
     assert shapes(second) == sorted(shapes(first) + [(kind, "down", 8, 16) for kind in KINDS])
     assert [e for e in second["entries"] if e["tokens"] == 1] == first["entries"]
@@ -54,3 +59,12 @@ def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
     second = tune.main(DRY + ["--tokens", "1", "--kinds", "stacked", "--merge", "--skip-tuned", "--out", out])
     assert shapes(second) == [(kind, "down", 8, 1) for kind in KINDS]
     assert [e for e in second["entries"] if e["kind"] != "stacked"] == first["entries"]
+
+
+@pytest.mark.parametrize("times, pad", [
+    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [8.0, 16.0]}, 384),     # a clear win
+    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [9.8, 19.8]}, 0),       # under STACK_PAD_MIN_GAIN: none
+    ({0: [10.0, 20.0], 128: [8.0, 16.0], 384: [8.0, 16.0]}, 128),    # ties go to the fewer rows
+], ids=["wins", "noise", "tie"])
+def test_best_stack_pad(times, pad):
+    assert tuning.best_stack_pad(times) == pad

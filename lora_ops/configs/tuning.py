@@ -114,6 +114,42 @@ def stacked_candidates(bucket, out_features, max_rank):
             yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), warps, 2, n_loop)
 
 
+# Zero rows the tuner tries after stack_a's [W; A] (configs.stack_pad_rows), timed as the wider GEMM alone at
+# the token counts where the stacked path serves every shape (H200 lab, session 13: Llama o with 256 rows of
+# A, 16.3 µs at 64 tokens; 384 rows, 13.0). A pad is kept only where it beats none by STACK_PAD_MIN_GAIN.
+STACK_PAD_ROWS = (0, 64, 128, 192, 256, 384, 512)
+STACK_PAD_MAX_BUCKET = 256
+STACK_PAD_MIN_GAIN = 0.97
+
+
+def stack_pad_times(device, dtype, out_features, in_features, stack_rows, buckets):
+    """{pad: [µs of F.linear(x, [W; A; pad zero rows]) at each bucket]} for each of STACK_PAD_ROWS (weights
+    in enough copies to keep L2 cold, as the kernels are timed)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    K = in_features
+    times = {}
+    for pad in STACK_PAD_ROWS:
+        rows = out_features + stack_rows + pad
+        count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / (rows * K * dtype.itemsize))))
+        weights = [(torch.randn(rows, K, generator=g, device=device) * K ** -0.5).to(dtype)
+                   for _ in range(count if device.type == "cuda" else 1)]
+        times[pad] = []
+        for bucket in buckets:
+            x = torch.randn(bucket, K, generator=g, device=device).to(dtype)
+            fns = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights]
+            times[pad].append(graph_time_us(fns) if device.type == "cuda" else wall_time_us(fns))
+        del weights
+    return times
+
+
+def best_stack_pad(times):
+    """The pad of the fastest geomean over the buckets, if it beats no pad by STACK_PAD_MIN_GAIN; else 0."""
+    def geomean(values):
+        return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+    best = min(times, key=lambda pad: (geomean(times[pad]), pad))
+    return best if geomean(times[best]) < STACK_PAD_MIN_GAIN * geomean(times[0]) else 0
+
+
 def fused_candidates(bucket, in_features, max_rank):
     """The one-launch kernel's space; empty past the buckets where it can win (one tile's h is recomputed
     by every column block)."""
