@@ -229,7 +229,9 @@ def test_shipped_tables_parse_and_hold_valid_configs():
         table = json.loads(path.read_text())
         assert table["entries"], path
         for e in table["entries"]:
-            if e["config"] is not None or e["kind"] != "fused":
+            if e["kind"] == "stack_pad":   # no config: zero rows after stack_a's [W; A]
+                assert isinstance(e["pad"], int) and e["pad"] >= 0 and e["rows"] > 0, e
+            elif e["config"] is not None or e["kind"] != "fused":
                 make[e["kind"]](**e["config"])
 
 
