@@ -68,14 +68,22 @@ KINDS = ("pair", "stacked", "stack_pad")
 _LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "stack_pad": "stack_pad"}
 
 
+def _entry_shape(e):
+    """(model, layer, rank, tokens) of a table entry; tokens None for "stack_pad" (one per layer and rank,
+    whatever bucket tuned it)."""
+    return e.get("model"), e["layer"], e["rank"], None if e["kind"] == "stack_pad" else e["tokens"]
+
+
+def _job_shape(job, kind):
+    return job[0], job[1], job[4], None if kind == "stack_pad" else job[5]
+
+
 def _tuned_shapes(path, kind):
-    """(model, layer, rank, tokens) of the shapes a table holds for ``kind`` (of "pair": its "fused" entry,
-    written last)."""
+    """_entry_shape of the shapes a table holds for ``kind`` (of "pair": its "fused" entry, written last)."""
     if not os.path.exists(path):
         return set()
     with open(path) as f:
-        return {(e.get("model"), e["layer"], e["rank"], e["tokens"]) for e in json.load(f)["entries"]
-                if e["kind"] == _LAST_ENTRY[kind]}
+        return {_entry_shape(e) for e in json.load(f)["entries"] if e["kind"] == _LAST_ENTRY[kind]}
 
 
 def _shape_jobs(args, buckets):
@@ -236,7 +244,7 @@ def main(argv=None):
             sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
         for kind in args.kinds:
             done = _tuned_shapes(out, kind)
-            todo[kind] = {job for job in todo[kind] if (job[0], job[1], job[4], job[5]) not in done}
+            todo[kind] = {job for job in todo[kind] if _job_shape(job, kind) not in done}
         jobs = [job for job in jobs if any(job in shapes for shapes in todo.values())]
         sys.stderr.write(f"{len(jobs)} shapes not yet in {out}\n")
     t0 = time.time()
@@ -260,7 +268,7 @@ def main(argv=None):
                  seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
     if args.merge and os.path.exists(out):
         def key(e):
-            return (e["kind"], e.get("model"), e["layer"], e["rank"], e["tokens"])
+            return (e["kind"], *_entry_shape(e))
         with open(out) as f:
             old = json.load(f)
         new_keys = {key(e) for e in entries}

@@ -68,3 +68,14 @@ def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
 ], ids=["wins", "noise", "tie"])
 def test_best_stack_pad(times, pad):
     assert tuning.best_stack_pad(times) == pad
+
+
+def test_dry_run_stack_pad_is_one_entry_per_layer_and_rank(tmp_path):
+    """A later --merge run that starts at another bucket retunes the layer's padding in place (one entry);
+    with --skip-tuned it leaves it alone."""
+    out = str(tmp_path / "table.json")
+    tune.main(DRY + ["--tokens", "1", "--kinds", "stack_pad", "--out", out])
+    second = tune.main(DRY + ["--tokens", "16", "--kinds", "stack_pad", "--merge", "--out", out])
+    assert shapes(second) == [("stack_pad", "down", 8, 16)] and second["entries"][0]["buckets"] == [16]
+    third = tune.main(DRY + ["--tokens", "1", "--kinds", "stack_pad", "--merge", "--skip-tuned", "--out", out])
+    assert third["entries"] == second["entries"]
