@@ -416,6 +416,11 @@ def _side_stream(device):
 STACKED_PDL_MAX_TOKENS = 64
 
 
+def stacked_uses_pdl(x):
+    """Whether lora_linear_stacked on ``x`` launches its expand with PDL (the tuner times it alike)."""
+    return uses_pdl(x) and x.shape[0] <= STACKED_PDL_MAX_TOKENS
+
+
 def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                         slot_starts, slot_counts):
     """F.linear(x, [W; A], [bias; 0]) gives the layer's output and every slot's h in one cuBLAS launch
@@ -431,9 +436,8 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
 
     def build():
         cfg = configs.stacked_config(M, N, len(slice_widths), R, L, x.shape[1], x.device, x.dtype)
-        pdl = uses_pdl(x) and M <= STACKED_PDL_MAX_TOKENS
         return [launch_expand_stacked(out, N, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
-                                      slot_counts, cfg, run=False, pdl=pdl)], (), ()
+                                      slot_counts, cfg, run=False, pdl=stacked_uses_pdl(x))], (), ()
     plan.run(plan.op_key("lora_linear_stacked", (out, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
              (out, lora_b, rank, scale, sorted_token_ids, slot_starts, slot_counts), build)
     return out

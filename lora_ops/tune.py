@@ -105,6 +105,7 @@ def compile_work(jobs, args):
     the slice layout is compiled into the expand and one-launch kernels, the slice count into the shrink)."""
     from lora_ops.configs import tuning
     seen, work = set(), {}
+
     def kinds(K, N):
         return (((("shrink", K), ("expand", N), ("fused", K)) if "pair" in args.kinds else ())
                 + ((("stacked", N),) if "stacked" in args.kinds else ()))

@@ -262,17 +262,19 @@ def fused_runner(p, cfg, expand_cfg=None):
 
 
 def stacked_runner(p, cfg, expand_cfg=None):
-    """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A], then the expand with
-    ``cfg`` (its PDL as there). The GEMM's time is the same for every candidate."""
-    from lora_ops import launch
+    """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A] (and the padding rows
+    LoRALinear would add: configs.stack_pad_rows), then the expand with ``cfg`` (its PDL as there). The
+    GEMM's time is the same for every candidate."""
+    from lora_ops import configs, launch
+    N = p["B"].shape[1]
     if "Wst" not in p:
         x, A = p["x"], p["A"]
         g = torch.Generator(device=x.device).manual_seed(7)
-        N, K = p["B"].shape[1], x.shape[1]
+        K, E = x.shape[1], A.numel() // x.shape[1]
         W = (torch.randn(N, K, generator=g, device=x.device) * K ** -0.5).to(x.dtype)
-        p["Wst"] = torch.cat([W, A.reshape(-1, K)])
-    M, N = p["x"].shape[0], p["B"].shape[1]
-    pdl = launch.uses_pdl(p["x"]) and M <= launch.STACKED_PDL_MAX_TOKENS
+        pad = configs.stack_pad_rows(N, K, E, x.device, x.dtype)
+        p["Wst"] = torch.cat([W, A.reshape(E, K), W.new_zeros(pad, K)])
+    pdl = launch.stacked_uses_pdl(p["x"])
 
     def run():
         out = torch.nn.functional.linear(p["x"], p["Wst"])
