@@ -133,6 +133,15 @@ def backend(request):
 
 
 @pytest.fixture
+def triton_backend(backend):
+    """``backend``, for tests of the Triton kernels themselves (their configs, launchers and precision):
+    skipped on the torch CPU kernels."""
+    if backend.name != "triton":
+        pytest.skip("tests the Triton kernels themselves (configs, launchers, precision)")
+    return backend
+
+
+@pytest.fixture
 def bf16_interpreter():
     """Redo the Triton interpreter's bf16 arithmetic in float32 (tests/interp_bf16.py) for this test.
 

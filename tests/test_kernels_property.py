@@ -275,35 +275,33 @@ def expand_path_problem(path, dtype, device, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("path", EXPAND_PATH_CONFIGS, ids=str)
-def test_expand_kernel_paths(backend, checked_dtype, path):
-    if backend.name != "triton":
-        pytest.skip("the Triton expand kernel's configs")
+def test_expand_kernel_paths(triton_backend, checked_dtype, path):
     dtype = checked_dtype
-    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, backend.device, seed=3)
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, triton_backend.device,
+                                                                               seed=3)
     y = y_in.clone()
     launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
     assert_delta_close(y, y_in, ref, dtype)
     assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
     # The precision h meets B at (bf16: hi + lo terms; a plain cast to bf16 fails this).
-    assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4 + num_parts, dtype, backend)
+    assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4 + num_parts, dtype, triton_backend)
 
 
 @pytest.mark.parametrize("path", ["one_block-3_col_blocks-11_parts", "rank_loop-2_col_blocks"])
-def test_fast_bf16_rounds_h_to_one_term(backend, bf16_interpreter, path):
+def test_fast_bf16_rounds_h_to_one_term(triton_backend, bf16_interpreter, path):
     """launch.set_fast_bf16: h meets B as one bf16 term. Within one rounding of h to 8 bits (plus one
     output step) of the exact result, and measurably off the two-term result, so the switch is live."""
-    if backend.name != "triton":
-        pytest.skip("the Triton kernels' precision")
     dtype = torch.bfloat16
-    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, backend.device, seed=5)
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, triton_backend.device,
+                                                                               seed=5)
     outs = {}
     for fast in (False, True):
         launch.set_fast_bf16(fast)
         try:
             outs[fast] = y_in.clone()
             launch.launch_expand(outs[fast], parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
-            assert_one_rounding_step(outs[fast], y_in, ref, abs_bound, R + 4 + num_parts, dtype, backend)
+            assert_one_rounding_step(outs[fast], y_in, ref, abs_bound, R + 4 + num_parts, dtype, triton_backend)
         finally:
             launch.set_fast_bf16(False)
     assert_rows_bit_identical(outs[True], y_in, case.no_adapter_rows(), "slot -1")
@@ -504,11 +502,9 @@ def test_bf16_patch_is_scoped():
     assert {name: InterpreterBuilder.__dict__[name] for name in before} == before
 
 
-def test_rank_loop_refuses_partial_sums(backend):
-    if backend.name != "triton":
-        pytest.skip("the Triton expand launcher")
+def test_rank_loop_refuses_partial_sums(triton_backend):
     cfg, R, _ = EXPAND_PATH_CONFIGS["rank_loop-1_col_block"]
-    case = make_case(4, 9, 11, 2, 1, R, device=backend.device)
-    parts = torch.zeros(2, 4, 1, R, device=backend.device)
+    case = make_case(4, 9, 11, 2, 1, R, device=triton_backend.device)
+    parts = torch.zeros(2, 4, 1, R, device=triton_backend.device)
     with pytest.raises(ValueError, match="h: the expand's rank loop"):
         launch.launch_expand(case.new_y("zero"), parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)

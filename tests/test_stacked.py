@@ -70,12 +70,10 @@ STACKED_PATHS = {
 
 @pytest.mark.parametrize("path", STACKED_PATHS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_stacked_expand_kernel_paths(backend, checked_dtype, path):
-    if backend.name != "triton":
-        pytest.skip("the Triton expand kernel's configs")
+def test_stacked_expand_kernel_paths(triton_backend, checked_dtype, path):
     dtype = checked_dtype
     cfg, R = STACKED_PATHS[path]
-    case, stacked, bias, before, ref = stacked_problem(37, R, dtype, backend.device, seed=5)
+    case, stacked, bias, before, ref = stacked_problem(37, R, dtype, triton_backend.device, seed=5)
     out = before.clone()
     launch.launch_expand_stacked(out, N, case.lora_b, case.slice_widths, case.rank, case.scale, *case.meta, cfg)
     check_output(out, before, case, ref, dtype)
