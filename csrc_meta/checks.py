@@ -39,6 +39,16 @@ def _meta_ok(num_slots, num_tokens, sorted_token_ids, slot_starts, slot_counts):
             and slot_starts.shape == (num_slots + 1,) and slot_counts.shape == (num_slots + 1,))
 
 
+def _slot_args_ok(L, S, R, N, M, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """The per-slot arguments and the batch metadata of a stack of L slots, S slices of N outputs in all, max
+    rank R, for M tokens (the quick checks' shared part)."""
+    return (L >= 1 and S >= 1 and R >= 1
+            and scale.dtype is torch.float32 and scale.shape == (L,)
+            and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
+            and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
+            and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts))
+
+
 def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
                  out_shape=None):
     """``out_shape``: the output's (M, N) when ``y`` only stands for its dtype and device (lora_linear
@@ -51,11 +61,9 @@ def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
         if not (type(M) is int and type(K) is int and type(N) is int and type(M_y) is int):
             return False
         return (dt in FLOAT_DTYPES and y.dtype is dt and lora_a.dtype is dt and lora_b.dtype is dt
-                and K_a == K and M_y == M and L >= 1 and S >= 1 and R >= 1 and lora_b.shape == (L, N, R)
-                and scale.dtype is torch.float32 and scale.shape == (L,)
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
-                and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
-                and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
+                and K_a == K and M_y == M and lora_b.shape == (L, N, R)
+                and _slot_args_ok(L, S, R, N, M, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                                  slot_counts)
                 and _on(dev, y, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
@@ -89,10 +97,8 @@ def _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank
                 and stacked_weight.stride() == (K, 1)
                 and (stacked_bias is None or (stacked_bias.dtype is dt and stacked_bias.device == dev
                                               and stacked_bias.shape == (stacked_weight.shape[0],)))
-                and L >= 1 and S >= 1 and R >= 1 and min(slice_widths) > 0 and sum(slice_widths) == N
-                and scale.dtype is torch.float32 and scale.shape == (L,)
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
-                and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
+                and _slot_args_ok(L, S, R, N, M, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                                  slot_counts)
                 and _on(dev, stacked_weight, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
