@@ -209,12 +209,14 @@ def tune_stacked(job, args, device, dtype):
 
 def tune_stack_pad(job, args, device, dtype, buckets):
     """The "stack_pad" entry of one layer shape and rank: the zero rows after [W; A] (L·S·R rows of A at
-    args.slots slots) that make cuBLAS's wider GEMM fastest over the buckets up to STACK_PAD_MAX_BUCKET."""
+    args.slots slots) that make cuBLAS's wider GEMM fastest over the buckets the stacked path serves
+    (layers.stacked_token_limit without padding; the smallest bucket where it serves none)."""
     from lora_ops.configs import tuning
+    from lora_ops.layers import stacked_token_limit
     model, name, K, widths, r, bucket = job
     S, N = len(widths), sum(widths)
     rows = args.slots * S * r
-    timed = [b for b in buckets if b <= tuning.STACK_PAD_MAX_BUCKET] or [min(buckets)]
+    timed = [b for b in buckets if b <= stacked_token_limit(N, K, rows)] or [min(buckets)]
     times = tuning.stack_pad_times(device, dtype, N, K, rows, timed)
     return [dict(kind="stack_pad", model=model, layer=name, features=N, in_features=K, slices=S, rank=r, rows=rows,
                  tokens=bucket, pad=tuning.best_stack_pad(times), buckets=timed,

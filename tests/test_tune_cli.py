@@ -79,3 +79,17 @@ def test_dry_run_stack_pad_is_one_entry_per_layer_and_rank(tmp_path):
     assert shapes(second) == [("stack_pad", "down", 8, 16)] and second["entries"][0]["buckets"] == [16]
     third = tune.main(DRY + ["--tokens", "1", "--kinds", "stack_pad", "--merge", "--skip-tuned", "--out", out])
     assert third["entries"] == second["entries"]
+
+
+def test_dry_run_stack_pad_times_the_buckets_the_layer_stacks(tmp_path, monkeypatch):
+    """The padding is timed at every bucket the stacked path serves (layers.stacked_token_limit), not past
+    it: here a budget of extra multiply-adds that ends between 16 and 64 tokens. (Tiny down: K 80, N 32;
+    rank 4 at 4 slots, 16 rows of A; rank 8's 32 rows are over half of N, so that layer never stacks and
+    its one timed bucket is the smallest.)"""
+    from lora_ops import layers
+    monkeypatch.setattr(layers, "STACKED_ALWAYS_TOKENS", 1)
+    monkeypatch.setattr(layers, "STACKED_MAX_EXTRA_MACS", 32 * 80 * 16)
+    out = str(tmp_path / "table.json")
+    tokens = ["--tokens", "1", "16", "64", "--kinds", "stack_pad", "--out", out]
+    assert [e["buckets"] for e in tune.main(DRY + tokens + ["--ranks", "4"])["entries"]] == [[1, 16]]
+    assert [e["buckets"] for e in tune.main(DRY + tokens)["entries"]] == [[1]]

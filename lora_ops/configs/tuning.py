@@ -115,10 +115,9 @@ def stacked_candidates(bucket, out_features, max_rank):
 
 
 # Zero rows the tuner tries after stack_a's [W; A] (configs.stack_pad_rows), timed as the wider GEMM alone at
-# the token counts where the stacked path serves every shape (H200 lab, session 13: Llama o with 256 rows of
+# the token buckets where the stacked path serves the layer (H200 lab, session 13: Llama o with 256 rows of
 # A, 16.3 µs at 64 tokens; 384 rows, 13.0). A pad is kept only where it beats none by STACK_PAD_MIN_GAIN.
 STACK_PAD_ROWS = (0, 64, 128, 192, 256, 384, 512)
-STACK_PAD_MAX_BUCKET = 256
 STACK_PAD_MIN_GAIN = 0.97
 
 
