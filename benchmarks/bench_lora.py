@@ -272,7 +272,7 @@ class RowRunner:
             if rec.get("stacked_us") is not None and rec.get("ours_us") is not None:
                 # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else add_lora_.
                 limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R,
-                                            pad_rows=stack_pad(problem))
+                                            pad_rows=stack_pad(problem), device=problem.device, dtype=problem.dtype)
                 rec["stack_a_us"] = rec["stacked_us"] if case.M <= limit else rec["ours_us"]
         rec["ok"] = all(rec.get(f"{name}_ok") for name in checked)
         return rec

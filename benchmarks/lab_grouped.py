@@ -90,7 +90,6 @@ def main(out):
             print(f"{case.label:34s} base {base:8.1f} ours {ours:7.1f} ({ours / base:.2f}) grouped {grouped:7.1f} "
                   f"({grouped / base:.2f}; shrink {shrink:6.1f}) {'ok' if check.ok else 'FAIL ' + check.note} err {check.err:.1e}",
                   flush=True)
-            del p, inp, ref
             if DEV == "cuda":
                 torch.cuda.empty_cache()
     finally:

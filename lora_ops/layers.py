@@ -265,7 +265,7 @@ class LoRALinear(nn.Module):
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
         self.stacked_max_tokens = 0     # set by _stack
-        if stack_a and stacked_token_limit(N, K, L * S * R):
+        if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
             self._stack()
 
     @torch.no_grad()
@@ -285,7 +285,7 @@ class LoRALinear(nn.Module):
             base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
         self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
         self._stacked = (stacked, stacked_bias)
-        self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P)
+        self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
@@ -417,15 +417,22 @@ class LoRALinear(nn.Module):
 # MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every core grid row of the runs that set
 # these figures; beyond, while the extra multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the
 # H200's tensor cores; the shrink it spares costs about that much there). Larger batches take lora_linear.
+# A tuned table's "stack_limit" entries replace the rule for the shapes they measured (session 14: at ranks
+# 128-320 the stacked path also won at 64-256 tokens on stacks wider than half N, and at 1024 on several).
 STACKED_MAX_ROWS_FRACTION = 0.5
 STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32
 
 
-def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0):
+def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0, device=None, dtype=torch.bfloat16):
     """The most tokens at which stack_a's one-GEMM path serves a layer of this shape whose stack holds
     ``stack_rows`` = L·S·R rows of A (and ``pad_rows`` zero rows after them); 0 where stacking does not pay
-    at all."""
+    at all. On a GPU whose table measured the shape (configs.stack_limit_tokens, both paths timed at every
+    token bucket), that measurement; else the rule below."""
+    tuned = None if device is None else configs.stack_limit_tokens(out_features, in_features, stack_rows, device,
+                                                                    dtype)
+    if tuned is not None:
+        return tuned
     if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features:
         return 0
     return max(STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * (stack_rows + pad_rows)))

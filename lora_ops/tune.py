@@ -9,7 +9,9 @@ one-launch kernel's (lora_ops.configs.tuning); it records the fastest of each, w
 beside it so the table shows what tuning gains; the "fused" entry names the one-launch config where it
 beats the best shrink + expand, else null (two launches). The "stacked" entry is the expand's config in
 the stacked path (launch.lora_linear_stacked), timed as that whole layer: the GEMM over [W; A], then the
-expand (``--kinds stacked`` tunes only these). Lookups take the nearest entry
+expand (``--kinds stacked`` tunes only these). Once per layer and rank, "stack_pad" holds the zero rows that
+make cuBLAS's GEMM over [W; A] fastest, and "stack_limit" the token count up to which stack_a takes the
+stacked path, from both layer paths timed at every bucket. Lookups take the nearest entry
 (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
 timed one by one in this process as CUDA-graph replays.
 """
@@ -56,26 +58,30 @@ def parse_args(argv=None):
                          "a tune that its time budget cut short)")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                     help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
-                         "expand; stack_pad: zero rows after stack_a's [W; A] (once per layer and rank)")
+                         "expand; stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
+                         "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
+                         "timed with the package's table: tune the other kinds into it first)")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     return ap.parse_args(argv)
 
 
-KINDS = ("pair", "stacked", "stack_pad")
-# The entry a tuned shape of each kind ends with (stack_pad: one per layer and rank, at its first bucket).
-_LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "stack_pad": "stack_pad"}
+KINDS = ("pair", "stacked", "stack_pad", "stack_limit")
+# The entry a tuned shape of each kind ends with (stack_pad, stack_limit: one per layer and rank, at its
+# first bucket).
+_LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "stack_pad": "stack_pad", "stack_limit": "stack_limit"}
+_PER_LAYER = ("stack_pad", "stack_limit")
 
 
 def _entry_shape(e):
-    """(model, layer, rank, tokens) of a table entry; tokens None for "stack_pad" (one per layer and rank,
-    whatever bucket tuned it)."""
-    return e.get("model"), e["layer"], e["rank"], None if e["kind"] == "stack_pad" else e["tokens"]
+    """(model, layer, rank, tokens) of a table entry; tokens None for the kinds of one entry per layer and
+    rank, whatever bucket tuned it."""
+    return e.get("model"), e["layer"], e["rank"], None if e["kind"] in _PER_LAYER else e["tokens"]
 
 
 def _job_shape(job, kind):
-    return job[0], job[1], job[4], None if kind == "stack_pad" else job[5]
+    return job[0], job[1], job[4], None if kind in _PER_LAYER else job[5]
 
 
 def _tuned_shapes(path, kind):
@@ -223,6 +229,19 @@ def tune_stack_pad(job, args, device, dtype, buckets):
                  us={str(pad): [round(t, 2) for t in ts] for pad, ts in times.items()})]
 
 
+def tune_stack_limit(job, args, device, dtype, buckets):
+    """The "stack_limit" entry of one layer shape and rank: the token count up to which LoRALinear's
+    stack_a takes the stacked path, from both layer paths timed at every bucket (tuning.layer_path_times:
+    the ops with the table as it stands)."""
+    from lora_ops.configs import tuning
+    model, name, K, widths, r, bucket = job
+    S, N = len(widths), sum(widths)
+    times = tuning.layer_path_times(device, dtype, K, widths, r, args.slots, buckets)
+    return [dict(kind="stack_limit", model=model, layer=name, features=N, in_features=K, slices=S, rank=r,
+                 rows=args.slots * S * r, tokens=bucket, max_tokens=tuning.best_stack_limit(buckets, times),
+                 buckets=list(buckets), us={path: [round(t, 2) for t in ts] for path, ts in times.items()})]
+
+
 def main(argv=None):
     args = parse_args(argv)
     from lora_ops import configs
@@ -240,8 +259,9 @@ def main(argv=None):
     out = args.out or configs.table_path(gpu)
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
-    if "stack_pad" in todo:   # once per layer and rank: its first (smallest) bucket's job
-        todo["stack_pad"] = {job for job in jobs if job[5] == min(buckets)}
+    for kind in _PER_LAYER:   # once per layer and rank: its first (smallest) bucket's job
+        if kind in todo:
+            todo[kind] = {job for job in jobs if job[5] == min(buckets)}
     if args.skip_tuned:
         if not args.merge:
             sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
@@ -264,6 +284,14 @@ def main(argv=None):
             entries += tune_stacked(job, args, device, dtype)
         if job in todo.get("stack_pad", ()):
             entries += tune_stack_pad(job, args, device, dtype, buckets)
+    # Last: the two layer paths as the ops run them, with the table's configs and padding (tune the other
+    # kinds into the package's table first).
+    for job in sorted(todo.get("stack_limit", ()), key=jobs.index):
+        if time.time() - t0 > args.time_budget:
+            sys.stderr.write("\ntime budget reached before every stack_limit shape\n")
+            break
+        progress(len(jobs), len(jobs), "{} {} r={}: stack_limit".format(*job[:2], job[4]))
+        entries += tune_stack_limit(job, args, device, dtype, buckets)
     progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
     table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
@@ -287,6 +315,9 @@ def main(argv=None):
         geo = torch.tensor(list(by_layer.values())).log().mean().exp().item()
         print(f"wrote {len(entries)} entries to {out}; per add_lora_ call, tuned vs heuristic: geomean "
               f"speed-up {geo:.2f}x over {len(by_layer)} shapes")
+    limits = [e for e in entries if e["kind"] == "stack_limit"]
+    if limits:
+        print("stack_a token limits: " + ", ".join(f"{e['layer']} r{e['rank']} {e['max_tokens']}" for e in limits))
     pads = [e for e in entries if e["kind"] == "stack_pad"]
     if pads:
         padded = ", ".join(f"{e['layer']} r{e['rank']} +{e['pad']}" for e in pads if e["pad"])

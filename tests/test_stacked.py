@@ -269,30 +269,62 @@ def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
                                                                               layer.lora_a)
 
 
-def test_stack_pad_rows_reads_exact_table_entries(monkeypatch, tmp_path):
-    """A "stack_pad" entry applies to its exact (N, K, L·S·R) on its GPU; anything else, the CPU, float32
-    and tables turned off get no padding."""
+def test_stack_entries_apply_to_their_exact_shape(monkeypatch, tmp_path):
+    """A "stack_pad" or "stack_limit" entry applies to its exact (N, K, L·S·R) on its GPU; anything else,
+    the CPU, float32 and tables turned off get no padding and the rule's limit."""
     import json
-    from lora_ops import configs
+    from lora_ops import configs, layers
     name = "Pretend GPU 9000"
-    entry = dict(kind="stack_pad", model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64,
-                 rows=256, tokens=1, pad=128)
+    shape = dict(model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64, rows=256, tokens=1)
+    entries = [dict(kind="stack_pad", pad=128, **shape), dict(kind="stack_limit", max_tokens=1024, **shape)]
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=[entry])))
+    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
     monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
     configs.load_table.cache_clear()
     cuda = torch.device("cuda", 0)
+    rule = layers.stacked_token_limit(4096, 4096, 256)
+    assert rule == 4096
     try:
         assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 128
-        assert configs.stack_pad_rows(4096, 4096, 192, cuda, torch.bfloat16) == 0
-        assert configs.stack_pad_rows(4096, 14336, 256, cuda, torch.bfloat16) == 0
-        assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.float32) == 0
-        assert configs.stack_pad_rows(4096, 4096, 256) == 0                                  # CPU
+        assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == 1024
+        assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == 1024
+        for N, K, E, device, dtype in [(4096, 4096, 192, cuda, torch.bfloat16), (4096, 14336, 256, cuda, torch.bfloat16),
+                                       (4096, 4096, 256, cuda, torch.float32), (4096, 4096, 256, None, torch.bfloat16)]:
+            kw = {} if device is None else dict(device=device, dtype=dtype)   # None: the CPU's defaults
+            assert configs.stack_pad_rows(N, K, E, **kw) == 0
+            assert configs.stack_limit_tokens(N, K, E, **kw) is None
+        assert layers.stacked_token_limit(4096, 4096, 256, device=torch.device("cpu")) == rule
         configs.use_tuned_tables(False)
         assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 0
+        assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == rule
     finally:
         configs.use_tuned_tables(True)
         configs.load_table.cache_clear()
+
+
+def test_stack_a_takes_the_tables_token_limit(monkeypatch):
+    """configs.stack_limit_tokens decides for the shapes it measured: a stack too wide for the rule is
+    stacked up to the measured limit, a narrow one that never won is left unstacked."""
+    from lora_ops import LoRAContext, LoRALinear, configs
+    limits = {96: 7, 32: 0}   # by L·S·R rows
+    monkeypatch.setattr(configs, "stack_limit_tokens", lambda N, K, E, device, dtype: limits.get(E))
+    ctx = LoRAContext(4, 8)
+    wide = LoRALinear(torch.nn.Linear(32, 48), ctx, 8, slice_widths=(16, 16, 16), stack_a=True)   # 96 rows > 24
+    assert wide._stacked is not None and wide.stacked_max_tokens == 7
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():   # in place: lora_a is a view of the stack
+        wide.lora_a.copy_(torch.randn(wide.lora_a.shape, generator=g))
+        wide.lora_b.copy_(torch.randn(wide.lora_b.shape, generator=g))
+        wide.rank.fill_(8)
+        wide.scale.fill_(0.5)
+    ctx.set_token_slots(torch.tensor([0, 3, -1, 1, 2]))
+    x = torch.randn(5, 32, generator=g)
+    with torch.no_grad():
+        stacked = wide(x)
+        wide.stacked_max_tokens = 0   # the same layer through lora_linear
+        torch.testing.assert_close(stacked, wide(x), rtol=1e-5, atol=1e-5)
+    narrow = LoRALinear(torch.nn.Linear(32, 64), ctx, 8, stack_a=True)                            # 32 rows
+    assert narrow._stacked is None and narrow.stacked_max_tokens == 0
 
 
 def test_stack_a_leaves_a_too_wide_layer_unstacked(monkeypatch):

@@ -24,11 +24,16 @@ def shapes(table):
 def test_dry_run_table_merge_and_skip_tuned(tmp_path):
     out = str(tmp_path / "table.json")
     first = tune.main(DRY + ["--tokens", "1", "--out", out])
-    assert shapes(first) == sorted([(kind, "down", 8, 1) for kind in KINDS] + [("stack_pad", "down", 8, 1)])
+    assert shapes(first) == sorted([(kind, "down", 8, 1) for kind in KINDS + ("stack_pad", "stack_limit")])
     for e in first["entries"]:
         if e["kind"] == "stack_pad":   # the wider GEMM's padding: one entry per layer and rank
             assert e["rows"] == 4 * 1 * 8 and e["pad"] in tuning.STACK_PAD_ROWS and e["buckets"] == [1]
             assert set(e["us"]) == {str(p) for p in tuning.STACK_PAD_ROWS}
+            continue
+        if e["kind"] == "stack_limit":   # both layer paths at every bucket; the limit one of them or 0
+            assert e["rows"] == 4 * 1 * 8 and e["buckets"] == [1] and e["max_tokens"] in (0, 1)
+            assert {path: len(ts) for path, ts in e["us"].items()} == {"stacked": 1, "linear": 1}
+            assert all(t > 0 for ts in e["us"].values() for t in ts)
             continue
         assert e["config"] is None and e["kind"] == "fused" or MAKE[e["kind"]](**e["config"])
         if e["kind"] == "shrink":
@@ -68,6 +73,16 @@ def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
 ], ids=["wins", "noise", "tie"])
 def test_best_stack_pad(times, pad):
     assert tuning.best_stack_pad(times) == pad
+
+
+@pytest.mark.parametrize("stacked, linear, limit", [
+    ([5.0, 6.0, 9.0, 30.0], [6.0, 8.0, 10.0, 25.0], 256),    # stacked wins to 256, loses at 1024
+    ([7.0, 6.0, 6.0, 30.0], [6.0, 9.0, 10.0, 29.0], 256),    # loses at 1 token, wins more at 16-256
+    ([7.0, 9.0, 9.0, 30.0], [6.0, 8.0, 8.0, 25.0], 0),       # never wins: not stacked
+    ([5.0, 5.0, 5.0, 20.0], [5.0, 5.0, 5.0, 20.0], 0),       # ties: the smaller limit
+], ids=["wins_then_loses", "loses_at_one", "never", "ties"])
+def test_best_stack_limit(stacked, linear, limit):
+    assert tuning.best_stack_limit([1, 16, 256, 1024], dict(stacked=stacked, linear=linear)) == limit
 
 
 def test_dry_run_stack_pad_is_one_entry_per_layer_and_rank(tmp_path):

@@ -23,7 +23,7 @@ from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
-           "stacked_config", "stack_pad_rows",
+           "stacked_config", "stack_pad_rows", "stack_limit_tokens",
            "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket", "reset",
            "generation"]
 
@@ -219,16 +219,31 @@ def stacked_config(num_tokens, out_features, num_slices, max_rank, num_slots, in
     return _config("stacked", device, dtype, out_features, num_slices, max_rank, num_slots, num_tokens, in_features)
 
 
+def _stack_entry(kind, out_features, in_features, stack_rows, device, dtype):
+    """The table's entry of ``kind`` for exactly this layer shape and L·S·R = ``stack_rows`` on this GPU,
+    or None (the CPU, float32, no table, tables turned off)."""
+    if device.type != "cuda" or dtype == torch.float32 or not _tables["on"]:
+        return None
+    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
+    for e in (table or {}).get("entries", ()):
+        if e["kind"] == kind and (e["features"], e["in_features"], e["rows"]) == (out_features, in_features,
+                                                                                   stack_rows):
+            return e
+    return None
+
+
 def stack_pad_rows(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):
     """Zero rows to put after stack_a's [W; A] (lora_ops.layers; L·S·R = ``stack_rows``): the table's
     "stack_pad" entry for exactly this shape on this GPU, else 0. cuBLAS picks its kernel by shape, and some
     row counts get a slower one (H200: Llama o, 4096 + 256 rows at 64 tokens, 16.3 µs; + 384 rows, 13.0).
     Tuned by ``python -m lora_ops.tune --kinds stack_pad``."""
-    if device.type != "cuda" or dtype == torch.float32 or not _tables["on"]:
-        return 0
-    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
-    for e in (table or {}).get("entries", ()):
-        if e["kind"] == "stack_pad" and (e["features"], e["in_features"], e["rows"]) == (
-                out_features, in_features, stack_rows):
-            return int(e["pad"])
-    return 0
+    e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
+    return 0 if e is None else int(e["pad"])
+
+
+def stack_limit_tokens(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):
+    """The most tokens at which stack_a's stacked path serves this layer shape, as measured on this GPU
+    (the table's "stack_limit" entry for exactly this shape: ``python -m lora_ops.tune --kinds
+    stack_limit``), or None without one (lora_ops.layers.stacked_token_limit then applies its rule)."""
+    e = _stack_entry("stack_limit", out_features, in_features, stack_rows, device, dtype)
+    return None if e is None else int(e["max_tokens"])

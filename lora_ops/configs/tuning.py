@@ -149,6 +149,44 @@ def best_stack_pad(times):
     return best if geomean(times[best]) < STACK_PAD_MIN_GAIN * geomean(times[0]) else 0
 
 
+def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slots, buckets):
+    """{"stacked": [µs], "linear": [µs]} at each bucket: the layer as LoRALinear(stack_a=True) runs it
+    through the ops with this GPU's table, stacked (lora_linear_stacked over [W; A] and the table's
+    padding rows) and not (lora_linear: the base GEMM and add_lora_). Base weights in enough copies to
+    keep L2 cold."""
+    from lora_ops import configs
+    N = sum(slice_widths)
+    K = in_features
+    times = {"stacked": [], "linear": []}
+    for bucket in buckets:
+        problems = problem_copies(device, dtype, K, slice_widths, max_rank, num_slots, bucket,
+                                  extra_bytes=2 * N * K * dtype.itemsize)   # W, and W in [W; A]
+        stacked_fns, linear_fns = [], []
+        for i, p in enumerate(problems):
+            g = torch.Generator(device=device).manual_seed(100 + i)
+            W = (torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype)
+            E = p["A"].numel() // K
+            pad = configs.stack_pad_rows(N, K, E, device, dtype)
+            Wst = torch.cat([W, p["A"].reshape(E, K), W.new_zeros(pad, K)])
+            args = (p["B"], p["scale"], p["rank"], p["widths"], *p["meta"])
+            stacked_fns.append(lambda p=p, Wst=Wst, args=args: torch.ops.lora_ops.lora_linear_stacked(
+                p["x"], Wst, None, *args))
+            linear_fns.append(lambda p=p, W=W, args=args: torch.ops.lora_ops.lora_linear(
+                p["x"], W, None, p["A"], *args))
+        for path, fns in (("stacked", stacked_fns), ("linear", linear_fns)):
+            times[path].append(graph_time_us(fns) if device.type == "cuda" else wall_time_us(fns))
+        del problems, stacked_fns, linear_fns
+    return times
+
+
+def best_stack_limit(buckets, times):
+    """The token limit for stack_a (0 or one of ``buckets``, ascending): stacked up to it, lora_linear past
+    it, the one of least geomean time over the buckets (ties: the smaller limit)."""
+    def cost(limit):
+        return sum(math.log(max(times["stacked" if b <= limit else "linear"][i], 1e-9)) for i, b in enumerate(buckets))
+    return min([0, *buckets], key=lambda limit: (cost(limit), limit))
+
+
 def fused_candidates(bucket, in_features, max_rank):
     """The one-launch kernel's space; empty past the buckets where it can win (one tile's h is recomputed
     by every column block)."""
@@ -181,11 +219,12 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
     return dict(x=x, A=A, B=B, y=y, scale=scale, rank=rank, meta=batch.meta, h=h, widths=list(slice_widths))
 
 
-def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens):
-    """Enough independent copies of one synthetic problem to hold COLD_BYTES (at most MAX_COPIES); one off
-    the GPU (interpreter dry runs: no cache to keep cold, and every copy runs the interpreter again)."""
+def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens, extra_bytes=0):
+    """Enough independent copies of one synthetic problem to hold COLD_BYTES (at most MAX_COPIES), each
+    copy counted with ``extra_bytes`` more (what the caller adds to it); one off the GPU (interpreter dry
+    runs: no cache to keep cold, and every copy runs the interpreter again)."""
     first = synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens)
-    size = sum(first[k].numel() * first[k].element_size() for k in ("x", "A", "B", "y", "h"))
+    size = sum(first[k].numel() * first[k].element_size() for k in ("x", "A", "B", "y", "h")) + extra_bytes
     count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / max(size, 1)))) if first["x"].is_cuda else 1
     return [first] + [synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens,
                                         seed=i) for i in range(1, count)]
