@@ -427,15 +427,17 @@ STACKED_MAX_EXTRA_MACS = 2 ** 32
 def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0, device=None, dtype=torch.bfloat16):
     """The most tokens at which stack_a's one-GEMM path serves a layer of this shape whose stack holds
     ``stack_rows`` = L·S·R rows of A (and ``pad_rows`` zero rows after them); 0 where stacking does not pay
-    at all. On a GPU whose table measured the shape (configs.stack_limit_tokens, both paths timed at every
-    token bucket), that measurement; else the rule below."""
+    at all. On a GPU whose table measured the shape (configs.stack_limit_tokens: both layer paths timed at
+    the token buckets up to 1024), the measured limit where the stacked path stopped winning within them;
+    where it won up to the last bucket measured, the rule beyond it."""
+    rule = 0 if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features else max(
+        STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * (stack_rows + pad_rows)))
     tuned = None if device is None else configs.stack_limit_tokens(out_features, in_features, stack_rows, device,
                                                                     dtype)
-    if tuned is not None:
-        return tuned
-    if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features:
-        return 0
-    return max(STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * (stack_rows + pad_rows)))
+    if tuned is None:
+        return rule
+    limit, measured_to = tuned
+    return limit if limit < measured_to else max(limit, rule)
 
 
 def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed_modules=None, stack_a=False):

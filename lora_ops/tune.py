@@ -231,15 +231,16 @@ def tune_stack_pad(job, args, device, dtype, buckets):
 
 def tune_stack_limit(job, args, device, dtype, buckets):
     """The "stack_limit" entry of one layer shape and rank: the token count up to which LoRALinear's
-    stack_a takes the stacked path, from both layer paths timed at every bucket (tuning.layer_path_times:
-    the ops with the table as it stands)."""
+    stack_a takes the stacked path, from both layer paths timed at every bucket up to
+    tuning.STACK_LIMIT_MAX_BUCKET (tuning.layer_path_times: the ops with the table as it stands)."""
     from lora_ops.configs import tuning
     model, name, K, widths, r, bucket = job
     S, N = len(widths), sum(widths)
-    times = tuning.layer_path_times(device, dtype, K, widths, r, args.slots, buckets)
+    timed = [b for b in buckets if b <= tuning.STACK_LIMIT_MAX_BUCKET] or [min(buckets)]
+    times = tuning.layer_path_times(device, dtype, K, widths, r, args.slots, timed)
     return [dict(kind="stack_limit", model=model, layer=name, features=N, in_features=K, slices=S, rank=r,
-                 rows=args.slots * S * r, tokens=bucket, max_tokens=tuning.best_stack_limit(buckets, times),
-                 buckets=list(buckets), us={path: [round(t, 2) for t in ts] for path, ts in times.items()})]
+                 rows=args.slots * S * r, tokens=bucket, max_tokens=tuning.best_stack_limit(timed, times),
+                 buckets=timed, us={path: [round(t, 2) for t in ts] for path, ts in times.items()})]
 
 
 def main(argv=None):

@@ -231,6 +231,9 @@ def test_shipped_tables_parse_and_hold_valid_configs():
         for e in table["entries"]:
             if e["kind"] == "stack_pad":   # no config: zero rows after stack_a's [W; A]
                 assert isinstance(e["pad"], int) and e["pad"] >= 0 and e["rows"] > 0, e
+            elif e["kind"] == "stack_limit":   # no config: stack_a's token limit, 0 or a bucket it measured
+                assert e["max_tokens"] in [0, *e["buckets"]] and max(e["buckets"]) <= tuning.STACK_LIMIT_MAX_BUCKET
+                assert tuning.best_stack_limit(e["buckets"], e["us"]) == e["max_tokens"], e
             elif e["config"] is not None or e["kind"] != "fused":
                 make[e["kind"]](**e["config"])
 

@@ -276,7 +276,10 @@ def test_stack_entries_apply_to_their_exact_shape(monkeypatch, tmp_path):
     from lora_ops import configs, layers
     name = "Pretend GPU 9000"
     shape = dict(model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64, rows=256, tokens=1)
-    entries = [dict(kind="stack_pad", pad=128, **shape), dict(kind="stack_limit", max_tokens=1024, **shape)]
+    buckets = [1, 16, 64, 256, 1024]
+    entries = [dict(kind="stack_pad", pad=128, **shape),
+               dict(kind="stack_limit", max_tokens=1024, buckets=buckets, **shape),              # won to 1024
+               dict(kind="stack_limit", max_tokens=64, buckets=buckets, **dict(shape, rows=512))]  # lost past 64
     monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
     monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
@@ -286,8 +289,11 @@ def test_stack_entries_apply_to_their_exact_shape(monkeypatch, tmp_path):
     assert rule == 4096
     try:
         assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 128
-        assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == 1024
-        assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == 1024
+        assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == (1024, 1024)
+        # Won at every bucket measured: the rule beyond (2^32 / (4096 * 256)); lost past 64: 64, not the rule's.
+        assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == rule
+        assert layers.stacked_token_limit(4096, 4096, 512, device=cuda, dtype=torch.bfloat16) == 64
+        assert layers.stacked_token_limit(4096, 4096, 512) == 2048
         for N, K, E, device, dtype in [(4096, 4096, 192, cuda, torch.bfloat16), (4096, 14336, 256, cuda, torch.bfloat16),
                                        (4096, 4096, 256, cuda, torch.float32), (4096, 4096, 256, None, torch.bfloat16)]:
             kw = {} if device is None else dict(device=device, dtype=dtype)   # None: the CPU's defaults
@@ -306,7 +312,7 @@ def test_stack_a_takes_the_tables_token_limit(monkeypatch):
     """configs.stack_limit_tokens decides for the shapes it measured: a stack too wide for the rule is
     stacked up to the measured limit, a narrow one that never won is left unstacked."""
     from lora_ops import LoRAContext, LoRALinear, configs
-    limits = {96: 7, 32: 0}   # by L·S·R rows
+    limits = {96: (7, 1024), 32: (0, 1024)}   # by L·S·R rows: (limit, largest bucket measured)
     monkeypatch.setattr(configs, "stack_limit_tokens", lambda N, K, E, device, dtype: limits.get(E))
     ctx = LoRAContext(4, 8)
     wide = LoRALinear(torch.nn.Linear(32, 48), ctx, 8, slice_widths=(16, 16, 16), stack_a=True)   # 96 rows > 24

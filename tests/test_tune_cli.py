@@ -85,6 +85,12 @@ def test_best_stack_limit(stacked, linear, limit):
     assert tuning.best_stack_limit([1, 16, 256, 1024], dict(stacked=stacked, linear=linear)) == limit
 
 
+def test_dry_run_stack_limit_times_buckets_up_to_its_maximum(tmp_path):
+    out = str(tmp_path / "table.json")
+    table = tune.main(DRY + ["--tokens", "1", "1024", "4096", "--kinds", "stack_limit", "--out", out])
+    assert [e["buckets"] for e in table["entries"]] == [[1, 1024]] and tuning.STACK_LIMIT_MAX_BUCKET == 1024
+
+
 def test_dry_run_stack_pad_is_one_entry_per_layer_and_rank(tmp_path):
     """A later --merge run that starts at another bucket retunes the layer's padding in place (one entry);
     with --skip-tuned it leaves it alone."""

@@ -242,8 +242,9 @@ def stack_pad_rows(out_features, in_features, stack_rows, device=torch.device("c
 
 
 def stack_limit_tokens(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):
-    """The most tokens at which stack_a's stacked path serves this layer shape, as measured on this GPU
-    (the table's "stack_limit" entry for exactly this shape: ``python -m lora_ops.tune --kinds
-    stack_limit``), or None without one (lora_ops.layers.stacked_token_limit then applies its rule)."""
+    """(limit, measured to): the most tokens at which stack_a's stacked path served this layer shape best
+    on this GPU, and the largest token bucket measured (the table's "stack_limit" entry for exactly this
+    shape: ``python -m lora_ops.tune --kinds stack_limit``); None without one. lora_ops.layers.stacked_token_limit
+    combines it with its rule."""
     e = _stack_entry("stack_limit", out_features, in_features, stack_rows, device, dtype)
-    return None if e is None else int(e["max_tokens"])
+    return None if e is None else (int(e["max_tokens"]), max(e["buckets"]))

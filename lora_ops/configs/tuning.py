@@ -179,6 +179,13 @@ def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slo
     return times
 
 
+# The stack_limit kind times buckets up to here only: it compares whole layers, and past ~1024 tokens the
+# base GEMM's run-to-run spread (H200: 5-10% at 4096-8192) is as large as the delta it would decide on
+# (session 14: its calls there disagreed with the grid's on 7 of 21 rows). Beyond, the rule decides
+# (layers.stacked_token_limit).
+STACK_LIMIT_MAX_BUCKET = 1024
+
+
 def best_stack_limit(buckets, times):
     """The token limit for stack_a (0 or one of ``buckets``, ascending): stacked up to it, lora_linear past
     it, the one of least geomean time over the buckets (ties: the smaller limit)."""
