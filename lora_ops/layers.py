@@ -232,8 +232,8 @@ class LoRALinear(nn.Module):
     ``stack_a`` (opt-in; docs/DESIGN.md §4): the base weight and ``lora_a`` become views of one buffer
     ``[N + L·S·R, K]`` (plus the zero rows a tuned table asks for: :func:`lora_ops.configs.stack_pad_rows`;
     the bias, if any, of one as long, with zeros past N), so at up to
-    ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid on the H200; 0, and nothing
-    stacked, where the stack is too wide against N), without autograd or dropout, one GEMM gives the
+    ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid, measured per layer shape in
+    the GPU's tuned table, else by a rule; 0, and nothing stacked, where it never pays), without autograd or dropout, one GEMM gives the
     output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
     weights' dtype once, as PEFT rounds it. The base layer's parameters are replaced by the views (apply
     before building an optimizer over them; a weight tied to another module stops being shared with it);
@@ -417,8 +417,9 @@ class LoRALinear(nn.Module):
 # MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every core grid row of the runs that set
 # these figures; beyond, while the extra multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the
 # H200's tensor cores; the shrink it spares costs about that much there). Larger batches take lora_linear.
-# A tuned table's "stack_limit" entries replace the rule for the shapes they measured (session 14: at ranks
-# 128-320 the stacked path also won at 64-256 tokens on stacks wider than half N, and at 1024 on several).
+# A tuned table's "stack_limit" entries replace the rule up to 1024 tokens for the shapes they measured
+# (session 14: at ranks 128-320 the stacked path also won at 16-256 tokens on stacks wider than half N, and
+# at 1024 on several).
 STACKED_MAX_ROWS_FRACTION = 0.5
 STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32
