@@ -11,15 +11,19 @@ beats the best shrink + expand, else null (two launches). The "stacked" entry is
 the stacked path (launch.lora_linear_stacked), timed as that whole layer: the GEMM over [W; A], then the
 expand (``--kinds stacked`` tunes only these). Once per layer and rank, "stack_pad" holds the zero rows that
 make cuBLAS's GEMM over [W; A] fastest, and "stack_limit" the token count up to which stack_a takes the
-stacked path, from both layer paths timed at every bucket. Lookups take the nearest entry
+stacked path, from both layer paths timed at the buckets up to 1024 with the table this run writes.
+Lookups take the nearest entry
 (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
 timed one by one in this process as CUDA-graph replays.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import pathlib
 import sys
+import tempfile
 import time
 
 import torch
@@ -60,7 +64,7 @@ def parse_args(argv=None):
                     help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
                          "expand; stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
-                         "timed with the package's table: tune the other kinds into it first)")
+                         "timed last, with the table this run writes)")
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
@@ -243,6 +247,44 @@ def tune_stack_limit(job, args, device, dtype, buckets):
                  buckets=timed, us={path: [round(t, 2) for t in ts] for path, ts in times.items()})]
 
 
+def _table(args, out, gpu, entries, compile_s, t0):
+    """The table this run writes: its entries, over the table at ``out`` with --merge."""
+    table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
+                 triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
+                 seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
+    if args.merge and os.path.exists(out):
+        def key(e):
+            return (e["kind"], *_entry_shape(e))
+        with open(out) as f:
+            old = json.load(f)
+        new_keys = {key(e) for e in entries}
+        table["entries"] = [e for e in old["entries"] if key(e) not in new_keys] + entries
+        table["merged_from"] = {k: old.get(k) for k in ("date", "torch", "triton", "seconds")}
+    return table
+
+
+@contextlib.contextmanager
+def _lookups_from(table, gpu):
+    """Within the block the library's config lookups read ``table`` as this GPU's, whatever the package
+    holds (the stack_limit kind times the layer paths as the table being written will run them)."""
+    from lora_ops import configs, plan
+    saved = configs.TUNED_DIR
+
+    def forget():   # cached tables, resolved configs and the launch plans that hold them
+        configs.load_table.cache_clear()
+        configs.reset()
+        plan.clear()
+    with tempfile.TemporaryDirectory() as tmp:
+        configs.TUNED_DIR = pathlib.Path(tmp)
+        configs.table_path(gpu).write_text(json.dumps(table))
+        forget()
+        try:
+            yield
+        finally:
+            configs.TUNED_DIR = saved
+            forget()
+
+
 def main(argv=None):
     args = parse_args(argv)
     from lora_ops import configs
@@ -285,27 +327,19 @@ def main(argv=None):
             entries += tune_stacked(job, args, device, dtype)
         if job in todo.get("stack_pad", ()):
             entries += tune_stack_pad(job, args, device, dtype, buckets)
-    # Last: the two layer paths as the ops run them, with the table's configs and padding (tune the other
-    # kinds into the package's table first).
-    for job in sorted(todo.get("stack_limit", ()), key=jobs.index):
-        if time.time() - t0 > args.time_budget:
-            sys.stderr.write("\ntime budget reached before every stack_limit shape\n")
-            break
-        progress(len(jobs), len(jobs), "{} {} r={}: stack_limit".format(*job[:2], job[4]))
-        entries += tune_stack_limit(job, args, device, dtype, buckets)
+    # Last: the two layer paths as the ops run them, with the table this run writes (its configs and padding).
+    limit_jobs = sorted(todo.get("stack_limit", ()), key=jobs.index)
+    if limit_jobs:
+        with _lookups_from(_table(args, out, gpu, entries, compile_s, t0), gpu):
+            for job in limit_jobs:
+                if time.time() - t0 > args.time_budget:
+                    sys.stderr.write("\ntime budget reached before every stack_limit shape\n")
+                    break
+                progress(len(jobs), len(jobs), "{} {} r={}: stack_limit".format(*job[:2], job[4]))
+                entries += tune_stack_limit(job, args, device, dtype, buckets)
     progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
-    table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
-                 triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
-                 seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
-    if args.merge and os.path.exists(out):
-        def key(e):
-            return (e["kind"], *_entry_shape(e))
-        with open(out) as f:
-            old = json.load(f)
-        new_keys = {key(e) for e in entries}
-        table["entries"] = [e for e in old["entries"] if key(e) not in new_keys] + entries
-        table["merged_from"] = {k: old.get(k) for k in ("date", "torch", "triton", "seconds")}
+    table = _table(args, out, gpu, entries, compile_s, t0)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
     by_layer = {}

@@ -114,3 +114,15 @@ def test_dry_run_stack_pad_times_the_buckets_the_layer_stacks(tmp_path, monkeypa
     tokens = ["--tokens", "1", "16", "64", "--kinds", "stack_pad", "--out", out]
     assert [e["buckets"] for e in tune.main(DRY + tokens + ["--ranks", "4"])["entries"]] == [[1, 16]]
     assert [e["buckets"] for e in tune.main(DRY + tokens)["entries"]] == [[1]]
+
+
+def test_stack_limit_times_with_the_table_being_written(tmp_path):
+    """tune._lookups_from: inside, the library looks configs up in the run's table (for its GPU name);
+    after, in the package's again, with nothing resolved from the run's table left behind."""
+    from lora_ops import configs
+    name = "Pretend GPU 9001"
+    table = dict(gpu=name, entries=[dict(kind="stack_pad", features=8, in_features=8, rows=4, pad=64)])
+    package_dir = configs.TUNED_DIR
+    with tune._lookups_from(table, name):
+        assert configs.load_table(name) == table and configs.TUNED_DIR != package_dir
+    assert configs.TUNED_DIR == package_dir and configs.load_table(name) is None
