@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import lora_ops  # noqa: E402
 import lora_ops.configs  # noqa: E402,F401  (the variants set config choices; not imported by lora_ops itself)
 import lora_ops.launch  # noqa: E402,F401
-from lora_ops.layers import stacked_token_limit  # noqa: E402
+from lora_ops.layers import stacked_token_limit, stacked_weight  # noqa: E402
 import problems  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -339,8 +339,7 @@ class RowRunner:
 
         def stacked(k, i):
             if k not in stacks:
-                w = problem.base_inputs(k)[1]
-                stacks[k] = torch.cat([w, i.lora_a.reshape(-1, problem.K), w.new_zeros(pad, problem.K)])
+                stacks[k] = stacked_weight(problem.base_inputs(k)[1], i.lora_a)
             return stacks[k]
 
         def layer(k, i):

@@ -44,10 +44,14 @@ def grouped_weights(p, inp):
     return a.transpose(1, 2), [b[:, c0:c1].transpose(1, 2) for c0, c1 in zip(cols, cols[1:])], cols
 
 
+def slot_order(p):
+    """(token ids in slot order, each group's end offset) from the batch metadata: the grouped GEMMs' rows."""
+    return p.meta.sorted_token_ids[:p.M].long(), (p.meta.slot_starts + p.meta.slot_counts).to(torch.int32)
+
+
 def grouped_call(p, inp):
     a_t, b_ts, cols = grouped_weights(p, inp)
-    ids = p.meta.sorted_token_ids[:p.M].long()
-    ends = (p.meta.slot_starts + p.meta.slot_counts).to(torch.int32)
+    ids, ends = slot_order(p)
     R = p.R
 
     def run():
@@ -62,8 +66,7 @@ def grouped_call(p, inp):
 def grouped_shrink_call(p, inp):
     """The gather and the grouped shrink alone (where the grouped path's time goes)."""
     a_t, _, _ = grouped_weights(p, inp)
-    ids = p.meta.sorted_token_ids[:p.M].long()
-    ends = (p.meta.slot_starts + p.meta.slot_counts).to(torch.int32)
+    ids, ends = slot_order(p)
     return lambda: torch._grouped_mm(inp.x.index_select(0, ids), a_t, offs=ends)
 
 

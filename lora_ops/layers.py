@@ -276,9 +276,8 @@ class LoRALinear(nn.Module):
         weight, bias = base.weight, base.bias
         N, K = weight.shape
         E = lora_a.numel() // K   # L·S·R rows
-        # Zero rows after A where the tuned table says cuBLAS runs the wider GEMM faster (configs.stack_pad_rows).
-        P = configs.stack_pad_rows(N, K, E, weight.device, weight.dtype)
-        stacked = torch.cat([weight.detach(), lora_a.detach().reshape(E, K), weight.new_zeros(P, K)])
+        stacked = stacked_weight(weight.detach(), lora_a.detach())
+        P = stacked.shape[0] - N - E
         stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(E + P)])
         base.weight = nn.Parameter(stacked[:N], requires_grad=weight.requires_grad)
         if bias is not None:
@@ -423,6 +422,16 @@ class LoRALinear(nn.Module):
 STACKED_MAX_ROWS_FRACTION = 0.5
 STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32
+
+
+def stacked_weight(weight, lora_a):
+    """[W; A; P zero rows]: the base weight [N, K] over every slot's A (lora_a [L, S, R, K] flattened), then
+    the zero rows the GPU's tuned table asks for (configs.stack_pad_rows: cuBLAS runs some row counts of the
+    wider GEMM faster): the buffer stack_a builds, as lora_linear_stacked reads it."""
+    N, K = weight.shape
+    E = lora_a.numel() // K
+    P = configs.stack_pad_rows(N, K, E, weight.device, weight.dtype)
+    return torch.cat([weight, lora_a.reshape(E, K), weight.new_zeros(P, K)])
 
 
 def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0, device=None, dtype=torch.bfloat16):

@@ -217,34 +217,44 @@ def tune_stacked(job, args, device, dtype):
                  candidates=len(timings))]
 
 
+def _buckets_up_to(buckets, limit):
+    """The buckets a per-layer kind times: those up to ``limit``, else the smallest."""
+    return [b for b in buckets if b <= limit] or [min(buckets)]
+
+
+def _per_layer_entry(kind, job, args, timed, times, **result):
+    """The entry of a kind tuned once per layer and rank (_PER_LAYER): the layer's shape and stack rows
+    (L·S·R at args.slots slots), the buckets timed, ``times`` ({key: µs at each bucket}) and ``result``."""
+    model, name, K, widths, r, bucket = job
+    S = len(widths)
+    return dict(kind=kind, model=model, layer=name, features=sum(widths), in_features=K, slices=S, rank=r,
+                rows=args.slots * S * r, tokens=bucket, **result, buckets=timed,
+                us={str(key): [round(t, 2) for t in ts] for key, ts in times.items()})
+
+
 def tune_stack_pad(job, args, device, dtype, buckets):
     """The "stack_pad" entry of one layer shape and rank: the zero rows after [W; A] (L·S·R rows of A at
     args.slots slots) that make cuBLAS's wider GEMM fastest over the buckets the stacked path serves
     (layers.stacked_token_limit without padding; the smallest bucket where it serves none)."""
     from lora_ops.configs import tuning
     from lora_ops.layers import stacked_token_limit
-    model, name, K, widths, r, bucket = job
-    S, N = len(widths), sum(widths)
-    rows = args.slots * S * r
-    timed = [b for b in buckets if b <= stacked_token_limit(N, K, rows)] or [min(buckets)]
+    _, _, K, widths, r, _ = job
+    N, rows = sum(widths), args.slots * len(widths) * r
+    timed = _buckets_up_to(buckets, stacked_token_limit(N, K, rows))
     times = tuning.stack_pad_times(device, dtype, N, K, rows, timed)
-    return [dict(kind="stack_pad", model=model, layer=name, features=N, in_features=K, slices=S, rank=r, rows=rows,
-                 tokens=bucket, pad=tuning.best_stack_pad(times), buckets=timed,
-                 us={str(pad): [round(t, 2) for t in ts] for pad, ts in times.items()})]
+    return [_per_layer_entry("stack_pad", job, args, timed, times, pad=tuning.best_stack_pad(times))]
 
 
 def tune_stack_limit(job, args, device, dtype, buckets):
     """The "stack_limit" entry of one layer shape and rank: the token count up to which LoRALinear's
     stack_a takes the stacked path, from both layer paths timed at every bucket up to
-    tuning.STACK_LIMIT_MAX_BUCKET (tuning.layer_path_times: the ops with the table as it stands)."""
+    tuning.STACK_LIMIT_MAX_BUCKET (tuning.layer_path_times: the ops with the table this run writes)."""
     from lora_ops.configs import tuning
-    model, name, K, widths, r, bucket = job
-    S, N = len(widths), sum(widths)
-    timed = [b for b in buckets if b <= tuning.STACK_LIMIT_MAX_BUCKET] or [min(buckets)]
+    _, _, K, widths, r, _ = job
+    timed = _buckets_up_to(buckets, tuning.STACK_LIMIT_MAX_BUCKET)
     times = tuning.layer_path_times(device, dtype, K, widths, r, args.slots, timed)
-    return [dict(kind="stack_limit", model=model, layer=name, features=N, in_features=K, slices=S, rank=r,
-                 rows=args.slots * S * r, tokens=bucket, max_tokens=tuning.best_stack_limit(timed, times),
-                 buckets=timed, us={path: [round(t, 2) for t in ts] for path, ts in times.items()})]
+    return [_per_layer_entry("stack_limit", job, args, timed, times,
+                             max_tokens=tuning.best_stack_limit(timed, times))]
 
 
 def _table(args, out, gpu, entries, compile_s, t0):

@@ -133,6 +133,27 @@ def backend(request):
 
 
 @pytest.fixture
+def pretend_gpu_table(tmp_path, monkeypatch):
+    """``install(entries)``: a tuned table of these entries for a pretend GPU, found through the normal
+    lookup from then on (returns the GPU's name); cached tables and resolved configs are dropped on both
+    sides."""
+    import json
+    from lora_ops import configs
+    name = "Pretend GPU 9000"
+
+    def install(entries):
+        monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
+        (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
+        monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
+        configs.load_table.cache_clear()
+        configs.reset()
+        return name
+    yield install
+    configs.load_table.cache_clear()
+    configs.reset()
+
+
+@pytest.fixture
 def triton_backend(backend):
     """``backend``, for tests of the Triton kernels themselves (their configs, launchers and precision):
     skipped on the torch CPU kernels."""

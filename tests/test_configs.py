@@ -80,10 +80,9 @@ def test_token_tile_bound_adds_slots_not_multiplies(m, slots, block_m, bound):
 
 
 @pytest.fixture
-def fake_gpu_table(tmp_path, monkeypatch):
+def fake_gpu_table(pretend_gpu_table):
     """A tuned table for a pretend GPU, found through the normal lookup."""
-    name = "Pretend GPU 9000"
-    entries = [
+    return pretend_gpu_table([
         dict(kind="shrink", features=4096, slices=3, rank=16, tokens=64,
              config=heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)._asdict()),
         dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
@@ -95,15 +94,7 @@ def fake_gpu_table(tmp_path, monkeypatch):
         dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=64, config=None),
         dict(kind="stacked", features=4096, in_features=14336, slices=1, rank=64, tokens=64,
              config=heuristics.ExpandConfig(16, 32, 64, 4, 2)._asdict()),
-    ]
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
-    monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
-    configs.load_table.cache_clear()
-    configs.reset()
-    yield name
-    configs.load_table.cache_clear()
-    configs.reset()
+    ])
 
 
 CUDA = torch.device("cuda", 0)

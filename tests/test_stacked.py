@@ -269,21 +269,16 @@ def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
                                                                               layer.lora_a)
 
 
-def test_stack_entries_apply_to_their_exact_shape(monkeypatch, tmp_path):
+def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
     """A "stack_pad" or "stack_limit" entry applies to its exact (N, K, L·S·R) on its GPU; anything else,
     the CPU, float32 and tables turned off get no padding and the rule's limit."""
-    import json
     from lora_ops import configs, layers
-    name = "Pretend GPU 9000"
     shape = dict(model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64, rows=256, tokens=1)
     buckets = [1, 16, 64, 256, 1024]
     entries = [dict(kind="stack_pad", pad=128, **shape),
                dict(kind="stack_limit", max_tokens=1024, buckets=buckets, **shape),              # won to 1024
                dict(kind="stack_limit", max_tokens=64, buckets=buckets, **dict(shape, rows=512))]  # lost past 64
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-    (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
-    monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
-    configs.load_table.cache_clear()
+    pretend_gpu_table(entries)
     cuda = torch.device("cuda", 0)
     rule = layers.stacked_token_limit(4096, 4096, 256)
     assert rule == 4096
@@ -305,7 +300,6 @@ def test_stack_entries_apply_to_their_exact_shape(monkeypatch, tmp_path):
         assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == rule
     finally:
         configs.use_tuned_tables(True)
-        configs.load_table.cache_clear()
 
 
 def test_stack_a_takes_the_tables_token_limit(monkeypatch):

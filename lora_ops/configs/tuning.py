@@ -154,7 +154,7 @@ def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slo
     through the ops with this GPU's table, stacked (lora_linear_stacked over [W; A] and the table's
     padding rows) and not (lora_linear: the base GEMM and add_lora_). Base weights in enough copies to
     keep L2 cold."""
-    from lora_ops import configs
+    from lora_ops.layers import stacked_weight
     N = sum(slice_widths)
     K = in_features
     times = {"stacked": [], "linear": []}
@@ -163,11 +163,8 @@ def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slo
                                   extra_bytes=2 * N * K * dtype.itemsize)   # W, and W in [W; A]
         stacked_fns, linear_fns = [], []
         for i, p in enumerate(problems):
-            g = torch.Generator(device=device).manual_seed(100 + i)
-            W = (torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype)
-            E = p["A"].numel() // K
-            pad = configs.stack_pad_rows(N, K, E, device, dtype)
-            Wst = torch.cat([W, p["A"].reshape(E, K), W.new_zeros(pad, K)])
+            W = base_weight(N, K, device, dtype, seed=100 + i)
+            Wst = stacked_weight(W, p["A"])
             args = (p["B"], p["scale"], p["rank"], p["widths"], *p["meta"])
             stacked_fns.append(lambda p=p, Wst=Wst, args=args: torch.ops.lora_ops.lora_linear_stacked(
                 p["x"], Wst, None, *args))
@@ -224,6 +221,12 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
     batch.update(slots)
     h = torch.randn(num_tokens, S, max_rank, generator=g, device=device)
     return dict(x=x, A=A, B=B, y=y, scale=scale, rank=rank, meta=batch.meta, h=h, widths=list(slice_widths))
+
+
+def base_weight(out_features, in_features, device, dtype, seed):
+    """A random base-layer weight [N, K] of unit-scale outputs (the stacked layer's timings)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=g, device=device) * in_features ** -0.5).to(dtype)
 
 
 def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens, extra_bytes=0):
@@ -310,15 +313,12 @@ def stacked_runner(p, cfg, expand_cfg=None):
     """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A] (and the padding rows
     LoRALinear would add: configs.stack_pad_rows), then the expand with ``cfg`` (its PDL as there). The
     GEMM's time is the same for every candidate."""
-    from lora_ops import configs, launch
+    from lora_ops import launch
+    from lora_ops.layers import stacked_weight
     N = p["B"].shape[1]
     if "Wst" not in p:
-        x, A = p["x"], p["A"]
-        g = torch.Generator(device=x.device).manual_seed(7)
-        K, E = x.shape[1], A.numel() // x.shape[1]
-        W = (torch.randn(N, K, generator=g, device=x.device) * K ** -0.5).to(x.dtype)
-        pad = configs.stack_pad_rows(N, K, E, x.device, x.dtype)
-        p["Wst"] = torch.cat([W, A.reshape(E, K), W.new_zeros(pad, K)])
+        x = p["x"]
+        p["Wst"] = stacked_weight(base_weight(N, x.shape[1], x.device, x.dtype, seed=7), p["A"])
     pdl = launch.stacked_uses_pdl(p["x"])
 
     def run():
