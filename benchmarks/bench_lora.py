@@ -32,7 +32,7 @@ from lora_ops.layers import stacked_token_limit, stacked_weight  # noqa: E402
 import problems  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
-from timing import Timer  # noqa: E402
+from timing import Timer, paired_delta  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -64,6 +64,18 @@ def reset_config_choice():
     lora_ops.configs.use_tuned_tables(True)
     lora_ops.configs.force_path(None)
     lora_ops.launch.set_overlap("never")
+
+
+def with_choice(variant, call):
+    """``call`` run under the variant's config choice (VARIANTS), reset after: the layer variants are
+    captured later than they are checked, beside the base layer (RowRunner.time_layers)."""
+    def run():
+        VARIANTS[variant]()
+        try:
+            return call()
+        finally:
+            reset_config_choice()
+    return run
 
 
 def _csv(cast=str):
@@ -246,6 +258,7 @@ class RowRunner:
     def run(self, case):
         problem = problems.Problem.for_case(case, self.dtype, self.args.device, self.args.seed)
         rec = new_record(case, problem)
+        self.layers = {}   # the checked layer variants, timed with the base layer in time_row
         inp = problem.inputs(0)
         ref = problems.reference_delta(problem, inp)
         checked = ["ours"]
@@ -266,14 +279,13 @@ class RowRunner:
             self.run_alone(rec, problem)
         if not self.args.only_check:
             self.time_row(rec, problem, inp)
-            for variant in LAYER_VARIANTS:   # what the delta adds to the layer: lora_linear - base
-                if rec.get(f"{variant}_layer_us") is not None and rec.get("base_us") is not None:
-                    rec[f"{variant}_us"] = rec[f"{variant}_layer_us"] - rec["base_us"]
             if rec.get("stacked_us") is not None and rec.get("ours_us") is not None:
-                # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else add_lora_.
+                # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else lora_linear
+                # (in_order, when timed: from launch.WRITE_FIRST_MIN_TOKENS its write-first path), else add_lora_.
                 limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R,
                                             pad_rows=stack_pad(problem), device=problem.device, dtype=problem.dtype)
-                rec["stack_a_us"] = rec["stacked_us"] if case.M <= limit else rec["ours_us"]
+                other = rec.get("in_order_us", rec["ours_us"])
+                rec["stack_a_us"] = rec["stacked_us"] if case.M <= limit else other
         rec["ok"] = all(rec.get(f"{name}_ok") for name in checked)
         return rec
 
@@ -289,11 +301,30 @@ class RowRunner:
         def inputs(k):
             return inp if k == 0 else problem.inputs(k)
         self.time(rec, "ours", lambda k: problems.ours(problem, inputs(k)), problem.set_bytes())
-        self.time(rec, "base", lambda k: problems.base(*problem.base_inputs(k)), problem.base_set_bytes(), eager=False)
+        self.time_layers(rec, problem)
         for name, module in self.peers.items():
             if rec.get(f"{name}_err") is None:  # its build or call raised: nothing to time
                 continue
             self.time(rec, name, lambda k, m=module: problems.peer(m, problem, inputs(k)), 2 * problem.set_bytes())
+
+    def time_layers(self, rec, problem):
+        """The base layer and the checked layer variants, timed interleaved (Timer.measure_paired): each
+        variant's delta ({variant}_us) is the median of its per-round difference from the base layer, so
+        the GPU's clock drift between timings (several % on a long GEMM) does not enter it."""
+        calls = {"base": (lambda k: problems.base(*problem.base_inputs(k)), problem.base_set_bytes())}
+        calls.update({f"{variant}_layer": spec for variant, spec in self.layers.items()})
+        try:
+            medians, runs = self.timer.measure_paired({name: c for name, (c, _) in calls.items()},
+                                                      {name: b for name, (_, b) in calls.items()})
+        except Exception as e:
+            rec["notes"].append(f"base and layer timing: {_short(e)}")
+            self.timer.sync_quietly()
+            return
+        rec["base_us"] = medians["base"]
+        rec["timing"]["base"] = dict(rounds=len(runs["base"]), paired_with=sorted(self.layers))
+        for variant in self.layers:
+            rec[f"{variant}_layer_us"] = medians[f"{variant}_layer"]
+            rec[f"{variant}_us"] = paired_delta(runs, f"{variant}_layer", "base")
 
     def run_variant(self, rec, variant, problem, inp, ref):
         """Our op with one config choice changed (VARIANTS): checked on set 0, then graph-timed."""
@@ -363,9 +394,9 @@ class RowRunner:
             self.check(rec, variant, build, problem, inp, ref)
         finally:
             inp.y.copy_(y0)
-        if not self.args.only_check:
-            self.time(rec, f"{variant}_layer", lambda k: layer(k, inp if k == 0 else problem.inputs(k)),
-                      problem.set_bytes() + extra_bytes, eager=False)
+        if not self.args.only_check:   # timed with the base layer (time_layers), under its config choice
+            self.layers[variant] = (lambda k: with_choice(variant, layer(k, inp if k == 0 else problem.inputs(k))),
+                                    problem.set_bytes() + extra_bytes)
 
     def run_alone(self, rec, problem):
         """Each used slot's tokens alone, at its own rank: checked, and (unless --only-check) timed.

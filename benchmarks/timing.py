@@ -32,6 +32,11 @@ def _clamp(v, lo, hi):
     return max(lo, min(hi, v))
 
 
+def paired_delta(runs, name, base):
+    """Median over rounds of runs[name][i] - runs[base][i] (:meth:`Timer.measure_paired`'s rounds)."""
+    return statistics.median(a - b for a, b in zip(runs[name], runs[base]))
+
+
 class Timer:
     """Times calls on one device; see the module docstring for the method."""
 
@@ -174,6 +179,55 @@ class Timer:
             n = int(_clamp(EAGER_BUDGET_US // est, self.min_eager, self.max_eager))
             eager_us = self.eager_us(sets, n)
         return graph_us, eager_us, dict(n_calls=n_calls, n_sets=n_sets, repeats=repeats)
+
+    def measure_paired(self, make_calls, set_bytes):
+        """Several implementations timed interleaved: ({name: graph µs per call}, {name: [µs per round]}).
+
+        make_calls: {name: make_call(k)} as for :meth:`measure`; set_bytes: {name: bytes of one set}. Each
+        is captured as in :meth:`measure`; then every round replays each graph once, in turn, each after
+        its own L2 flush. A GPU's clock follows its power and temperature: a long GEMM timed after a run
+        of other long GEMMs can be several % slower than the same GEMM timed after light work, which is
+        as large as a LoRA delta at large M. Timed in turn, each round's implementations share the state,
+        so per-round differences (``paired_delta``) measure the delta, not the drift.
+        """
+        replays, per_call = {}, {}
+        for name, make_call in make_calls.items():
+            first = make_call(0)
+            first()  # compile
+            est = max(self.span_us(first, n=2 if self.cuda else 1), 1.0)
+            n_calls = int(_clamp(math.ceil(TARGET_REPLAY_US / est), self.min_calls, self.max_calls))
+            n_sets = 1
+            if self.cold and self.cuda:
+                n_sets = int(_clamp(ROTATE_BYTES // max(set_bytes[name], 1), 1, n_calls))
+            sets = [first] + [make_call(k) for k in range(1, n_sets)]
+            # The calls stay referenced while their graph lives: a graph replays into the memory its calls'
+            # closures hold (scratch made outside the capture), which must not be freed and reused.
+            replays[name] = (self.capture([sets[i % n_sets] for i in range(n_calls)]), n_calls, sets)
+            per_call[name] = est * n_calls
+        rounds = int(_clamp(REPLAY_BUDGET_US // sum(per_call.values()), self.min_repeats, self.max_repeats))
+        for replay, _, _ in replays.values():
+            replay()  # the first replay uploads the graph
+        self.sync()
+        runs = {name: [] for name in replays}
+        if not self.cuda:
+            for _ in range(rounds):
+                for name, (replay, n_calls, _) in replays.items():
+                    runs[name].append(self.span_us(replay) / n_calls)
+        else:
+            events = []
+            for _ in range(rounds):
+                for name, (replay, n_calls, _) in replays.items():
+                    self.flush()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    replay()
+                    end.record()
+                    events.append((name, n_calls, start, end))
+            self.sync()
+            for name, n_calls, start, end in events:
+                runs[name].append(start.elapsed_time(end) * 1e3 / n_calls)
+        del replays
+        return {name: statistics.median(t) for name, t in runs.items()}, runs
 
     # --- ceilings measured in the same run
 
