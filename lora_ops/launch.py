@@ -141,10 +141,11 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
 
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True,
-                  pdl=False):
+                  pdl=False, accumulate=True):
     """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order.
     Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
-    (see :func:`pdl_options`)."""
+    (see :func:`pdl_options`). ``accumulate=False``: y = the delta instead, y never read, rows of tokens
+    without a delta zeroed (every row the metadata names is written; kernels.expand, ACCUMULATE)."""
     M = y.shape[0]
     R = lora_b.shape[2]
     num_parts = h.shape[0] if h.dim() == 4 else 1
@@ -153,9 +154,10 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
                          f"{num_parts} partial sums")
     hp, hm, hs, hr = part_strides
+    extra = pdl_options(pdl) if accumulate else dict(ACCUMULATE=False, **pdl_options(pdl))
     return _expand_launch(y, h, (0, hp, hm, 0, hs, hr), num_parts, rank, lora_b, slice_widths, rank,
                           sorted_token_ids, slot_starts, slot_counts, cfg, f32_operand_precision(y.dtype),
-                          pdl_options(pdl), run)
+                          extra, run)
 
 
 def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
@@ -183,13 +185,14 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     L, _, R = lora_b.shape
     h_offset, *h_strides = h_layout
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
-    grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m))
+    groups = L if extra.get("ACCUMULATE", True) else L + 1   # writing all of y: the no-delta tokens too
+    grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m))
     return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
         (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride()),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-             ONE_RANK_BLOCK=takes_partials(cfg, R), PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
+             ONE_RANK_BLOCK=takes_partials(cfg, R), PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
              RANK_ALIGN=rank_align(R), H_PRECISION=h_precision,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra),
     ).run_if(run)
@@ -316,14 +319,24 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                                        slot_starts, slot_counts))
 
 
-def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+def _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """y = the LoRA delta (every row the metadata names written, zeros where a token has none): the shrink,
+    then the expand in its store mode, through a plan of their own (lora_linear's write-first path)."""
+    plan.run(("write", *plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids)),
+             (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+             lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                       slot_starts, slot_counts, accumulate=False))
+
+
+def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                      accumulate=True):
     """add_lora_'s launches for these arguments, not run: one (the fused kernel, small batches) or two
     (shrink, expand); with the scratch they use, as specs (:class:`Scratch`) and as the buffers allocated
-    from them."""
+    from them. ``accumulate=False`` (two launches only): the expand writes y = the delta (launch_expand)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     N = y.shape[1]
-    fcfg = configs.fused_config(M, K, N, S, R, L, x.device, x.dtype)
+    fcfg = configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) if accumulate else None
     if fcfg is not None:
         return [launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                              slot_counts, fcfg, run=False)], (), ()
@@ -334,7 +347,7 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
     shrink_launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts,
                                                           slot_counts, h_spec, scfg, h_spec.shape[0] > 1, pdl)
     expand_launch = launch_expand(y, buffers[0], lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
-                                  slot_counts, ecfg, run=False, pdl=pdl)
+                                  slot_counts, ecfg, run=False, pdl=pdl, accumulate=accumulate)
     return [shrink_launch, expand_launch], scratch, buffers
 
 
@@ -378,6 +391,12 @@ def shrink_buffer(x, lora_a, scfg, ecfg):
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
+
+# From this many tokens lora_linear (no bias) writes the delta first and lets cuBLAS add the base product
+# onto it (y.addmm_, beta = 1): the delta's y traffic is one write instead of a read and a write after the
+# GEMM, and the GEMM's epilogue read of y costs ~1% of it. H200, paired timing (DESIGN §4, session 15):
+# 0.151 -> 0.135 of the base layer at 4096-8192 tokens, 7 of 8 Llama rows faster at 1024; mixed at 256.
+WRITE_FIRST_MIN_TOKENS = 1024
 
 OVERLAP_MODES = ("never", "auto", "always")
 # Off by default: on the H200 (bench_lora --variants overlap,in_order, 2026-12-02) cuBLAS's GEMM leaves no
@@ -445,13 +464,19 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                 slot_counts):
-    """F.linear(x, weight, bias) + the LoRA delta. The shrink only needs x, so (see set_overlap) it runs on
-    a side stream while the GEMM runs: the delta then costs the expand alone on the critical path."""
+    """F.linear(x, weight, bias) + the LoRA delta. From WRITE_FIRST_MIN_TOKENS tokens (no bias, no overlap)
+    the delta is written first and the GEMM accumulates onto it. The shrink only needs x, so (see
+    set_overlap) it can run on a side stream while the GEMM runs: the delta then costs the expand alone on
+    the critical path."""
     checks.check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                              slot_starts, slot_counts)
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     N = weight.shape[0]
+    if M >= WRITE_FIRST_MIN_TOKENS and bias is None and not _overlaps(x):
+        y = x.new_empty(M, N)
+        _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+        return y.addmm_(x, weight.t())
     # The cheap test first: by default (no overlap) _add_lora resolves the path itself, once.
     if not _overlaps(x) or M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None:
         y = F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ def expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = True,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -48,6 +49,10 @@ def expand_kernel(
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
+    ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
+    write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
+    cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
+    of y that the metadata names is written; the grid's token axis holds L + 1 groups.
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
@@ -61,8 +66,16 @@ def expand_kernel(
         return
     slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2)
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, not ACCUMULATE)
     if rank == 0:
+        if not ACCUMULATE:   # tokens without a delta: their rows of y are zero
+            tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+            offs_n = col0 + tl.arange(0, BLOCK_N)
+            for j in range(N_LOOP):
+                n_ok = offs_n < col_hi
+                tl.store(y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn,
+                         tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+                offs_n += BLOCK_N
         return
     slot_scale = 1.0
     if SCALE_BY_SLOT:
@@ -82,8 +95,10 @@ def expand_kernel(
             gdc_wait()   # y and h are the stacked GEMM's
         # y is the bulk of the bytes: the first block's load is in flight while h is read.
         n_ok = offs_n < col_hi
-        y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
-                         other=0.0)
+        y_next = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+        if ACCUMULATE:
+            y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn,
+                             mask=valid[:, None] & n_ok[None, :], other=0.0)
         r_ok = offs_r < rank
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
@@ -110,8 +125,9 @@ def expand_kernel(
             bt = tl.where(r_ok[:, None], bt, 0.0)
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
-            y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
-                             mask=valid[:, None] & next_ok[None, :], other=0.0)
+            if ACCUMULATE:
+                y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
+                                 mask=valid[:, None] & next_ok[None, :], other=0.0)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
@@ -148,6 +164,8 @@ def expand_kernel(
                 acc = acc * slot_scale
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
-            y_old = tl.load(y_ptrs, mask=mask, other=0.0)
+            y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            if ACCUMULATE:
+                y_old = tl.load(y_ptrs, mask=mask, other=0.0)
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
             offs_n += BLOCK_N

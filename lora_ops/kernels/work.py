@@ -15,25 +15,32 @@ except ImportError:   # a Triton without grid dependency control: launchers neve
 
 @triton.jit
 def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
-                   BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr):
+                   BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr, WITH_NONE: tl.constexpr = False):
     """Map token-tile program ``pid`` to (slot, first row in sorted_token_ids, rows left, rank).
 
     slot_counts_ptr / slot_starts_ptr: int32 [num_slots + 1]; rank_ptr: int32 [num_slots].
     num_slots: L; max_rank: R (ranks are clamped to [0, R]); capacity: length of sorted_token_ids
     (counts and starts are clamped to it, so corrupt metadata cannot send a read out of bounds).
-    BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L.
+    BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L (>= L + 1 with WITH_NONE).
     Returns rank 0 when ``pid`` is past the last tile.
+    WITH_NONE: tiles also cover the tokens without a delta, with rank 0: those of slots of rank 0 and
+    group L (no adapter), so the tiles cover every token (a kernel that writes all of y, not adds to it).
     """
     ls = tl.arange(0, SLOTS_POW2)
     in_range = ls < num_slots
+    groups = in_range
+    if WITH_NONE:
+        groups = ls <= num_slots
     # Counts, ranks and starts in one round trip: at decode sizes a kernel is a chain of dependent memory
     # round trips (metadata, token ids, operands), and the start loaded after the slot was known was one more.
-    cnt = tl.load(slot_counts_ptr + ls, mask=in_range, other=0)
+    cnt = tl.load(slot_counts_ptr + ls, mask=groups, other=0)
     rk = tl.load(rank_ptr + ls, mask=in_range, other=0)
-    starts = tl.load(slot_starts_ptr + ls, mask=in_range, other=0)
+    starts = tl.load(slot_starts_ptr + ls, mask=groups, other=0)
     cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
     rk = tl.minimum(tl.maximum(rk, 0), max_rank)
     tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
+    if WITH_NONE:
+        tiles = tl.where(groups, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     slot = tl.sum((ends <= pid).to(tl.int32), 0)
     mine = ls == slot
