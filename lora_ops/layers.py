@@ -414,14 +414,22 @@ class LoRALinear(nn.Module):
 # computes every slot's h for every token, so its extra rows cost what their bytes cost at small batches
 # (a stack of more than half the base weight's rows lost at one token: Llama qkv, 4 slots of rank 320) and
 # MMA work at large ones. Up to STACKED_ALWAYS_TOKENS it won on every core grid row of the runs that set
-# these figures; beyond, while the extra multiply-adds stay under STACKED_MAX_EXTRA_MACS (~11 µs of the
-# H200's tensor cores; the shrink it spares costs about that much there). Larger batches take lora_linear.
-# A tuned table's "stack_limit" entries replace the rule up to 1024 tokens for the shapes they measured
-# (session 14: at ranks 128-320 the stacked path also won at 16-256 tokens on stacks wider than half N, and
-# at 1024 on several).
+# these figures. Beyond, two costs decide (session 15, paired timing, Llama-3-8B at 1024-8192 tokens):
+# - the stack's extra rows: a stack of at most STACKED_FREE_ROWS rows (with padding) cost less than the
+#   shrink it spares at every batch measured; a wider one serves while its extra multiply-adds stay under
+#   STACKED_MAX_EXTRA_MACS (~11 µs of the H200's tensor cores; the shrink it spares costs about that much);
+# - y: the expand reads y right after the GEMM wrote it, from L2 while y fits there, while lora_linear's
+#   write-first path never reads it. Past STACKED_MAX_Y_BYTES of y (H200: 50 MB of L2) write-first won on
+#   every row measured (gate_up r16 at 4096 tokens: 0.088 of the base layer against 0.111 stacked) and
+#   the stacked path on every row below it (down r16 at 8192 tokens, 64 MiB: 0.032 against 0.067).
+# Larger batches take lora_linear. A tuned table's "stack_limit" entries replace the rule up to 1024 tokens
+# for the shapes they measured (session 14: at ranks 128-320 the stacked path also won at 16-256 tokens on
+# stacks wider than half N, and at 1024 on several).
 STACKED_MAX_ROWS_FRACTION = 0.5
 STACKED_ALWAYS_TOKENS = 256
 STACKED_MAX_EXTRA_MACS = 2 ** 32
+STACKED_FREE_ROWS = 192
+STACKED_MAX_Y_BYTES = 64 << 20
 
 
 def stacked_weight(weight, lora_a):
@@ -434,14 +442,21 @@ def stacked_weight(weight, lora_a):
     return torch.cat([weight, lora_a.reshape(E, K), weight.new_zeros(P, K)])
 
 
+def _stacked_rule(out_features, in_features, rows, esize):
+    """The rule's token limit for a stack of ``rows`` extra rows (A and padding) that pays at all (see above)."""
+    by_y = STACKED_MAX_Y_BYTES // (out_features * esize)
+    by_rows = by_y if rows <= STACKED_FREE_ROWS else STACKED_MAX_EXTRA_MACS // (in_features * rows)
+    return max(STACKED_ALWAYS_TOKENS, min(by_y, by_rows))
+
+
 def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0, device=None, dtype=torch.bfloat16):
     """The most tokens at which stack_a's one-GEMM path serves a layer of this shape whose stack holds
     ``stack_rows`` = L·S·R rows of A (and ``pad_rows`` zero rows after them); 0 where stacking does not pay
     at all. On a GPU whose table measured the shape (configs.stack_limit_tokens: both layer paths timed at
     the token buckets up to 1024), the measured limit where the stacked path stopped winning within them;
     where it won up to the last bucket measured, the rule beyond it."""
-    rule = 0 if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features else max(
-        STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS // (in_features * (stack_rows + pad_rows)))
+    rule = 0 if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features else _stacked_rule(
+        out_features, in_features, stack_rows + pad_rows, torch.empty((), dtype=dtype).element_size())
     tuned = None if device is None else configs.stack_limit_tokens(out_features, in_features, stack_rows, device,
                                                                     dtype)
     if tuned is None:

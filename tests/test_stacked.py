@@ -175,6 +175,7 @@ def test_stack_a_takes_lora_linear_past_its_token_limit_and_under_autograd(monke
     from lora_ops import layers
     monkeypatch.setattr(layers, "STACKED_ALWAYS_TOKENS", 16)
     monkeypatch.setattr(layers, "STACKED_MAX_EXTRA_MACS", 0)
+    monkeypatch.setattr(layers, "STACKED_MAX_Y_BYTES", 0)
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     assert {m.stacked_max_tokens for m in ctx1.layers.values()} == {16}
     used = stack_ops_used(monkeypatch)
@@ -206,7 +207,10 @@ def test_stack_a_restacks_after_a_conversion_and_survives_loads():
     for ctx in (ctx0, ctx1):
         ctx.load_adapter_tensors("a", tensors, {"r": 8, "lora_alpha": 8}, replace=True)
     requests = [("a", 7), ("b", 2)]
-    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
+    # The two paths sum in different orders; through the half-rounded toy model that reached 1.8e-3 of one
+    # logit of 576 on one CPU machine (2026-12-03). A stale A (a load not written through) differs by O(1).
+    torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests),
+                               rtol=5e-3, atol=5e-3)
 
 
 def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
@@ -232,19 +236,27 @@ def test_stack_a_compiles_without_graph_breaks():
 
 def test_stacked_token_limit_on_llama_shapes(monkeypatch):
     """Where stack_a serves a layer: every batch up to STACKED_ALWAYS_TOKENS unless the stack is over half
-    the base weight's rows; beyond, while the extra multiply-adds stay under the budget."""
+    the base weight's rows; beyond, while y fits in STACKED_MAX_Y_BYTES and either the stack is narrow
+    (STACKED_FREE_ROWS) or its extra multiply-adds stay under the budget."""
     from lora_ops import layers
-    from lora_ops.layers import STACKED_ALWAYS_TOKENS, STACKED_MAX_EXTRA_MACS, stacked_token_limit
+    from lora_ops.layers import (STACKED_ALWAYS_TOKENS, STACKED_FREE_ROWS, STACKED_MAX_EXTRA_MACS,
+                                 STACKED_MAX_Y_BYTES, stacked_token_limit)
     monkeypatch.setattr(layers, "STACKED_MAX_ROWS_FRACTION", 0.5)   # the shipped value (toy_stacks_pay raised it)
     assert STACKED_ALWAYS_TOKENS == 256 and STACKED_MAX_EXTRA_MACS == 2 ** 32
+    assert STACKED_FREE_ROWS == 192 and STACKED_MAX_Y_BYTES == 64 << 20
     L = 4
     assert stacked_token_limit(6144, 4096, L * 3 * 320) == 0              # qkv, rank 320: 3840 rows > 3072
     assert stacked_token_limit(4096, 4096, L * 1 * 320) == 819            # o, rank 320: 2^32 / (4096 * 1280)
     assert stacked_token_limit(4096, 14336, L * 1 * 320) == 256           # down, rank 320: 234, raised to 256
     assert stacked_token_limit(4096, 4096, L * 1 * 64) == 4096            # o, rank 64: 2^32 / (4096 * 256)
     assert stacked_token_limit(6144, 4096, L * 3 * 64) == 1365           # qkv, rank 64
-    assert stacked_token_limit(4096, 14336, L * 1 * 16) == 4681          # down, rank 16
     assert stacked_token_limit(4096, 14336, L * 1 * 64) == 1170          # down, rank 64
+    # Narrow stacks (<= 192 rows): while y (bf16) fits in 64 MiB, whatever the MACs.
+    assert stacked_token_limit(4096, 14336, L * 1 * 16) == 8192          # down, rank 16: 64 MiB / (4096 * 2)
+    assert stacked_token_limit(6144, 4096, L * 3 * 16) == 5461           # qkv, rank 16
+    assert stacked_token_limit(28672, 4096, L * 2 * 16) == 1170          # gate_up, rank 16: y is wide
+    assert stacked_token_limit(28672, 4096, L * 2 * 16, dtype=torch.float32) == 585
+    assert stacked_token_limit(4096, 4096, L * 1 * 16, pad_rows=192) == 4096   # 256 rows: 2^32 / (4096 * 256)
 
 
 def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
@@ -261,7 +273,7 @@ def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
     assert stack.shape == (N + E + 5, K) and (N, K, E) in asked
     assert torch.equal(stack[N + E:], stack.new_zeros(5, K))
     assert stack_bias is None or stack_bias.shape == (N + E + 5,)
-    assert layer.stacked_max_tokens == layers.stacked_token_limit(N, K, E, pad_rows=5)
+    assert layer.stacked_max_tokens == layers.stacked_token_limit(N, K, E, pad_rows=5, dtype=stack.dtype)
     requests = [("a", 5), (None, 3), ("b", 4)]
     torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
     stacked.half().float()
@@ -336,4 +348,4 @@ def test_stack_a_leaves_a_too_wide_layer_unstacked(monkeypatch):
     wide = LoRALinear(base, ctx, 8, slice_widths=(16, 16, 16), stack_a=True)   # 4 * 3 * 8 = 96 rows > 24
     assert wide.stacked_max_tokens == 0 and wide._stacked is None and wide.base.weight is weight
     narrow = LoRALinear(torch.nn.Linear(32, 64), ctx, 8, stack_a=True)        # 32 rows <= 32
-    assert narrow.stacked_max_tokens == layers.STACKED_MAX_EXTRA_MACS // (32 * 32) and narrow._stacked is not None
+    assert narrow.stacked_max_tokens == layers.STACKED_MAX_Y_BYTES // (64 * 4) and narrow._stacked is not None

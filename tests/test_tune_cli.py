@@ -110,6 +110,7 @@ def test_dry_run_stack_pad_times_the_buckets_the_layer_stacks(tmp_path, monkeypa
     from lora_ops import layers
     monkeypatch.setattr(layers, "STACKED_ALWAYS_TOKENS", 1)
     monkeypatch.setattr(layers, "STACKED_MAX_EXTRA_MACS", 32 * 80 * 16)
+    monkeypatch.setattr(layers, "STACKED_FREE_ROWS", 0)   # the budget decides, however narrow the stack
     out = str(tmp_path / "table.json")
     tokens = ["--tokens", "1", "16", "64", "--kinds", "stack_pad", "--out", out]
     assert [e["buckets"] for e in tune.main(DRY + tokens + ["--ranks", "4"])["entries"]] == [[1, 16]]
