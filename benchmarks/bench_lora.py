@@ -12,7 +12,9 @@ never stops the run; it makes the exit code 1. See benchmarks/README.md.
         --cpu-backend triton --peers sglang                           # logic check on a CPU
 """
 import argparse
+import contextlib
 import datetime
+import functools
 import os
 import platform
 import re
@@ -66,16 +68,16 @@ def reset_config_choice():
     lora_ops.launch.set_overlap("never")
 
 
-def with_choice(variant, call):
-    """``call`` run under the variant's config choice (VARIANTS), reset after: the layer variants are
-    captured later than they are checked, beside the base layer (RowRunner.time_layers)."""
-    def run():
-        VARIANTS[variant]()
-        try:
-            return call()
-        finally:
-            reset_config_choice()
-    return run
+@contextlib.contextmanager
+def config_choice(variant):
+    """The variant's config choice (VARIANTS), reset after: the layer variants are captured later than
+    they are checked, beside the base layer (RowRunner.time_layers). Not per call: a choice made inside a
+    capture resets the configs there (session 15: that added ~3 µs a layer at decode sizes)."""
+    VARIANTS[variant]()
+    try:
+        yield
+    finally:
+        reset_config_choice()
 
 
 def _csv(cast=str):
@@ -313,9 +315,10 @@ class RowRunner:
         the GPU's clock drift between timings (several % on a long GEMM) does not enter it."""
         calls = {"base": (lambda k: problems.base(*problem.base_inputs(k)), problem.base_set_bytes())}
         calls.update({f"{variant}_layer": spec for variant, spec in self.layers.items()})
+        prepare = {f"{variant}_layer": functools.partial(config_choice, variant) for variant in self.layers}
         try:
             medians, runs = self.timer.measure_paired({name: c for name, (c, _) in calls.items()},
-                                                      {name: b for name, (_, b) in calls.items()})
+                                                      {name: b for name, (_, b) in calls.items()}, prepare)
         except Exception as e:
             rec["notes"].append(f"base and layer timing: {_short(e)}")
             self.timer.sync_quietly()
@@ -395,7 +398,7 @@ class RowRunner:
         finally:
             inp.y.copy_(y0)
         if not self.args.only_check:   # timed with the base layer (time_layers), under its config choice
-            self.layers[variant] = (lambda k: with_choice(variant, layer(k, inp if k == 0 else problem.inputs(k))),
+            self.layers[variant] = (lambda k: layer(k, inp if k == 0 else problem.inputs(k)),
                                     problem.set_bytes() + extra_bytes)
 
     def run_alone(self, rec, problem):

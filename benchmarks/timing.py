@@ -15,6 +15,7 @@ GPU method (one place, documented in benchmarks/README.md):
 
 CPU (--device cpu, a logic check only): "graph" time is a plain loop of the same calls.
 """
+import contextlib
 import math
 import statistics
 import time
@@ -180,7 +181,7 @@ class Timer:
             eager_us = self.eager_us(sets, n)
         return graph_us, eager_us, dict(n_calls=n_calls, n_sets=n_sets, repeats=repeats)
 
-    def measure_paired(self, make_calls, set_bytes):
+    def measure_paired(self, make_calls, set_bytes, prepare=None):
         """Several implementations timed interleaved: ({name: graph µs per call}, {name: [µs per round]}).
 
         make_calls: {name: make_call(k)} as for :meth:`measure`; set_bytes: {name: bytes of one set}. Each
@@ -189,21 +190,13 @@ class Timer:
         of other long GEMMs can be several % slower than the same GEMM timed after light work, which is
         as large as a LoRA delta at large M. Timed in turn, each round's implementations share the state,
         so per-round differences (``paired_delta``) measure the delta, not the drift.
+        prepare: {name: a context manager factory} under which that implementation is built, warmed up and
+        captured (a config choice; a graph keeps what was captured, so its replays need no context).
         """
         replays, per_call = {}, {}
         for name, make_call in make_calls.items():
-            first = make_call(0)
-            first()  # compile
-            est = max(self.span_us(first, n=2 if self.cuda else 1), 1.0)
-            n_calls = int(_clamp(math.ceil(TARGET_REPLAY_US / est), self.min_calls, self.max_calls))
-            n_sets = 1
-            if self.cold and self.cuda:
-                n_sets = int(_clamp(ROTATE_BYTES // max(set_bytes[name], 1), 1, n_calls))
-            sets = [first] + [make_call(k) for k in range(1, n_sets)]
-            # The calls stay referenced while their graph lives: a graph replays into the memory its calls'
-            # closures hold (scratch made outside the capture), which must not be freed and reused.
-            replays[name] = (self.capture([sets[i % n_sets] for i in range(n_calls)]), n_calls, sets)
-            per_call[name] = est * n_calls
+            with (prepare or {}).get(name, contextlib.nullcontext)():
+                replays[name], per_call[name] = self._capture_sets(make_call, set_bytes[name])
         rounds = int(_clamp(REPLAY_BUDGET_US // sum(per_call.values()), self.min_repeats, self.max_repeats))
         for replay, _, _ in replays.values():
             replay()  # the first replay uploads the graph
@@ -228,6 +221,20 @@ class Timer:
                 runs[name].append(start.elapsed_time(end) * 1e3 / n_calls)
         del replays
         return {name: statistics.median(t) for name, t in runs.items()}, runs
+
+    def _capture_sets(self, make_call, set_bytes):
+        """((replay, calls per replay, the calls), estimated µs per replay) as :meth:`measure` captures."""
+        first = make_call(0)
+        first()  # compile
+        est = max(self.span_us(first, n=2 if self.cuda else 1), 1.0)
+        n_calls = int(_clamp(math.ceil(TARGET_REPLAY_US / est), self.min_calls, self.max_calls))
+        n_sets = 1
+        if self.cold and self.cuda:
+            n_sets = int(_clamp(ROTATE_BYTES // max(set_bytes, 1), 1, n_calls))
+        sets = [first] + [make_call(k) for k in range(1, n_sets)]
+        # The calls stay referenced while their graph lives: a graph replays into the memory its calls'
+        # closures hold (scratch made outside the capture), which must not be freed and reused.
+        return (self.capture([sets[i % n_sets] for i in range(n_calls)]), n_calls, sets), est * n_calls
 
     # --- ceilings measured in the same run
 
