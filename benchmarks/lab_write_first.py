@@ -1,0 +1,200 @@
+"""Lab (not a library path): the delta written first, the base GEMM accumulating onto it (DESIGN §4).
+
+At large M add_lora_'s expand reads and writes y once more after the base GEMM wrote it: 4·M·N bytes,
+~0.085 of the base layer at K = 4096 on the H200 by itself. Here the order is turned round:
+
+    write_first:  shrink; expand *stores* scale·h·Bᵀ into an empty y (kernels.expand ACCUMULATE=False);
+                  y.addmm_(x, Wᵀ) — cuBLAS with beta = 1 reads y once in its epilogue.
+
+so the delta's y traffic is one write, and the read moves into the GEMM's epilogue, where the GEMM's own
+compute may hide it. Timed per Llama-3-8B layer against the base layer F.linear, the layer as shipped
+(lora_linear, which since this lab writes first from 1024 tokens; "layer_accumulate": F.linear + add_lora_), the stacked layer (lora_linear_stacked), addmm_ alone (the price of
+beta = 1), and the expand alone both ways; variants interleaved round by round (Timer.measure_paired), CUDA-graph replay medians,
+cold L2 (benchmarks/timing.py); deltas are medians of the per-round differences from the base layer.
+Rows with slot -1 are not written by the write-only expand here (10% of the rows; a real path must zero
+them); the check compares the adapted rows against the shipped layer.
+
+    python benchmarks/lab_write_first.py out.json                # H200 (BUDGET s, default 240)
+    DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_write_first.py /tmp/x.json   # logic check, tiny
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import repo_path  # noqa: F401,E402
+from lora_ops import launch, plan  # noqa: E402
+from lora_ops.layers import stacked_weight  # noqa: E402
+import problems  # noqa: E402
+import shapes  # noqa: E402
+from timing import Timer, paired_delta  # noqa: E402
+
+DEV = os.environ.get("DEV", "cuda")
+TINY = DEV != "cuda"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+BUDGET = float(os.environ.get("BUDGET", "240"))
+TOKENS = [int(m) for m in os.environ.get("MS", "4096,8192,1024,256" if not TINY else "256,64").split(",")]
+RANKS = [int(r) for r in os.environ.get("RANKS", "16,64").split(",")]
+LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+T0 = time.time()
+
+
+class Row:
+    """One (layer, rank, M): input sets made on demand, and each variant's call on set k."""
+
+    def __init__(self, layer, rank, M):
+        spec = shapes.uniform(rank) if not TINY else shapes.tiny_ranks(shapes.uniform(rank))
+        self.p = problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
+        self.sets = {}
+
+    def inputs(self, k):
+        if k not in self.sets:
+            p = self.p
+            i = p.inputs(k)
+            w = p.base_inputs(k)[1]
+            self.sets[k] = dict(i=i, w=w, ws=stacked_weight(w, i.lora_a), y=torch.empty_like(i.y))
+        return self.sets[k]
+
+    def add_lora_launches(self, s, y):
+        p = self.p
+        launches, _, buffers = launch.add_lora_launches(y, s["i"].x, s["i"].lora_a, s["i"].lora_b, p.scale, p.rank,
+                                                        p.widths, *p.meta)
+        return launches, buffers
+
+    def call(self, name, k):
+        s, p = self.inputs(k), self.p
+        i, w = s["i"], s["w"]
+        if name == "base":
+            return lambda: F.linear(i.x, w)
+        if name == "beta1":
+            return lambda: s["y"].addmm_(i.x, w.t())
+        if name == "layer":
+            op = torch.ops.lora_ops.lora_linear
+            args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+            return lambda: op(*args)
+        if name == "layer_accumulate":   # lora_linear with its write-first path off: F.linear, then add_lora_
+            op = torch.ops.lora_ops.lora_linear
+            args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+
+            def run():
+                limit, launch.WRITE_FIRST_MIN_TOKENS = launch.WRITE_FIRST_MIN_TOKENS, 1 << 62
+                try:
+                    return op(*args)
+                finally:
+                    launch.WRITE_FIRST_MIN_TOKENS = limit
+            return run
+        if name == "stacked_pdl":   # the stacked layer with its expand launched with PDL at any token count
+            op = torch.ops.lora_ops.lora_linear_stacked
+            args = (i.x, s["ws"], None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+
+            def run():
+                limit, launch.STACKED_PDL_MAX_TOKENS = launch.STACKED_PDL_MAX_TOKENS, 1 << 62
+                plan.clear()   # a plan holds its launches' PDL choice
+                try:
+                    return op(*args)
+                finally:
+                    launch.STACKED_PDL_MAX_TOKENS = limit
+                    plan.clear()
+            return run
+        if name == "layer_nopdl":   # the layer with add_lora_'s pair launched without PDL
+            op = torch.ops.lora_ops.lora_linear
+            args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+
+            def run():
+                launch.set_pdl(False)
+                try:
+                    return op(*args)
+                finally:
+                    launch.set_pdl(True)
+            return run
+        if name == "add_lora":      # the delta alone, in place (what the grid's "ours" times)
+            op = torch.ops.lora_ops.add_lora_
+            args = (s["y"], i.x, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+            return lambda: op(*args)
+        if name == "stacked":
+            op = torch.ops.lora_ops.lora_linear_stacked
+            args = (i.x, s["ws"], None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+            return lambda: op(*args)
+        launches, buffers = self.add_lora_launches(s, s["y"])
+        if len(launches) != 2:
+            return None   # the one-launch path (small batches): not this lab's question
+        shrink, expand = launches
+        store = expand._replace(constexprs={**expand.constexprs, "ACCUMULATE": False})
+        if name == "write_first":
+            def run():
+                shrink()
+                store()
+                s["y"].addmm_(i.x, w.t())
+            run.buffers = buffers   # h lives as long as the call
+            return run
+        shrink()   # h for the expand-alone timings
+        chosen = expand if name == "expand_rmw" else store
+        return lambda: (chosen(), buffers)
+    VARIANTS = ("base", "beta1", "layer", "layer_accumulate", "layer_nopdl", "add_lora", "stacked", "stacked_pdl",
+                "write_first", "expand_rmw", "expand_store")
+
+    def check(self):
+        """write_first's adapted rows against the shipped layer's (relative Frobenius error)."""
+        s, p = self.inputs(0), self.p
+        fn = self.call("write_first", 0)
+        if fn is None:
+            return None
+        fn()
+        ref = self.call("layer", 0)()
+        keep = p.slots >= 0
+        got, want = s["y"][keep].double(), ref[keep].double()
+        return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+    def set_bytes(self):
+        p = self.p
+        return p.set_bytes() + p.base_set_bytes() + p.M * p.N * p.esize
+
+
+def main(out_path):
+    timer = Timer(DEV)
+    rows = []
+    cases = [(layer, r, M) for M in TOKENS for r in RANKS for layer in LAYERS]
+    for layer, rank, M in cases:
+        if time.time() - T0 > BUDGET:
+            print(f"budget spent: {len(rows)} of {len(cases)} rows", flush=True)
+            break
+        row = Row(layer, rank, M)
+        err = row.check()
+        if err is None:
+            continue
+        med, times = timer.measure_paired({v: (lambda k, v=v, row=row: row.call(v, k)) for v in Row.VARIANTS},
+                                          {v: row.set_bytes() for v in Row.VARIANTS})
+        delta = {v: paired_delta(times, v, "base")
+                 for v in ("beta1", "layer", "layer_accumulate", "layer_nopdl", "stacked", "stacked_pdl",
+                           "write_first")}
+        delta["add_lora"] = med["add_lora"]
+        rec = dict(layer=layer.name, rank=rank, M=M, err=err, median_us=med, delta_us=delta, runs_us=times)
+        rows.append(rec)
+        print(f"{layer.name:8s} r{rank:<3d} M={M:<5d} base {med['base']:8.1f} | delta: add_lora_ {med['add_lora']:7.1f} "
+              f"layer {delta['layer']:7.1f} accumulating {delta['layer_accumulate']:7.1f} nopdl {delta['layer_nopdl']:7.1f} "
+              f"stacked {delta['stacked']:7.1f} stacked_pdl {delta['stacked_pdl']:7.1f} write_first {delta['write_first']:7.1f} beta1 {delta['beta1']:6.1f}"
+              f" | expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f} | err {err:.1e}",
+              flush=True)
+        del row
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+    env = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
+               triton=__import__("triton").__version__, dtype=str(DTYPE))
+    with open(out_path, "w") as f:
+        json.dump(dict(env=env, rows=rows), f, indent=1)
+    print("\n| layer | rank | M | base | add_lora_/base | layer/base | accumulating | no PDL | stacked/base | "
+          "stacked PDL | write_first/base | beta1/base |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = r["median_us"]["base"]
+        d = r["delta_us"]
+        print(f"| {r['layer']} | {r['rank']} | {r['M']} | {b:.1f} | {d['add_lora'] / b:.3f} | {d['layer'] / b:.3f} | "
+              f"{d['layer_accumulate'] / b:.3f} | {d['layer_nopdl'] / b:.3f} | {d['stacked'] / b:.3f} | "
+              f"{d['stacked_pdl'] / b:.3f} | "
+              f"{d['write_first'] / b:.3f} | {d['beta1'] / b:.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "lab_write_first.json")
