@@ -162,24 +162,15 @@ class Timer:
         make_call(k) returns a no-argument callable working on input set k (k = 0, 1, ...); set_bytes is
         the memory one set takes, which bounds how many sets are made.
         """
-        first = make_call(0)
-        first()  # compile
-        est = max(self.span_us(first, n=2 if self.cuda else 1), 1.0)
-        n_calls = int(_clamp(math.ceil(TARGET_REPLAY_US / est), self.min_calls, self.max_calls))
-        n_sets = 1
-        if self.cold and self.cuda:
-            n_sets = int(_clamp(ROTATE_BYTES // max(set_bytes, 1), 1, n_calls))
-        sets = [first] + [make_call(k) for k in range(1, n_sets)]
-        schedule = [sets[i % n_sets] for i in range(n_calls)]
-        repeats = int(_clamp(REPLAY_BUDGET_US // (est * n_calls), self.min_repeats, self.max_repeats))
-        replay = self.capture(schedule)
+        (replay, n_calls, sets), per_replay = self._capture_sets(make_call, set_bytes)
+        repeats = int(_clamp(REPLAY_BUDGET_US // per_replay, self.min_repeats, self.max_repeats))
         graph_us = self.replay_median_us(replay, n_calls, repeats)
         del replay
         eager_us = None
         if eager:
-            n = int(_clamp(EAGER_BUDGET_US // est, self.min_eager, self.max_eager))
+            n = int(_clamp(EAGER_BUDGET_US // (per_replay / n_calls), self.min_eager, self.max_eager))
             eager_us = self.eager_us(sets, n)
-        return graph_us, eager_us, dict(n_calls=n_calls, n_sets=n_sets, repeats=repeats)
+        return graph_us, eager_us, dict(n_calls=n_calls, n_sets=len(sets), repeats=repeats)
 
     def measure_paired(self, make_calls, set_bytes, prepare=None):
         """Several implementations timed interleaved: ({name: graph µs per call}, {name: [µs per round]}).
