@@ -7,6 +7,7 @@ per launch counts. Candidates that fail to compile or exceed the GPU's resources
 """
 import itertools
 import math
+import statistics
 
 import torch
 
@@ -170,9 +171,12 @@ def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slo
                 p["x"], Wst, None, *args))
             linear_fns.append(lambda p=p, W=W, args=args: torch.ops.lora_ops.lora_linear(
                 p["x"], W, None, p["A"], *args))
-        for path, fns in (("stacked", stacked_fns), ("linear", linear_fns)):
-            times[path].append(graph_time_us(fns) if device.type == "cuda" else wall_time_us(fns))
-        del problems, stacked_fns, linear_fns
+        fns = {"stacked": stacked_fns, "linear": linear_fns}
+        got = (paired_graph_times_us(fns) if device.type == "cuda"
+               else {path: wall_time_us(f) for path, f in fns.items()})
+        for path in times:
+            times[path].append(got[path])
+        del problems, stacked_fns, linear_fns, fns
     return times
 
 
@@ -243,23 +247,36 @@ def problem_copies(device, dtype, in_features, slice_widths, max_rank, num_slots
 def graph_time_us(fns, launches=None, replays=5):
     """Median µs per launch from CUDA-graph replays of `launches` calls (default: one per copy, at least
     16) cycling over `fns` (the same work on different copies of the data), each warmed up first."""
-    launches = launches or max(16, len(fns))
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fns[i % len(fns)]()
-    times = []
+    return paired_graph_times_us({0: fns}, launches, replays)[0]
+
+
+def paired_graph_times_us(fn_lists, launches=None, replays=9):
+    """{name: median µs per launch} as :func:`graph_time_us` times each list, but with the graphs' replays
+    taken in turn (one of each per round): whole layers' times follow the GPU's clock, which its power
+    cap moves while long GEMMs run (H200: 1515-1980 MHz), so two layers timed one after the other can
+    differ by as much as the LoRA delta that tells them apart (session 15)."""
+    graphs = {}
+    for name, fns in fn_lists.items():
+        n = launches or max(16, len(fns))
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                fns[i % len(fns)]()
+        graphs[name] = (graph, n)
+    events = {name: [] for name in graphs}
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[len(times) // 2]
+        for name, (graph, _) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) * 1000 / graphs[name][1] for s, e in pairs)
+            for name, pairs in events.items()}
 
 
 def wall_time_us(fns):
