@@ -52,7 +52,9 @@ def expand_kernel(
     ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
     write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
-    of y that the metadata names is written; the grid's token axis holds L + 1 groups.
+    of y that the metadata names is written; the grid's token axis holds L + 1 groups. Its reads of y are
+    masked off (no traffic) rather than removed: the accumulating path then compiles exactly as before
+    (removing them moved add_lora_'s first y load behind its PDL wait, tests/test_codegen.py).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
@@ -89,16 +91,17 @@ def expand_kernel(
         h_rows += h_offset + slot.to(tl.int64) * stride_hl   # path compiles as before)
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
     y_rows = y_ptr + tok[:, None] * stride_ym
+    read_y = valid   # the rows whose y is read: none in the store mode (tok < 0 never holds)
+    if not ACCUMULATE:
+        read_y = valid & (tok < 0)
 
     if ONE_RANK_BLOCK:
         if PDL and SCALE_BY_SLOT:
             gdc_wait()   # y and h are the stacked GEMM's
         # y is the bulk of the bytes: the first block's load is in flight while h is read.
         n_ok = offs_n < col_hi
-        y_next = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-        if ACCUMULATE:
-            y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn,
-                             mask=valid[:, None] & n_ok[None, :], other=0.0)
+        y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=read_y[:, None] & n_ok[None, :],
+                         other=0.0)
         r_ok = offs_r < rank
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
@@ -125,9 +128,8 @@ def expand_kernel(
             bt = tl.where(r_ok[:, None], bt, 0.0)
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
-            if ACCUMULATE:
-                y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
-                                 mask=valid[:, None] & next_ok[None, :], other=0.0)
+            y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
+                             mask=read_y[:, None] & next_ok[None, :], other=0.0)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
@@ -164,8 +166,6 @@ def expand_kernel(
                 acc = acc * slot_scale
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
-            y_old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-            if ACCUMULATE:
-                y_old = tl.load(y_ptrs, mask=mask, other=0.0)
+            y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
             offs_n += BLOCK_N
