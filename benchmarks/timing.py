@@ -62,7 +62,9 @@ class Timer:
             return "cpu: plain loops (logic check only, not a measurement)"
         if self.cold:
             return (f"CUDA-graph replay medians, inputs rotated over up to {self.max_calls} sets, L2 flushed "
-                    f"({self._flush_buf.numel() // MIB} MiB write) before each replay outside the timed region")
+                    f"({self._flush_buf.numel() // MIB} MiB write) before each replay outside the timed region; "
+                    f"the base layer and whole-layer variants replayed in turn, round by round, their deltas the "
+                    f"medians of per-round differences")
         return "CUDA-graph replay medians, one input set, no L2 flush (warm cache)"
 
     def sync(self):
