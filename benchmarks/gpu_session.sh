@@ -9,7 +9,8 @@
 #     bash benchmarks/gpu_session.sh more      # high-rank and mixed grids, gradients + training step and
 #                                              # its profile (~8 min)
 #     bash benchmarks/gpu_session.sh stacked   # apply_lora(stack_a=True) (DESIGN §4): its GPU tests (with
-#                                              # CUDA-graph capture), the core grid with the `stacked` variant,
+#                                              # CUDA-graph capture), the core grid with the `stacked` and
+#                                              # `in_order` layers (paired with the base layer),
 #                                              # the decode step without and with it, and the Llama high-rank
 #                                              # grid's stacked rows to 1024 tokens (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
@@ -34,14 +35,14 @@ if [ "$MODE" = quick ]; then
     step tests 200 bash -c 'export LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu
         P="python -m pytest -q -p no:cacheprovider -rf"
         $P tests/test_kernels_property.py -k "expand or split_k or rank_above or nan_stays"
-        $P tests/test_fast_launch.py tests/test_training.py tests/test_codegen.py'
+        $P tests/test_fast_launch.py tests/test_training.py tests/test_codegen.py tests/test_write_first.py'
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
 elif [ "$MODE" = stacked ]; then
     step tests 150 bash -c 'LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_stacked.py tests/test_ops_contract.py tests/test_model_compile.py -k "stacked or stack_a or cuda_graph"'
-    step core 170 python benchmarks/bench_lora.py --grid core --variants stacked --time-budget 150 --out "$R"
+    step core 170 python benchmarks/bench_lora.py --grid core --variants stacked,in_order --time-budget 150 --out "$R"
     step decode 60 python benchmarks/bench_decode.py --out "$R"
     step decode_stacked 60 python benchmarks/bench_decode.py --stack-a --out "$R"
     # Wide stacks (ranks 128-320: where layers.stacked_token_limit stops stacking), no peers.
