@@ -1,20 +1,27 @@
 """Lab (not a library path): the delta written first, the base GEMM accumulating onto it (DESIGN §4).
 
 At large M add_lora_'s expand reads and writes y once more after the base GEMM wrote it: 4·M·N bytes,
-~0.085 of the base layer at K = 4096 on the H200 by itself. Here the order is turned round:
+~0.085 of the base layer at K = 4096 on the H200 by itself. Turned round:
 
     write_first:  shrink; expand *stores* scale·h·Bᵀ into an empty y (kernels.expand ACCUMULATE=False);
                   y.addmm_(x, Wᵀ) — cuBLAS with beta = 1 reads y once in its epilogue.
 
-so the delta's y traffic is one write, and the read moves into the GEMM's epilogue, where the GEMM's own
-compute may hide it. Timed per Llama-3-8B layer against the base layer F.linear, the layer as shipped
-(lora_linear, which since this lab writes first from 1024 tokens; "layer_accumulate": F.linear + add_lora_), the stacked layer (lora_linear_stacked), addmm_ alone (the price of
-beta = 1), and the expand alone both ways; variants interleaved round by round (Timer.measure_paired), CUDA-graph replay medians,
-cold L2 (benchmarks/timing.py); deltas are medians of the per-round differences from the base layer.
-Rows with slot -1 are not written by the write-only expand here (10% of the rows; a real path must zero
-them); the check compares the adapted rows against the shipped layer.
+Session 15 measured this here and built it into lora_linear (launch.WRITE_FIRST_MIN_TOKENS). Variants per
+Llama-3-8B layer, each timed against the base layer F.linear:
 
-    python benchmarks/lab_write_first.py out.json                # H200 (BUDGET s, default 240)
+    layer / layer_accumulate   lora_linear as shipped (write-first from 1024 tokens) / with that path off
+    layer_nopdl                lora_linear with add_lora_'s pair launched without PDL
+    add_lora                   the delta op alone (the grid's "ours")
+    stacked / stacked_pdl      lora_linear_stacked, its expand with PDL as shipped / at any token count
+    write_first                the three steps above, composed here (its slot -1 rows are not zeroed)
+    beta1                      y.addmm_(x, Wᵀ) alone: the price of beta = 1
+    expand_rmw / expand_store  the expand alone, reading and writing y / storing it
+
+All interleaved round by round (Timer.measure_paired), CUDA-graph replay medians, cold L2
+(benchmarks/timing.py); deltas are medians of the per-round differences from the base layer.
+write_first's adapted rows are checked against lora_linear's.
+
+    python benchmarks/lab_write_first.py out.json                # H200 (BUDGET s, default 240; MS, RANKS)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_write_first.py /tmp/x.json   # logic check, tiny
 """
 import json
@@ -173,11 +180,10 @@ def main(out_path):
         delta["add_lora"] = med["add_lora"]
         rec = dict(layer=layer.name, rank=rank, M=M, err=err, median_us=med, delta_us=delta, runs_us=times)
         rows.append(rec)
-        print(f"{layer.name:8s} r{rank:<3d} M={M:<5d} base {med['base']:8.1f} | delta: add_lora_ {med['add_lora']:7.1f} "
-              f"layer {delta['layer']:7.1f} accumulating {delta['layer_accumulate']:7.1f} nopdl {delta['layer_nopdl']:7.1f} "
-              f"stacked {delta['stacked']:7.1f} stacked_pdl {delta['stacked_pdl']:7.1f} write_first {delta['write_first']:7.1f} beta1 {delta['beta1']:6.1f}"
-              f" | expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f} | err {err:.1e}",
-              flush=True)
+        shown = ("layer", "layer_accumulate", "layer_nopdl", "stacked", "stacked_pdl", "write_first", "beta1")
+        print(f"{layer.name:8s} r{rank:<3d} M={M:<5d} base {med['base']:8.1f} | delta: "
+              f"add_lora_ {med['add_lora']:7.1f} " + " ".join(f"{v} {delta[v]:7.1f}" for v in shown)
+              + f" | expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f} | err {err:.1e}", flush=True)
         del row
         torch.cuda.empty_cache() if DEV == "cuda" else None
     env = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,

@@ -76,7 +76,8 @@ def expand_kernel(
             for j in range(N_LOOP):
                 n_ok = offs_n < col_hi
                 tl.store(y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn,
-                         tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+                         tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
+                         mask=valid[:, None] & n_ok[None, :])
                 offs_n += BLOCK_N
         return
     slot_scale = 1.0
