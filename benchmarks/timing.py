@@ -132,21 +132,31 @@ class Timer:
             graph.replay()
         return replay
 
-    def replay_median_us(self, replay, n_calls, repeats):
-        replay()  # the first replay uploads the graph
+    def round_times_us(self, replays, rounds):
+        """{name: [µs per call, one per round]} for ``replays`` = {name: (replay, calls per replay)}: each
+        round replays every graph once, in turn, each after its own L2 flush (one name: plain repeats)."""
+        for replay, _ in replays.values():
+            replay()  # the first replay uploads the graph
         self.sync()
+        runs = {name: [] for name in replays}
         if not self.cuda:
-            return statistics.median(self.span_us(replay) for _ in range(repeats)) / n_calls
+            for _ in range(rounds):
+                for name, (replay, n_calls) in replays.items():
+                    runs[name].append(self.span_us(replay) / n_calls)
+            return runs
         events = []
-        for _ in range(repeats):
-            self.flush()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            replay()
-            end.record()
-            events.append((start, end))
+        for _ in range(rounds):
+            for name, (replay, n_calls) in replays.items():
+                self.flush()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                replay()
+                end.record()
+                events.append((name, n_calls, start, end))
         self.sync()
-        return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / n_calls
+        for name, n_calls, start, end in events:
+            runs[name].append(start.elapsed_time(end) * 1e3 / n_calls)
+        return runs
 
     def eager_us(self, calls, n):
         self.sync()
@@ -166,7 +176,7 @@ class Timer:
         """
         (replay, n_calls, sets), per_replay = self._capture_sets(make_call, set_bytes)
         repeats = int(_clamp(REPLAY_BUDGET_US // per_replay, self.min_repeats, self.max_repeats))
-        graph_us = self.replay_median_us(replay, n_calls, repeats)
+        graph_us = statistics.median(self.round_times_us({0: (replay, n_calls)}, repeats)[0])
         del replay
         eager_us = None
         if eager:
@@ -191,27 +201,8 @@ class Timer:
             with (prepare or {}).get(name, contextlib.nullcontext)():
                 replays[name], per_call[name] = self._capture_sets(make_call, set_bytes[name])
         rounds = int(_clamp(REPLAY_BUDGET_US // sum(per_call.values()), self.min_repeats, self.max_repeats))
-        for replay, _, _ in replays.values():
-            replay()  # the first replay uploads the graph
-        self.sync()
-        runs = {name: [] for name in replays}
-        if not self.cuda:
-            for _ in range(rounds):
-                for name, (replay, n_calls, _) in replays.items():
-                    runs[name].append(self.span_us(replay) / n_calls)
-        else:
-            events = []
-            for _ in range(rounds):
-                for name, (replay, n_calls, _) in replays.items():
-                    self.flush()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    replay()
-                    end.record()
-                    events.append((name, n_calls, start, end))
-            self.sync()
-            for name, n_calls, start, end in events:
-                runs[name].append(start.elapsed_time(end) * 1e3 / n_calls)
+        runs = self.round_times_us({name: (replay, n_calls) for name, (replay, n_calls, _) in replays.items()},
+                                   rounds)
         del replays
         return {name: statistics.median(t) for name, t in runs.items()}, runs
 
