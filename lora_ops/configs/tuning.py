@@ -124,21 +124,23 @@ STACK_PAD_MIN_GAIN = 0.97
 
 def stack_pad_times(device, dtype, out_features, in_features, stack_rows, buckets):
     """{pad: [µs of F.linear(x, [W; A; pad zero rows]) at each bucket]} for each of STACK_PAD_ROWS (weights
-    in enough copies to keep L2 cold, as the kernels are timed)."""
+    in enough copies to keep L2 cold, as the kernels are timed; the pads of a bucket timed in turn:
+    :func:`paired_graph_times_us`)."""
     g = torch.Generator(device=device).manual_seed(0)
     K = in_features
-    times = {}
+    weights = {}
     for pad in STACK_PAD_ROWS:
         rows = out_features + stack_rows + pad
         count = max(1, min(MAX_COPIES, math.ceil(COLD_BYTES / (rows * K * dtype.itemsize))))
-        weights = [(torch.randn(rows, K, generator=g, device=device) * K ** -0.5).to(dtype)
-                   for _ in range(count if device.type == "cuda" else 1)]
-        times[pad] = []
-        for bucket in buckets:
-            x = torch.randn(bucket, K, generator=g, device=device).to(dtype)
-            fns = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in weights]
-            times[pad].append(graph_time_us(fns) if device.type == "cuda" else wall_time_us(fns))
-        del weights
+        weights[pad] = [(torch.randn(rows, K, generator=g, device=device) * K ** -0.5).to(dtype)
+                        for _ in range(count if device.type == "cuda" else 1)]
+    times = {pad: [] for pad in STACK_PAD_ROWS}
+    for bucket in buckets:
+        x = torch.randn(bucket, K, generator=g, device=device).to(dtype)
+        got = times_us({pad: [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
+                        for pad, ws in weights.items()}, device)
+        for pad in times:
+            times[pad].append(got[pad])
     return times
 
 
@@ -171,12 +173,10 @@ def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slo
                 p["x"], Wst, None, *args))
             linear_fns.append(lambda p=p, W=W, args=args: torch.ops.lora_ops.lora_linear(
                 p["x"], W, None, p["A"], *args))
-        fns = {"stacked": stacked_fns, "linear": linear_fns}
-        got = (paired_graph_times_us(fns) if device.type == "cuda"
-               else {path: wall_time_us(f) for path, f in fns.items()})
+        got = times_us({"stacked": stacked_fns, "linear": linear_fns}, device)
         for path in times:
             times[path].append(got[path])
-        del problems, stacked_fns, linear_fns, fns
+        del problems, stacked_fns, linear_fns
     return times
 
 
@@ -277,6 +277,14 @@ def paired_graph_times_us(fn_lists, launches=None, replays=9):
     torch.cuda.synchronize()
     return {name: statistics.median(s.elapsed_time(e) * 1000 / graphs[name][1] for s, e in pairs)
             for name, pairs in events.items()}
+
+
+def times_us(fn_lists, device):
+    """{name: µs per call} of each list: :func:`paired_graph_times_us` on a GPU, else host wall time (the
+    tuner's dry runs)."""
+    if device.type == "cuda":
+        return paired_graph_times_us(fn_lists)
+    return {name: wall_time_us(fns) for name, fns in fn_lists.items()}
 
 
 def wall_time_us(fns):
