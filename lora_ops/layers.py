@@ -456,7 +456,7 @@ def stacked_token_limit(out_features, in_features, stack_rows, pad_rows=0, devic
     the token buckets up to 1024), the measured limit where the stacked path stopped winning within them;
     where it won up to the last bucket measured, the rule beyond it."""
     rule = 0 if stack_rows > STACKED_MAX_ROWS_FRACTION * out_features else _stacked_rule(
-        out_features, in_features, stack_rows + pad_rows, torch.empty((), dtype=dtype).element_size())
+        out_features, in_features, stack_rows + pad_rows, dtype.itemsize)
     tuned = None if device is None else configs.stack_limit_tokens(out_features, in_features, stack_rows, device,
                                                                     dtype)
     if tuned is None:
