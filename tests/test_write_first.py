@@ -24,6 +24,16 @@ EXPAND_PATHS = [("one_block", 16, ExpandConfig(16, 32, 16, 4, 2, 2)),
                 ("rank_loop", 48, ExpandConfig(16, 32, 16, 4, 2, 1))]
 
 
+def run_layer(case, weight, bias=None, x=None):
+    return ops.call("lora_linear", case.x if x is None else x, weight, bias, case.lora_a, case.lora_b, case.scale,
+                    case.rank, list(case.slice_widths), *case.meta)
+
+
+def layer_reference(case, weight, bias=None):
+    base = F.linear(case.x.double().cpu(), weight.double().cpu(), None if bias is None else bias.double().cpu())
+    return base + case.delta_reference()
+
+
 @pytest.fixture
 def write_first_from(monkeypatch):
     """``write_first_from(m)``: lora_linear takes the write-first path from ``m`` tokens in this test."""
@@ -57,10 +67,7 @@ def test_layer_matches_reference(backend, checked_dtype, write_first_from, M):
                      device=backend.device, seed=M)
     gen = torch.Generator().manual_seed(M)
     weight = (torch.randn(192, 256, generator=gen) * 256 ** -0.5).to(dtype=checked_dtype, device=backend.device)
-    out = ops.call("lora_linear", case.x, weight, None, case.lora_a, case.lora_b, case.scale, case.rank,
-                   list(case.slice_widths), *case.meta)
-    ref = F.linear(case.x.double().cpu(), weight.double().cpu()) + case.delta_reference()
-    assert rel_err(out, ref) <= TOLERANCE[checked_dtype]
+    assert rel_err(run_layer(case, weight), layer_reference(case, weight)) <= TOLERANCE[checked_dtype]
 
 
 def test_layer_at_the_shipped_threshold(triton_backend):
@@ -69,10 +76,7 @@ def test_layer_at_the_shipped_threshold(triton_backend):
     case = make_case(M, 32, 48, num_slots=4, num_slices=2, max_rank=8, dtype=torch.float32,
                      device=triton_backend.device, seed=5)
     weight = (torch.randn(48, 32, generator=torch.Generator().manual_seed(5)) * 32 ** -0.5).to(triton_backend.device)
-    out = ops.call("lora_linear", case.x, weight, None, case.lora_a, case.lora_b, case.scale, case.rank,
-                   list(case.slice_widths), *case.meta)
-    ref = F.linear(case.x.double().cpu(), weight.double().cpu()) + case.delta_reference()
-    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    assert rel_err(run_layer(case, weight), layer_reference(case, weight)) <= TOLERANCE[torch.float32]
 
 
 def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, monkeypatch):
@@ -84,11 +88,9 @@ def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, monk
                      device=triton_backend.device, seed=9)
     weight = torch.randn(48, 32, device=triton_backend.device) * 32 ** -0.5
     bias = torch.randn(48, device=triton_backend.device)
-    out = ops.call("lora_linear", case.x, weight, bias, case.lora_a, case.lora_b, case.scale, case.rank,
-                   list(case.slice_widths), *case.meta)
-    ref = F.linear(case.x.double().cpu(), weight.double().cpu(), bias.double().cpu()) + case.delta_reference()
+    out = run_layer(case, weight, bias)
     assert not calls
-    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    assert rel_err(out, layer_reference(case, weight, bias)) <= TOLERANCE[torch.float32]
 
 
 @cuda_only
@@ -100,15 +102,12 @@ def test_write_first_in_a_cuda_graph():
     weight = (torch.randn(192, 256, generator=torch.Generator().manual_seed(1)) * 256 ** -0.5).to(dtype).cuda()
     x = case.x.clone()
 
-    def run():
-        return ops.call("lora_linear", x, weight, None, case.lora_a, case.lora_b, case.scale, case.rank,
-                        list(case.slice_widths), *case.meta)
     for _ in range(2):   # warm-up: compile, configs
-        run()
+        run_layer(case, weight, x=x)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run()
+        out = run_layer(case, weight, x=x)
     for seed in (2, 3):
         fresh = make_case(M, 256, 192, num_slots=4, num_slices=3, max_rank=16, dtype=dtype, device="cuda", seed=seed,
                           token_slots=torch.randint(-1, 4, (M,), generator=torch.Generator().manual_seed(seed)))
