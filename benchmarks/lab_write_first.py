@@ -24,10 +24,12 @@ write_first's adapted rows are checked against lora_linear's.
     python benchmarks/lab_write_first.py out.json                # H200 (BUDGET s, default 240; MS, RANKS)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_write_first.py /tmp/x.json   # logic check, tiny
 """
+import contextlib
 import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,32 @@ TOKENS = [int(m) for m in os.environ.get("MS", "4096,8192,1024,256" if not TINY 
 RANKS = [int(r) for r in os.environ.get("RANKS", "16,64").split(",")]
 LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
 T0 = time.time()
+
+
+@contextlib.contextmanager
+def setting(obj, attr, value):
+    """``obj.attr`` = ``value`` within the block, with no launch plan kept across (plans hold launch options)."""
+    plan.clear()
+    with mock.patch.object(obj, attr, value):
+        yield
+    plan.clear()
+
+
+@contextlib.contextmanager
+def pdl_off():
+    launch.set_pdl(False)
+    try:
+        yield
+    finally:
+        launch.set_pdl(True)
+
+
+# Variants captured under a setting (Timer.measure_paired's prepare), their calls the plain layer's:
+SETTINGS = {
+    "layer_accumulate": lambda: setting(launch, "WRITE_FIRST_MIN_TOKENS", 1 << 62),   # write-first off
+    "layer_nopdl": pdl_off,                                                           # add_lora_'s pair without PDL
+    "stacked_pdl": lambda: setting(launch, "STACKED_PDL_MAX_TOKENS", 1 << 62),        # PDL at any token count
+}
 
 
 class Row:
@@ -78,50 +106,15 @@ class Row:
             return lambda: F.linear(i.x, w)
         if name == "beta1":
             return lambda: s["y"].addmm_(i.x, w.t())
-        if name == "layer":
+        if name in ("layer", "layer_accumulate", "layer_nopdl"):   # the last two under SETTINGS
             op = torch.ops.lora_ops.lora_linear
             args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
             return lambda: op(*args)
-        if name == "layer_accumulate":   # lora_linear with its write-first path off: F.linear, then add_lora_
-            op = torch.ops.lora_ops.lora_linear
-            args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-
-            def run():
-                limit, launch.WRITE_FIRST_MIN_TOKENS = launch.WRITE_FIRST_MIN_TOKENS, 1 << 62
-                try:
-                    return op(*args)
-                finally:
-                    launch.WRITE_FIRST_MIN_TOKENS = limit
-            return run
-        if name == "stacked_pdl":   # the stacked layer with its expand launched with PDL at any token count
-            op = torch.ops.lora_ops.lora_linear_stacked
-            args = (i.x, s["ws"], None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-
-            def run():
-                limit, launch.STACKED_PDL_MAX_TOKENS = launch.STACKED_PDL_MAX_TOKENS, 1 << 62
-                plan.clear()   # a plan holds its launches' PDL choice
-                try:
-                    return op(*args)
-                finally:
-                    launch.STACKED_PDL_MAX_TOKENS = limit
-                    plan.clear()
-            return run
-        if name == "layer_nopdl":   # the layer with add_lora_'s pair launched without PDL
-            op = torch.ops.lora_ops.lora_linear
-            args = (i.x, w, None, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-
-            def run():
-                launch.set_pdl(False)
-                try:
-                    return op(*args)
-                finally:
-                    launch.set_pdl(True)
-            return run
         if name == "add_lora":      # the delta alone, in place (what the grid's "ours" times)
             op = torch.ops.lora_ops.add_lora_
             args = (s["y"], i.x, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
             return lambda: op(*args)
-        if name == "stacked":
+        if name in ("stacked", "stacked_pdl"):
             op = torch.ops.lora_ops.lora_linear_stacked
             args = (i.x, s["ws"], None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
             return lambda: op(*args)
@@ -173,7 +166,7 @@ def main(out_path):
         if err is None:
             continue
         med, times = timer.measure_paired({v: (lambda k, v=v, row=row: row.call(v, k)) for v in Row.VARIANTS},
-                                          {v: row.set_bytes() for v in Row.VARIANTS})
+                                          {v: row.set_bytes() for v in Row.VARIANTS}, SETTINGS)
         delta = {v: paired_delta(times, v, "base")
                  for v in ("beta1", "layer", "layer_accumulate", "layer_nopdl", "stacked", "stacked_pdl",
                            "write_first")}
