@@ -15,6 +15,7 @@ Llama-3-8B layer, each timed against the base layer F.linear:
     stacked / stacked_pdl      lora_linear_stacked, its expand with PDL as shipped / at any token count
     write_first                the three steps above, composed here (its slot -1 rows are not zeroed)
     beta1                      y.addmm_(x, Wᵀ) alone: the price of beta = 1
+    shrink                     add_lora_'s shrink alone (its h as the expand reads it)
     expand_rmw / expand_store  the expand alone, reading and writing y / storing it
 
 All interleaved round by round (Timer.measure_paired), CUDA-graph replay medians, cold L2
@@ -130,11 +131,13 @@ class Row:
                 s["y"].addmm_(i.x, w.t())
             run.buffers = buffers   # h lives as long as the call
             return run
+        if name == "shrink":
+            return lambda: (shrink(), buffers)
         shrink()   # h for the expand-alone timings
         chosen = expand if name == "expand_rmw" else store
         return lambda: (chosen(), buffers)
     VARIANTS = ("base", "beta1", "layer", "layer_accumulate", "layer_nopdl", "add_lora", "stacked", "stacked_pdl",
-                "write_first", "expand_rmw", "expand_store")
+                "write_first", "shrink", "expand_rmw", "expand_store")
 
     def check(self):
         """write_first's adapted rows against the shipped layer's (relative Frobenius error)."""
@@ -176,7 +179,8 @@ def main(out_path):
         shown = ("layer", "layer_accumulate", "layer_nopdl", "stacked", "stacked_pdl", "write_first", "beta1")
         print(f"{layer.name:8s} r{rank:<3d} M={M:<5d} base {med['base']:8.1f} | delta: "
               f"add_lora_ {med['add_lora']:7.1f} " + " ".join(f"{v} {delta[v]:7.1f}" for v in shown)
-              + f" | expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f} | err {err:.1e}", flush=True)
+              + f" | shrink {med['shrink']:6.1f} expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f}"
+              f" | err {err:.1e}", flush=True)
         del row
         torch.cuda.empty_cache() if DEV == "cuda" else None
     env = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
