@@ -283,7 +283,7 @@ class RowRunner:
             self.time_row(rec, problem, inp)
             if rec.get("stacked_us") is not None and rec.get("ours_us") is not None:
                 # What LoRALinear(stack_a=True) runs: the stacked layer where its rule allows, else lora_linear
-                # (in_order, when timed: from launch.WRITE_FIRST_MIN_TOKENS its write-first path), else add_lora_.
+                # (in_order, when timed: its write-first path where launch.writes_first), else add_lora_.
                 limit = stacked_token_limit(problem.N, problem.K, problem.L * problem.S * problem.R,
                                             pad_rows=stack_pad(problem), device=problem.device, dtype=problem.dtype)
                 other = rec.get("in_order_us", rec["ours_us"])

@@ -186,14 +186,17 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     h_offset, *h_strides = h_layout
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
     groups = L if extra.get("ACCUMULATE", True) else L + 1   # writing all of y: the no-delta tokens too
-    grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m))
+    one_block = takes_partials(cfg, R)
+    if cfg.m_loop > 1 and (cfg.n_loop > 1 or not one_block):
+        raise ValueError(f"expand config {cfg}: m_loop > 1 needs n_loop 1 and the rank ({R}) within block_r")
+    grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m * cfg.m_loop))
     return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
         (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride()),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-             ONE_RANK_BLOCK=takes_partials(cfg, R), PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
-             RANK_ALIGN=rank_align(R), H_PRECISION=h_precision,
+             ONE_RANK_BLOCK=one_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
+             RANK_ALIGN=rank_align(R), H_PRECISION=h_precision, M_LOOP=cfg.m_loop,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra),
     ).run_if(run)
 
@@ -392,11 +395,21 @@ def shrink_buffer(x, lora_a, scfg, ecfg):
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
 
-# From this many tokens lora_linear (no bias) writes the delta first and lets cuBLAS add the base product
-# onto it (y.addmm_, beta = 1): the delta's y traffic is one write instead of a read and a write after the
-# GEMM, and the GEMM's epilogue read of y costs ~1% of it. H200, paired timing (DESIGN §4, session 15):
-# 0.151 -> 0.135 of the base layer at 4096-8192 tokens, 7 of 8 Llama rows faster at 1024; mixed at 256.
+# From this many tokens and this size of y, lora_linear (no bias) writes the delta first and lets cuBLAS add
+# the base product onto it (y.addmm_, beta = 1): the delta's y traffic is one write instead of a read and a
+# write after the GEMM, and the GEMM's epilogue read of y costs ~1% of it. H200, paired timing (DESIGN §4,
+# sessions 15-16): 0.90 of the accumulating layer's delta where y is 48 MiB or more (Llama qkv from 4096
+# tokens, gate_up from 1024); where y fits in L2 the accumulating expand reads it from there right after the
+# GEMM, and write-first lost (o and down at 4096 tokens, 32 MiB: up to 1.31x at rank 64) or tied (8-12 MiB).
 WRITE_FIRST_MIN_TOKENS = 1024
+WRITE_FIRST_MIN_Y_BYTES = 40 << 20
+
+
+def writes_first(x, out_features, bias):
+    """Whether lora_linear on ``x`` writes the delta first (the store-mode expand, then y.addmm_)."""
+    M = x.shape[0]
+    return (M >= WRITE_FIRST_MIN_TOKENS and M * out_features * x.element_size() >= WRITE_FIRST_MIN_Y_BYTES
+            and bias is None and not _overlaps(x))
 
 OVERLAP_MODES = ("never", "auto", "always")
 # Off by default: on the H200 (bench_lora --variants overlap,in_order, 2026-12-02) cuBLAS's GEMM leaves no
@@ -430,9 +443,10 @@ def _side_stream(device):
 
 
 # The stacked path's expand launches with PDL right behind the GEMM up to this many tokens (H200, cuBLAS of
-# CUDA 13, session 13 lab: 1-64 tokens 0.177 -> 0.156 and 0.245 -> 0.229 of the base layer; from 1024 tokens
-# it cost up to 2x: the early expand's programs seem to hold SMs the GEMM's later waves need).
-STACKED_PDL_MAX_TOKENS = 64
+# CUDA 13). Session 13 (timed in sequence): 1-64 tokens 0.177 -> 0.156 and 0.245 -> 0.229 of the base layer,
+# up to 2x slower from 1024 tokens. Session 16 (paired with the base layer, Llama r16/r64): the expand's delta
+# 0.92 / 0.98 / 1.00 of the time without PDL at 256 / 1024 / 4096 tokens, no row above 1.02.
+STACKED_PDL_MAX_TOKENS = 1024
 
 
 def stacked_uses_pdl(x):
@@ -464,8 +478,8 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                 slot_counts):
-    """F.linear(x, weight, bias) + the LoRA delta. From WRITE_FIRST_MIN_TOKENS tokens (no bias, no overlap)
-    the delta is written first and the GEMM accumulates onto it. The shrink only needs x, so (see
+    """F.linear(x, weight, bias) + the LoRA delta. For large outputs (writes_first: no bias, no overlap) the
+    delta is written first and the GEMM accumulates onto it. The shrink only needs x, so (see
     set_overlap) it can run on a side stream while the GEMM runs: the delta then costs the expand alone on
     the critical path."""
     checks.check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
@@ -473,7 +487,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     N = weight.shape[0]
-    if M >= WRITE_FIRST_MIN_TOKENS and bias is None and not _overlaps(x):
+    if writes_first(x, N, bias):
         y = x.new_empty(M, N)
         _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
         return y.addmm_(x, weight.t())

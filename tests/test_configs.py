@@ -261,6 +261,13 @@ def test_tuner_candidates_include_valid_configs(bucket):
     assert list(tuning.stacked_candidates(bucket, 6144, 320)) == list(tuning.expand_candidates(bucket, 6144, 320))
     assert {c.block_r for c in exp} == {16} and len(set(exp)) == len(exp)
     assert {c.n_loop for c in exp} == ({1, 4, 8} if bucket >= heuristics.EXPAND_N_LOOP_MIN_BUCKET else {1, 2, 4})
+    # From TOKEN_LOOP_MIN_BUCKET both whole-rank expands also walk several token tiles a program (m_loop),
+    # always with one column block; never with the rank loop.
+    walks = bucket >= tuning.TOKEN_LOOP_MIN_BUCKET
+    for space in (exp, stk):
+        assert ({c.m_loop for c in space} == {1, 2, 4, 8}) == walks and {c.m_loop for c in space} <= {1, 2, 4, 8}
+        assert all(c.n_loop == 1 for c in space if c.m_loop > 1)
+    assert {c.m_loop for c in tuning.expand_candidates(bucket, 6144, 320)} == {1}
 
 
 # (max rank, shrink, expand): the expand adds the shrink's 3 split-K partial sums of K = 40 itself (one

@@ -242,7 +242,11 @@ EXPAND_PATH_CONFIGS = {
     "one_block-rank_80_in_128-4_parts": (ExpandConfig(16, 16, 128, 4, 2, 1), 80, 4),
     "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40, 1),
     "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40, 1),
+    # A program walking several token tiles with its block of B held (m_loop).
+    "one_block-2_token_tiles-3_parts": (ExpandConfig(16, 32, 16, 4, 2, 1, 2), 16, 3),
+    "one_block-3_token_tiles-1_part": (ExpandConfig(16, 16, 64, 4, 2, 1, 3), 40, 1),
 }
+TOKEN_LOOP_PATHS = [path for path, (cfg, _, _) in EXPAND_PATH_CONFIGS.items() if cfg.m_loop > 1]
 
 
 def test_expand_path_configs_cover_part_chunks():
@@ -252,15 +256,15 @@ def test_expand_path_configs_cover_part_chunks():
     assert any(R > 64 and parts > 1 for _, R, parts in EXPAND_PATH_CONFIGS.values())
 
 
-def expand_path_problem(path, dtype, device, seed):
-    """EXPAND_PATH_CONFIGS[path] on a fixed problem: 37 tokens over 4 slots (ranks R, R // 2 + 1, 0, 3),
+def expand_path_problem(path, dtype, device, seed, M=37):
+    """EXPAND_PATH_CONFIGS[path] on a fixed problem: M tokens over 4 slots (ranks R, R // 2 + 1, 0, 3),
     3 slices of unequal widths, h as the config's partial sums; B's rows past each slot's rank hold NaN
     (they must not be read). Returns (config, R, parts, case, y before the expand (random; made first: it
     takes its scale from the reference delta, which the poison would turn NaN), h's parts, the float64
     delta, the delta with every term made positive)."""
     cfg, R, num_parts = EXPAND_PATH_CONFIGS[path]
     assert num_parts == 1 or launch.takes_partials(cfg, R)
-    M, K, N, L, S = 37, 9, 75, 4, 3
+    K, N, L, S = 9, 75, 4, 3
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=device, seed=seed, ranks=[R, R // 2 + 1, 0, 3],
                      slice_widths=[41, 29, 5], capacity=M + 5)
     y_in = case.new_y("random")
@@ -286,6 +290,32 @@ def test_expand_kernel_paths(triton_backend, checked_dtype, path):
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
     # The precision h meets B at (bf16: hi + lo terms; a plain cast to bf16 fails this).
     assert_one_rounding_step(y, y_in, ref, abs_bound, R + 4 + num_parts, dtype, triton_backend)
+
+
+@pytest.mark.parametrize("M", [70, 150])
+@pytest.mark.parametrize("path", TOKEN_LOOP_PATHS, ids=str)
+def test_expand_token_loop_covers_every_tile(triton_backend, M, path):
+    """Slots of 15-45 tokens: a program's later token tiles hold rows (full, partial and past the slot's
+    end); every adapted row gets its delta, no other row changes."""
+    dtype = torch.float32
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, triton_backend.device,
+                                                                               seed=M, M=M)
+    counts = torch.bincount(case.token_slots.cpu().clamp(min=0), minlength=4)
+    assert int(counts.max()) > cfg.block_m   # the loop's second tile holds rows
+    y = y_in.clone()
+    launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
+    assert_delta_close(y, y_in, ref, dtype)
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+    assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
+
+
+@pytest.mark.parametrize("cfg,R", [(ExpandConfig(16, 16, 16, 4, 2, 2, 2), 16), (ExpandConfig(16, 16, 16, 4, 2, 1, 2), 40)],
+                         ids=["with_column_blocks", "rank_loop"])
+def test_expand_token_loop_needs_one_column_block_and_rank_block(triton_backend, cfg, R):
+    case = make_case(8, 9, 32, 2, 1, R, device=triton_backend.device, seed=1)
+    h = torch.zeros(1, 8, 1, R, device=triton_backend.device)
+    with pytest.raises(ValueError, match="m_loop > 1 needs n_loop 1"):
+        launch.launch_expand(case.new_y("zero"), h, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
 
 
 @pytest.mark.parametrize("path", ["one_block-3_col_blocks-11_parts", "rank_loop-2_col_blocks"])

@@ -65,6 +65,7 @@ STACKED_PATHS = {
     "one_block-2_col_blocks": (ExpandConfig(16, 16, 32, 4, 2, 2), 24),
     "rank_loop-1_col_block": (ExpandConfig(32, 32, 16, 4, 3, 1), 40),
     "rank_loop-2_col_blocks": (ExpandConfig(16, 16, 16, 4, 2, 2), 40),
+    "one_block-3_token_tiles": (ExpandConfig(16, 16, 32, 4, 2, 1, 3), 24),
 }
 
 
@@ -73,7 +74,8 @@ STACKED_PATHS = {
 def test_stacked_expand_kernel_paths(triton_backend, checked_dtype, path):
     dtype = checked_dtype
     cfg, R = STACKED_PATHS[path]
-    case, stacked, bias, before, ref = stacked_problem(37, R, dtype, triton_backend.device, seed=5)
+    M = 130 if cfg.m_loop > 1 else 37   # slots of more than one token tile
+    case, stacked, bias, before, ref = stacked_problem(M, R, dtype, triton_backend.device, seed=5)
     out = before.clone()
     launch.launch_expand_stacked(out, N, case.lora_b, case.slice_widths, case.rank, case.scale, *case.meta, cfg)
     check_output(out, before, case, ref, dtype)

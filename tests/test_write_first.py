@@ -1,5 +1,5 @@
-"""lora_linear's write-first path (DESIGN §4): from launch.WRITE_FIRST_MIN_TOKENS tokens, with no bias, the
-expand *stores* the delta into a fresh y (ACCUMULATE=False: rows of tokens without a delta get zeros) and
+"""lora_linear's write-first path (DESIGN §4): from launch.WRITE_FIRST_MIN_TOKENS tokens and an output of
+launch.WRITE_FIRST_MIN_Y_BYTES, with no bias, the expand *stores* the delta into a fresh y (ACCUMULATE=False: rows of tokens without a delta get zeros) and
 cuBLAS adds the base product onto it (y.addmm_, beta = 1).
 
 The store mode must write every row the metadata names, since y starts as torch.empty: checked here on a
@@ -18,10 +18,12 @@ from lora_ops.reference import lora_delta_reference
 
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (CUDA graphs)")
 
-# (label, max rank, config): one rank block (ranks up to block_r, several column blocks a program), and
-# the rank loop (max rank above block_r: a GEMM over the rank per column block).
+# (label, max rank, config): one rank block (ranks up to block_r, several column blocks a program), the
+# rank loop (max rank above block_r: a GEMM over the rank per column block), and one rank block over three
+# token tiles a program (m_loop).
 EXPAND_PATHS = [("one_block", 16, ExpandConfig(16, 32, 16, 4, 2, 2)),
-                ("rank_loop", 48, ExpandConfig(16, 32, 16, 4, 2, 1))]
+                ("rank_loop", 48, ExpandConfig(16, 32, 16, 4, 2, 1)),
+                ("token_loop", 16, ExpandConfig(16, 32, 16, 4, 2, 1, 3))]
 
 
 def run_layer(case, weight, bias=None, x=None):
@@ -36,8 +38,31 @@ def layer_reference(case, weight, bias=None):
 
 @pytest.fixture
 def write_first_from(monkeypatch):
-    """``write_first_from(m)``: lora_linear takes the write-first path from ``m`` tokens in this test."""
-    return lambda m: monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", m)
+    """``write_first_from(m)``: lora_linear takes the write-first path from ``m`` tokens in this test, at any
+    output size."""
+    def set_threshold(m):
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", m)
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    return set_threshold
+
+
+@pytest.fixture
+def write_calls(monkeypatch):
+    """The list of launch._write_lora calls in this test (the calls still run): proof the path was taken."""
+    calls, real = [], launch._write_lora
+    monkeypatch.setattr(launch, "_write_lora", lambda *a: (calls.append(a), real(*a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("layer,N,M,expected", [
+    ("qkv", 6144, 4096, True), ("gate_up", 28672, 1024, True), ("o", 4096, 8192, True),
+    ("o", 4096, 4096, False), ("down", 4096, 1024, False), ("gate_up", 28672, 512, False)])
+def test_shipped_thresholds_choose_by_tokens_and_output_size(layer, N, M, expected):
+    """Llama-3-8B outputs in bf16: y of 48 MiB or more from 1024 tokens writes first; y that fits in L2 (o and
+    down at 4096 tokens: 32 MiB) keeps the accumulating order, and so does any batch below 1024 tokens."""
+    x = torch.empty(M, 4096, dtype=torch.bfloat16, device="meta")
+    assert launch.writes_first(x, N, None) is expected
+    assert not launch.writes_first(x, N, torch.empty(N, dtype=torch.bfloat16, device="meta"))
 
 
 @pytest.mark.parametrize("label,max_rank,cfg", EXPAND_PATHS, ids=[p[0] for p in EXPAND_PATHS])
@@ -61,22 +86,26 @@ def test_store_mode_writes_every_row(triton_backend, label, max_rank, cfg, M):
 
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
-def test_layer_matches_reference(backend, checked_dtype, write_first_from, M):
+def test_layer_matches_reference(backend, checked_dtype, write_first_from, write_calls, M):
     write_first_from(1)
     case = make_case(M, 256, 192, num_slots=4, num_slices=3, max_rank=16, dtype=checked_dtype,
                      device=backend.device, seed=M)
     gen = torch.Generator().manual_seed(M)
     weight = (torch.randn(192, 256, generator=gen) * 256 ** -0.5).to(dtype=checked_dtype, device=backend.device)
     assert rel_err(run_layer(case, weight), layer_reference(case, weight)) <= TOLERANCE[checked_dtype]
+    assert len(write_calls) == (backend.name == "triton")   # the torch backend has no write-first path
 
 
-def test_layer_at_the_shipped_threshold(triton_backend):
-    """The default threshold's token count, small features: the path as a model at that batch takes it."""
+def test_layer_at_the_shipped_threshold(triton_backend, write_calls, monkeypatch):
+    """The default threshold's token count, small features (the size threshold lifted): the path as a model
+    at that batch takes it."""
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     M = launch.WRITE_FIRST_MIN_TOKENS
     case = make_case(M, 32, 48, num_slots=4, num_slices=2, max_rank=8, dtype=torch.float32,
                      device=triton_backend.device, seed=5)
     weight = (torch.randn(48, 32, generator=torch.Generator().manual_seed(5)) * 32 ** -0.5).to(triton_backend.device)
     assert rel_err(run_layer(case, weight), layer_reference(case, weight)) <= TOLERANCE[torch.float32]
+    assert len(write_calls) == 1
 
 
 def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, monkeypatch):
@@ -94,9 +123,10 @@ def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, monk
 
 
 @cuda_only
-def test_write_first_in_a_cuda_graph():
+def test_write_first_in_a_cuda_graph(monkeypatch):
     """Captured at the threshold, replayed with new x values and new slots written in place (more tokens
     with slot -1 than at capture): every replay matches the reference, every row written."""
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     M, dtype = launch.WRITE_FIRST_MIN_TOKENS, torch.bfloat16
     case = make_case(M, 256, 192, num_slots=4, num_slices=3, max_rank=16, dtype=dtype, device="cuda", seed=1)
     weight = (torch.randn(192, 256, generator=torch.Generator().manual_seed(1)) * 256 ** -0.5).to(dtype).cuda()

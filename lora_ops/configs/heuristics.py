@@ -42,6 +42,7 @@ class ExpandConfig(NamedTuple):
     num_warps: int
     num_stages: int
     n_loop: int = 1        # column blocks one program streams through (kernels.expand)
+    m_loop: int = 1        # token tiles one program walks with its block of B held (n_loop 1, rank in one block)
 
 
 class FusedConfig(NamedTuple):

@@ -71,6 +71,21 @@ def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUN
 ONE_BLOCK_TUNE_MAX_BUCKET = 256
 
 
+# From this bucket the whole-rank expands also walk several token tiles with their block of B held (m_loop;
+# kernels.expand). H200 lab, session 16 (`benchmarks/lab_token_loop.py`), against the shipped configs at
+# 1024 tokens: the stacked expand of Llama qkv r64 24.4 -> 20.3 µs (32 x 64, 4 tiles), gate_up r16 39.3 ->
+# 33.1 (32 x 128, 2 tiles); add_lora_'s expand 7-14% faster on 5 of 8 rows; slower at 256 tokens, so not
+# tried there. (block_m, block_n, m_loop), 4 warps, one column block.
+TOKEN_LOOP_MIN_BUCKET = 1024
+TOKEN_LOOP_SHAPES = ((16, 128, 4), (32, 64, 4), (32, 128, 2), (16, 128, 8))
+
+
+def token_loop_candidates(bucket, max_rank):
+    if bucket >= TOKEN_LOOP_MIN_BUCKET:
+        for bm, bn, m_loop in TOKEN_LOOP_SHAPES:
+            yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), 4, 2, 1, m_loop)
+
+
 def expand_candidates(bucket, out_features, max_rank):
     # Up to rank 64 the whole rank is one block and from 256 tokens a program streams n_loop column blocks
     # (kernels.expand); above rank 64 the rank loop runs and large output tiles pay (fewer re-reads of h, B).
@@ -94,6 +109,7 @@ def expand_candidates(bucket, out_features, max_rank):
     for bm, bn, n_loop in itertools.product(_block_ms(bucket), (64, 128), n_loops):
         for warps, stages in ((4, 2), (8, 2)):
             yield ExpandConfig(bm, bn, full, warps, stages, n_loop)
+    yield from token_loop_candidates(bucket, max_rank)
 
 
 # The stacked path's expand (launch.lora_linear_stacked) reads bf16 h from the GEMM's output and adds no
@@ -113,6 +129,7 @@ def stacked_candidates(bucket, out_features, max_rank):
     for bm in sorted({16, *_block_ms(bucket)}):
         for bn, n_loop, warps in shapes:
             yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), warps, 2, n_loop)
+    yield from token_loop_candidates(bucket, max_rank)
 
 
 # Zero rows the tuner tries after stack_a's [W; A] (configs.stack_pad_rows), timed as the wider GEMM alone at

@@ -2,8 +2,8 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import (dot_f32_lhs, dot_split, find_slice_chunk, find_slot_tile, gdc_wait, load_tile_tokens,
-                                   rank_ceil, split_f32)
+from lora_ops.kernels.work import (dot_f32_lhs, dot_split, expand_tile_rows, find_slice_chunk, find_slot_tile, gdc_wait,
+                                   load_h_parts, load_tile_tokens, rank_ceil)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -17,7 +17,7 @@ def expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = True,
+    ACCUMULATE: tl.constexpr = True, M_LOOP: tl.constexpr = 1,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -46,6 +46,10 @@ def expand_kernel(
     Otherwise each column block runs a rank loop in BLOCK_R steps up to the slot's own rank (a GEMM with
     K = rank), then reads y, adds and writes it. Its full rank blocks load h and B without a rank mask, the
     last partial one (rank not a multiple of BLOCK_R) with one.
+    M_LOOP (one rank block and N_LOOP = 1 only; the launcher checks): a program covers M_LOOP consecutive
+    token tiles of its slot for its one column block, loading that block of B once (the token axis of the
+    grid counts tiles of BLOCK_M * M_LOOP rows). One tile per program re-reads B for every tile: at 1024
+    tokens and rank 64 that is more bytes than y's, each through shared memory for the dot.
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
@@ -67,18 +71,21 @@ def expand_kernel(
     if pid_n >= SLICE_CHUNKS[len(SLICE_CHUNKS) - 1]:
         return
     slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
+    # A program's token rows: M_LOOP tiles of BLOCK_M (M_LOOP = 1: one tile).
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, not ACCUMULATE)
+                                                  max_rank, capacity, BLOCK_M * M_LOOP, SLOTS_POW2, not ACCUMULATE)
     if rank == 0:
         if not ACCUMULATE:   # tokens without a delta: their rows of y are zero
-            tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
-            offs_n = col0 + tl.arange(0, BLOCK_N)
-            for j in range(N_LOOP):
-                n_ok = offs_n < col_hi
-                tl.store(y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn,
-                         tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
-                         mask=valid[:, None] & n_ok[None, :])
-                offs_n += BLOCK_N
+            for i in tl.static_range(M_LOOP):
+                tok, valid = load_tile_tokens(sorted_ids_ptr, row0 + i * BLOCK_M, rows_left - i * BLOCK_M, capacity,
+                                              M, BLOCK_M)
+                offs_n = col0 + tl.arange(0, BLOCK_N)
+                for j in range(N_LOOP):
+                    n_ok = offs_n < col_hi
+                    tl.store(y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn,
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
+                             mask=valid[:, None] & n_ok[None, :])
+                    offs_n += BLOCK_N
         return
     slot_scale = 1.0
     if SCALE_BY_SLOT:
@@ -87,16 +94,38 @@ def expand_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
-    if SCALE_BY_SLOT:   # the stacked GEMM's h: every slot's, the tile's slot's block (constexpr: the other
-        h_rows += h_offset + slot.to(tl.int64) * stride_hl   # path compiles as before)
+    h_rows, y_rows, read_y = expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset, stride_hm,
+                                              stride_hs, stride_hl, stride_ym, SCALE_BY_SLOT, ACCUMULATE)
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
-    y_rows = y_ptr + tok[:, None] * stride_ym
-    read_y = valid   # the rows whose y is read: none in the store mode (tok < 0 never holds)
-    if not ACCUMULATE:
-        read_y = valid & (tok < 0)
 
-    if ONE_RANK_BLOCK:
+    if ONE_RANK_BLOCK and M_LOOP > 1:
+        # One column block (N_LOOP = 1) over M_LOOP token tiles of the slot: B's block is loaded once and held,
+        # where one program per tile re-reads it for every tile (at 1024 tokens and rank 64 B's re-reads
+        # outweigh y's traffic, and their trips through shared memory made the stacked expand L1-bound).
+        n_ok = offs_n < col_hi
+        r_ok = offs_r < rank
+        r_in = offs_r < rank_ceil(rank, RANK_ALIGN)
+        bt = tl.load(b_slot + offs_r[:, None] * stride_br + offs_n[None, :].to(tl.int64) * stride_bn,
+                     mask=r_in[:, None] & n_ok[None, :], other=0.0)
+        bt = tl.where(r_ok[:, None], bt, 0.0)
+        if PDL:
+            gdc_wait()   # h is the shrink's (y and h the stacked GEMM's)
+        for i in tl.static_range(M_LOOP):
+            if i > 0:
+                tok, valid = load_tile_tokens(sorted_ids_ptr, row0 + i * BLOCK_M, rows_left - i * BLOCK_M, capacity,
+                                              M, BLOCK_M)
+                h_rows, y_rows, read_y = expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset,
+                                                          stride_hm, stride_hs, stride_hl, stride_ym, SCALE_BY_SLOT,
+                                                          ACCUMULATE)
+            y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
+            y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
+            h_hi, h_lo = load_h_parts(h_rows + offs_r[None, :] * stride_hr, valid[:, None] & r_in[None, :], r_ok,
+                                      num_parts, tl.cast(stride_hp, tl.int64), PART_CHUNK, H_PRECISION)
+            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
+            if SCALE_BY_SLOT:
+                acc = acc * slot_scale
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    elif ONE_RANK_BLOCK:
         if PDL and SCALE_BY_SLOT:
             gdc_wait()   # y and h are the stacked GEMM's
         # y is the bulk of the bytes: the first block's load is in flight while h is read.
@@ -109,16 +138,8 @@ def expand_kernel(
         part_rows = h_rows + offs_r[None, :] * stride_hr
         if PDL and not SCALE_BY_SLOT:
             gdc_wait()   # h is the shrink's
-        # h was written by the shrink kernel and is read once per program: past L1 (.cg).
-        ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        part_step = tl.cast(stride_hp, tl.int64)
-        for p0 in range(1, num_parts, PART_CHUNK):  # the splits' partial sums, added in split order
-            chunk_rows = part_rows + p0 * part_step
-            for i in tl.static_range(PART_CHUNK):
-                exists = (offs_r * 0 + p0 + i) < num_parts  # a tensor: the interpreter takes no scalar masks
-                ht += tl.load(chunk_rows + i * part_step, mask=h_mask & exists[None, :], other=0.0,
-                              cache_modifier=".cg")
-        h_hi, h_lo = split_f32(tl.where(r_ok[None, :], ht, 0.0), H_PRECISION)
+        h_hi, h_lo = load_h_parts(part_rows, h_mask, r_ok, num_parts, tl.cast(stride_hp, tl.int64), PART_CHUNK,
+                                  H_PRECISION)
         b_rows = b_slot + offs_r[:, None] * stride_br
         for j in range(N_LOOP):
             y_old = y_next

@@ -96,6 +96,40 @@ def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.c
 
 
 @triton.jit
+def expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset, stride_hm, stride_hs, stride_hl, stride_ym,
+                     SCALE_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """The expand's row pointers for a token tile: (h rows of its slice, y rows, the rows whose y is read).
+
+    With SCALE_BY_SLOT, h holds every slot's h (the stacked GEMM's) and the tile's slot's block starts
+    h_offset + slot * stride_hl further. In the store mode (not ACCUMULATE) no y is read: the reads stay,
+    masked off (tok < 0 never holds), so the accumulating path compiles as without the mode."""
+    h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
+    if SCALE_BY_SLOT:
+        h_rows += h_offset + slot.to(tl.int64) * stride_hl
+    read_y = valid
+    if not ACCUMULATE:
+        read_y = valid & (tok < 0)
+    return h_rows, y_ptr + tok[:, None] * stride_ym, read_y
+
+
+@triton.jit
+def load_h_parts(part_rows, h_mask, r_ok, num_parts, part_step, PART_CHUNK: tl.constexpr,
+                 H_PRECISION: tl.constexpr):
+    """A token tile's h (the expand's one-rank-block path) as (hi, lo) terms for kernels.work.dot_split:
+    part 0 at ``part_rows`` [BLOCK_M, BLOCK_R] pointers, the other num_parts - 1 split-K partial sums
+    ``part_step`` elements apart added in split order, PART_CHUNK loads in flight together. h was written
+    by another kernel and is read once per program: past L1 (.cg). Columns outside ``r_ok`` become 0."""
+    ht = tl.load(part_rows, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for p0 in range(1, num_parts, PART_CHUNK):  # the splits' partial sums, added in split order
+        chunk_rows = part_rows + p0 * part_step
+        for i in tl.static_range(PART_CHUNK):
+            exists = (r_ok.to(tl.int32) * 0 + p0 + i) < num_parts  # a tensor: the interpreter takes no scalar masks
+            ht += tl.load(chunk_rows + i * part_step, mask=h_mask & exists[None, :], other=0.0,
+                          cache_modifier=".cg")
+    return split_f32(tl.where(r_ok[None, :], ht, 0.0), H_PRECISION)
+
+
+@triton.jit
 def rank_ceil(rank, RANK_ALIGN: tl.constexpr):
     """``rank`` rounded up to a multiple of RANK_ALIGN, and declared so.
 
