@@ -21,7 +21,6 @@ alone by their medians. Every variant's output is checked against the shipped on
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -30,20 +29,14 @@ import repo_path  # noqa: F401,E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
 from lora_ops.layers import stacked_weight  # noqa: E402
-import problems  # noqa: E402
-import shapes  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints, lab_rows, problem, run_env  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
-DEV = os.environ.get("DEV", "cuda")
-TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 BUDGET = float(os.environ.get("BUDGET", "150"))
-TOKENS = [int(m) for m in os.environ.get("MS", "1024,256" if not TINY else "64").split(",")]
-RANKS = [int(r) for r in os.environ.get("RANKS", "64,16").split(",")]
-LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+TOKENS = ints("MS", "1024,256" if not TINY else "64")
+RANKS = ints("RANKS", "64,16")
 # (block_m, block_n, m_loop); block_r is the shipped config's, 4 warps, 2 stages, one column block.
 CANDIDATES = [(16, 128, 4), (16, 64, 4), (32, 128, 2), (32, 64, 4), (16, 128, 8)] if not TINY else [(16, 16, 2)]
-T0 = time.time()
 
 
 def variant_config(shipped, bm, bn, m_loop):
@@ -52,8 +45,7 @@ def variant_config(shipped, bm, bn, m_loop):
 
 class Row:
     def __init__(self, layer, rank, M):
-        spec = shapes.uniform(rank) if not TINY else shapes.tiny_ranks(shapes.uniform(rank))
-        self.p = p = problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
+        self.p = p = problem(layer, rank, M)
         self.stacked_cfg = configs.stacked_config(M, p.N, p.S, p.R, p.L, p.K, torch.device(DEV), DTYPE)
         self.expand_cfg = configs.expand_config(M, p.N, p.S, p.R, p.L, torch.device(DEV), DTYPE)
         self.sets = {}
@@ -131,11 +123,7 @@ class Row:
 def main(out_path):
     timer = Timer(DEV)
     rows = []
-    cases = [(layer, r, M) for M in TOKENS for r in RANKS for layer in LAYERS]
-    for layer, rank, M in cases:
-        if time.time() - T0 > BUDGET:
-            print(f"budget spent: {len(rows)} of {len(cases)} rows", flush=True)
-            break
+    for layer, rank, M in lab_rows(TOKENS, RANKS, BUDGET):
         row = Row(layer, rank, M)
         variants = row.variants()
         errs = row.errors(variants)
@@ -152,9 +140,7 @@ def main(out_path):
             line += f" | expand {med['expand']:6.2f}, best {best_e} {med[best_e]:6.2f}"
         print(line + f" | max err {max(errs.values()):.1e}", flush=True)
         del row
-        torch.cuda.empty_cache() if DEV == "cuda" else None
-    env = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
-               triton=__import__("triton").__version__, dtype=str(DTYPE))
+    env = run_env()
     with open(out_path, "w") as f:
         json.dump(dict(env=env, candidates=CANDIDATES, rows=rows), f, indent=1)
 

@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from unittest import mock
 
 import torch
@@ -38,18 +37,12 @@ import torch.nn.functional as F
 import repo_path  # noqa: F401,E402
 from lora_ops import launch, plan  # noqa: E402
 from lora_ops.layers import stacked_weight  # noqa: E402
-import problems  # noqa: E402
-import shapes  # noqa: E402
+from lab_env import DEV, TINY, ints, lab_rows, problem, run_env  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
-DEV = os.environ.get("DEV", "cuda")
-TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 BUDGET = float(os.environ.get("BUDGET", "240"))
-TOKENS = [int(m) for m in os.environ.get("MS", "4096,8192,1024,256" if not TINY else "256,64").split(",")]
-RANKS = [int(r) for r in os.environ.get("RANKS", "16,64").split(",")]
-LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
-T0 = time.time()
+TOKENS = ints("MS", "4096,8192,1024,256" if not TINY else "256,64")
+RANKS = ints("RANKS", "16,64")
 
 
 @contextlib.contextmanager
@@ -82,8 +75,7 @@ class Row:
     """One (layer, rank, M): input sets made on demand, and each variant's call on set k."""
 
     def __init__(self, layer, rank, M):
-        spec = shapes.uniform(rank) if not TINY else shapes.tiny_ranks(shapes.uniform(rank))
-        self.p = problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
+        self.p = problem(layer, rank, M)
         self.sets = {}
 
     def inputs(self, k):
@@ -159,11 +151,7 @@ class Row:
 def main(out_path):
     timer = Timer(DEV)
     rows = []
-    cases = [(layer, r, M) for M in TOKENS for r in RANKS for layer in LAYERS]
-    for layer, rank, M in cases:
-        if time.time() - T0 > BUDGET:
-            print(f"budget spent: {len(rows)} of {len(cases)} rows", flush=True)
-            break
+    for layer, rank, M in lab_rows(TOKENS, RANKS, BUDGET):
         row = Row(layer, rank, M)
         err = row.check()
         if err is None:
@@ -182,9 +170,7 @@ def main(out_path):
               + f" | shrink {med['shrink']:6.1f} expand rmw {med['expand_rmw']:7.1f} store {med['expand_store']:7.1f}"
               f" | err {err:.1e}", flush=True)
         del row
-        torch.cuda.empty_cache() if DEV == "cuda" else None
-    env = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
-               triton=__import__("triton").__version__, dtype=str(DTYPE))
+    env = run_env()
     with open(out_path, "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print("\n| layer | rank | M | base | add_lora_/base | layer/base | accumulating | no PDL | stacked/base | "

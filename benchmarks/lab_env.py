@@ -1,0 +1,48 @@
+"""What the paired labs (lab_write_first, lab_token_loop) share: their settings from the environment, the
+Llama-3-8B rows they walk within a time budget, and the run's environment for their JSON.
+
+Environment: DEV (default cuda; cpu, with TRITON_INTERPRET=1, runs tiny shapes as a logic check), BUDGET
+(seconds), MS (token counts) and RANKS (comma-separated), each lab giving its defaults.
+"""
+import os
+import time
+
+import torch
+
+import problems
+import shapes
+
+DEV = os.environ.get("DEV", "cuda")
+TINY = DEV != "cuda"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+T0 = time.time()
+
+
+def ints(var, default):
+    """Environment variable ``var`` (else ``default``) as a list of ints."""
+    return [int(v) for v in os.environ.get(var, default).split(",")]
+
+
+def problem(layer, rank, M):
+    """The benchmark's problem for one row: 4 slots of ``rank`` (tiny ranks on the CPU), ~10% tokens without."""
+    spec = shapes.uniform(rank) if not TINY else shapes.tiny_ranks(shapes.uniform(rank))
+    return problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
+
+
+def lab_rows(tokens, ranks, budget):
+    """(layer, rank, M) for every token count, rank and layer, in that nesting, while fewer than ``budget``
+    seconds have passed since the lab started; the GPU's cache is emptied after each row."""
+    cases = [(layer, r, M) for M in tokens for r in ranks for layer in LAYERS]
+    for i, case in enumerate(cases):
+        if time.time() - T0 > budget:
+            print(f"budget spent: {i} of {len(cases)} rows", flush=True)
+            return
+        yield case
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_env():
+    return dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
+                triton=__import__("triton").__version__, dtype=str(DTYPE))
