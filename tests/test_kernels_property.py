@@ -309,8 +309,8 @@ def test_expand_token_loop_covers_every_tile(triton_backend, M, path):
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
 
 
-@pytest.mark.parametrize("cfg,R", [(ExpandConfig(16, 16, 16, 4, 2, 2, 2), 16), (ExpandConfig(16, 16, 16, 4, 2, 1, 2), 40)],
-                         ids=["with_column_blocks", "rank_loop"])
+@pytest.mark.parametrize("cfg,R", [(ExpandConfig(16, 16, 16, 4, 2, 2, 2), 16),
+                                   (ExpandConfig(16, 16, 16, 4, 2, 1, 2), 40)], ids=["with_column_blocks", "rank_loop"])
 def test_expand_token_loop_needs_one_column_block_and_rank_block(triton_backend, cfg, R):
     case = make_case(8, 9, 32, 2, 1, R, device=triton_backend.device, seed=1)
     h = torch.zeros(1, 8, 1, R, device=triton_backend.device)

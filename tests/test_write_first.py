@@ -1,6 +1,6 @@
 """lora_linear's write-first path (DESIGN §4): from launch.WRITE_FIRST_MIN_TOKENS tokens and an output of
-launch.WRITE_FIRST_MIN_Y_BYTES, with no bias, the expand *stores* the delta into a fresh y (ACCUMULATE=False: rows of tokens without a delta get zeros) and
-cuBLAS adds the base product onto it (y.addmm_, beta = 1).
+launch.WRITE_FIRST_MIN_Y_BYTES, with no bias, the expand *stores* the delta into a fresh y (ACCUMULATE=False:
+rows of tokens without a delta get zeros) and cuBLAS adds the base product onto it (y.addmm_, beta = 1).
 
 The store mode must write every row the metadata names, since y starts as torch.empty: checked here on a
 NaN-poisoned y, on both expand paths (the whole rank in one block, and the rank loop), with slots of rank

@@ -49,7 +49,8 @@ def expand_kernel(
     M_LOOP (one rank block and N_LOOP = 1 only; the launcher checks): a program covers M_LOOP consecutive
     token tiles of its slot for its one column block, loading that block of B once (the token axis of the
     grid counts tiles of BLOCK_M * M_LOOP rows). One tile per program re-reads B for every tile: at 1024
-    tokens and rank 64 that is more bytes than y's, each through shared memory for the dot.
+    tokens and rank 64 that is more bytes than y's, each through shared memory for the dot. Under PDL this
+    path loads its block of B before the wait, y and h after it.
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
@@ -124,7 +125,8 @@ def expand_kernel(
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty),
+                     mask=valid[:, None] & n_ok[None, :])
     elif ONE_RANK_BLOCK:
         if PDL and SCALE_BY_SLOT:
             gdc_wait()   # y and h are the stacked GEMM's
