@@ -96,11 +96,11 @@ def test_layer_matches_reference(backend, checked_dtype, write_first_from, write
     assert len(write_calls) == (backend.name == "triton")   # the torch backend has no write-first path
 
 
-def test_layer_at_the_shipped_threshold(triton_backend, write_calls, monkeypatch):
+def test_layer_at_the_shipped_threshold(triton_backend, write_first_from, write_calls):
     """The default threshold's token count, small features (the size threshold lifted): the path as a model
     at that batch takes it."""
-    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     M = launch.WRITE_FIRST_MIN_TOKENS
+    write_first_from(M)
     case = make_case(M, 32, 48, num_slots=4, num_slices=2, max_rank=8, dtype=torch.float32,
                      device=triton_backend.device, seed=5)
     weight = (torch.randn(48, 32, generator=torch.Generator().manual_seed(5)) * 32 ** -0.5).to(triton_backend.device)
@@ -108,26 +108,24 @@ def test_layer_at_the_shipped_threshold(triton_backend, write_calls, monkeypatch
     assert len(write_calls) == 1
 
 
-def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, monkeypatch):
+def test_bias_keeps_the_accumulating_path(triton_backend, write_first_from, write_calls):
     """A layer with a bias adds the delta after F.linear (the store mode has no bias to write)."""
     write_first_from(1)
-    calls = []
-    monkeypatch.setattr(launch, "_write_lora", lambda *a: calls.append(a))
     case = make_case(9, 32, 48, num_slots=2, num_slices=1, max_rank=8, dtype=torch.float32,
                      device=triton_backend.device, seed=9)
     weight = torch.randn(48, 32, device=triton_backend.device) * 32 ** -0.5
     bias = torch.randn(48, device=triton_backend.device)
     out = run_layer(case, weight, bias)
-    assert not calls
+    assert not write_calls
     assert rel_err(out, layer_reference(case, weight, bias)) <= TOLERANCE[torch.float32]
 
 
 @cuda_only
-def test_write_first_in_a_cuda_graph(monkeypatch):
+def test_write_first_in_a_cuda_graph(write_first_from):
     """Captured at the threshold, replayed with new x values and new slots written in place (more tokens
     with slot -1 than at capture): every replay matches the reference, every row written."""
-    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     M, dtype = launch.WRITE_FIRST_MIN_TOKENS, torch.bfloat16
+    write_first_from(M)
     case = make_case(M, 256, 192, num_slots=4, num_slices=3, max_rank=16, dtype=dtype, device="cuda", seed=1)
     weight = (torch.randn(192, 256, generator=torch.Generator().manual_seed(1)) * 256 ** -0.5).to(dtype).cuda()
     x = case.x.clone()
