@@ -344,7 +344,8 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
         return [launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                              slot_counts, fcfg, run=False)], (), ()
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
-    ecfg = configs.expand_config(M, N, S, R, L, y.device, y.dtype)
+    ecfg = (configs.expand_config(M, N, S, R, L, y.device, y.dtype) if accumulate
+            else configs.store_config(M, N, S, R, L, K, y.device, y.dtype))
     h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg)
     pdl = uses_pdl(x)
     shrink_launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts,
@@ -370,14 +371,15 @@ def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, s
 
 
 def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
-                         h, scfg, ecfg, pdl=False):
+                         h, scfg, ecfg, pdl=False, accumulate=True):
     """add_lora_'s two launches: the shrink into ``h`` (from :func:`shrink_buffer`: split-K partial sums
     where it has several parts), then the expand reading it; ``pdl`` as add_lora_ takes it
-    (:func:`uses_pdl`). The tuner times this (add_lora_ runs the same launches through
-    :func:`add_lora_launches`)."""
+    (:func:`uses_pdl`); ``accumulate=False``: the expand's store mode (y = the delta). The tuner times this
+    (add_lora_ and lora_linear's write-first path run the same launches through :func:`add_lora_launches`)."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
                   partials_out=h.shape[0] > 1, pdl=pdl)
-    launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, pdl=pdl)
+    launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, pdl=pdl,
+                  accumulate=accumulate)
 
 
 def shrink_buffer_spec(M, S, R, scfg, ecfg):
@@ -405,11 +407,15 @@ WRITE_FIRST_MIN_TOKENS = 1024
 WRITE_FIRST_MIN_Y_BYTES = 40 << 20
 
 
+def writes_first_at(num_tokens, out_features, element_size):
+    """Whether an output of this size is large enough for lora_linear to write the delta first."""
+    return (num_tokens >= WRITE_FIRST_MIN_TOKENS
+            and num_tokens * out_features * element_size >= WRITE_FIRST_MIN_Y_BYTES)
+
+
 def writes_first(x, out_features, bias):
     """Whether lora_linear on ``x`` writes the delta first (the store-mode expand, then y.addmm_)."""
-    M = x.shape[0]
-    return (M >= WRITE_FIRST_MIN_TOKENS and M * out_features * x.element_size() >= WRITE_FIRST_MIN_Y_BYTES
-            and bias is None and not _overlaps(x))
+    return writes_first_at(x.shape[0], out_features, x.element_size()) and bias is None and not _overlaps(x)
 
 OVERLAP_MODES = ("never", "auto", "always")
 # Off by default: on the H200 (bench_lora --variants overlap,in_order, 2026-12-02) cuBLAS's GEMM leaves no

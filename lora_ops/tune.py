@@ -9,11 +9,13 @@ one-launch kernel's (lora_ops.configs.tuning); it records the fastest of each, w
 beside it so the table shows what tuning gains; the "fused" entry names the one-launch config where it
 beats the best shrink + expand, else null (two launches). The "stacked" entry is the expand's config in
 the stacked path (launch.lora_linear_stacked), timed as that whole layer: the GEMM over [W; A], then the
-expand (``--kinds stacked`` tunes only these). Once per layer and rank, "stack_pad" holds the zero rows that
-make cuBLAS's GEMM over [W; A] fastest, and "stack_limit" the token count up to which stack_a takes the
-stacked path, from both layer paths timed at the buckets up to 1024 with the table this run writes.
-Lookups take the nearest entry
-(lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
+expand (``--kinds stacked`` tunes only these). The "store" entry is the expand's config in its store mode,
+where lora_linear writes the delta first (launch.writes_first_at), timed after add_lora_'s shrink. Once per
+layer and rank, "stack_pad" holds the zero rows that make cuBLAS's GEMM over [W; A] fastest, and
+"stack_limit" the token count up to which stack_a takes the stacked path, from both layer paths timed at
+the buckets up to 1024 with the table this run writes. With --merge --min-gain, a retuned shape keeps its
+new entries only where their path beats the one the table gives it, timed in turn. Lookups take the
+nearest entry (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
 timed one by one in this process as CUDA-graph replays.
 """
 import argparse
@@ -60,9 +62,14 @@ def parse_args(argv=None):
     ap.add_argument("--skip-tuned", action="store_true",
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
                          "a tune that its time budget cut short)")
+    ap.add_argument("--min-gain", type=float, default=None,
+                    help="with --merge: time each retuned shape's path against the one the table at --out holds "
+                         "(CUDA-graph replays taken in turn) and keep the new entries only where they take at most "
+                         "1 - MIN_GAIN of its time (e.g. 0.02); elsewhere the table's entries stay")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                     help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
-                         "expand; stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
+                         "expand; store: the expand's store mode, where lora_linear writes the delta first; "
+                         "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
                          "timed last, with the table this run writes)")
     ap.add_argument("--max-candidates", type=int, default=None,
@@ -71,10 +78,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-KINDS = ("pair", "stacked", "stack_pad", "stack_limit")
+KINDS = ("pair", "stacked", "store", "stack_pad", "stack_limit")
 # The entry a tuned shape of each kind ends with (stack_pad, stack_limit: one per layer and rank, at its
 # first bucket).
-_LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "stack_pad": "stack_pad", "stack_limit": "stack_limit"}
+_LAST_ENTRY = {"pair": "fused", "stacked": "stacked", "store": "store", "stack_pad": "stack_pad",
+               "stack_limit": "stack_limit"}
 _PER_LAYER = ("stack_pad", "stack_limit")
 
 
@@ -118,7 +126,8 @@ def compile_work(jobs, args):
 
     def kinds(K, N):
         return (((("shrink", K), ("expand", N), ("fused", K)) if "pair" in args.kinds else ())
-                + ((("stacked", N),) if "stacked" in args.kinds else ()))
+                + ((("stacked", N),) if "stacked" in args.kinds else ())
+                + ((("store", N),) if "store" in args.kinds else ()))
     for job in jobs:
         _, _, K, widths, r, bucket = job
         N = sum(widths)
@@ -197,20 +206,38 @@ def tune_stacked(job, args, device, dtype):
     """The "stacked" entry for one layer shape, rank and token bucket: the expand's config in the stacked
     path, timed as the whole layer (tuning.stacked_runner), beside the configs it falls back to without
     the entry (add_lora_'s expand: the table's, and the heuristic's)."""
+    return _tune_expand_mode("stacked", job, args, device, dtype)
+
+
+def tune_store(job, args, device, dtype):
+    """The "store" entry for one layer shape, rank and token bucket where lora_linear writes the delta first
+    (launch.writes_first_at): the expand's config in its store mode, timed after add_lora_'s shrink
+    (tuning.store_runner), beside the configs it falls back to without the entry; none elsewhere."""
+    from lora_ops import launch
+    _, _, _, widths, _, bucket = job
+    if not launch.writes_first_at(bucket, sum(widths), dtype.itemsize):
+        return []
+    return _tune_expand_mode("store", job, args, device, dtype)
+
+
+def _tune_expand_mode(kind, job, args, device, dtype):
+    """The entry of ``kind`` ("stacked" or "store": the expand's config in another mode than add_lora_'s,
+    tuning.RUNNERS[kind]) for one shape, with the times of add_lora_'s expand config (the table's, the
+    heuristic's), which serve the mode without the entry."""
     from lora_ops import configs
     from lora_ops.configs import heuristics, tuning
     model, name, K, widths, r, bucket = job
     S, N = len(widths), sum(widths)
     problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
-    cands = tuning.candidates_for("stacked", bucket, N, r, S, args.slots)[:args.max_candidates]
-    best, best_us, timings = tuning.search("stacked", problems, cands)
+    cands = tuning.candidates_for(kind, bucket, N, r, S, args.slots)[:args.max_candidates]
+    best, best_us, timings = tuning.search(kind, problems, cands)
     if best is None:
         return []
 
     def us_of(cfg):
-        return timings.get(cfg) or tuning.time_config("stacked", problems, cfg)
+        return timings.get(cfg) or tuning.time_config(kind, problems, cfg)
     fallback = configs.expand_config(bucket, N, S, r, args.slots, device, dtype)
-    return [dict(kind="stacked", features=N, in_features=K, model=model, layer=name, slices=S, rank=r,
+    return [dict(kind=kind, features=N, in_features=K, model=model, layer=name, slices=S, rank=r,
                  tokens=bucket, config=best._asdict(), us=round(best_us, 2),
                  expand_entry_us=round(us_of(fallback), 2),
                  heuristic_us=round(us_of(heuristics.expand_config(bucket, N, r, args.slots)), 2),
@@ -255,6 +282,60 @@ def tune_stack_limit(job, args, device, dtype, buckets):
     times = tuning.layer_path_times(device, dtype, K, widths, r, args.slots, timed)
     return [_per_layer_entry("stack_limit", job, args, timed, times,
                              max_tokens=tuning.best_stack_limit(timed, times))]
+
+
+def _path_runner(kind, p, configs):
+    """A runner of a shape's layer path given its ``configs`` ({entry kind: config dict or None}): the
+    stacked layer with its expand config, or add_lora_'s one launch where "fused" names one, else its
+    shrink + expand."""
+    from lora_ops.configs import heuristics, tuning
+    if kind in ("stacked", "store"):
+        return tuning.RUNNERS[kind](p, heuristics.ExpandConfig(**configs[kind]))
+    if configs.get("fused"):
+        return tuning.fused_runner(p, heuristics.FusedConfig(**configs["fused"]))
+    return tuning.shrink_runner(p, heuristics.ShrinkConfig(**configs["shrink"]),
+                                heuristics.ExpandConfig(**configs["expand"]))
+
+
+def _library_configs(kind, job, args, device, dtype):
+    """{entry kind: config dict or None} the library resolves for the shape now (its table's entry, the
+    nearest one, or the heuristic), as a tuned entry of ``kind`` would replace them."""
+    from lora_ops import configs
+    _, _, K, widths, r, bucket = job
+    S, N, L = len(widths), sum(widths), args.slots
+    if kind == "stacked":
+        return {"stacked": configs.stacked_config(bucket, N, S, r, L, K, device, dtype)._asdict()}
+    if kind == "store":
+        return {"store": configs.store_config(bucket, N, S, r, L, K, device, dtype)._asdict()}
+    fused = configs.fused_config(bucket, K, N, S, r, L, device, dtype)
+    return {"fused": fused._asdict() if fused else None,
+            "shrink": configs.shrink_config(bucket, K, S, r, L, device, dtype, out_features=N)._asdict(),
+            "expand": configs.expand_config(bucket, N, S, r, L, device, dtype)._asdict()}
+
+
+def against_table(kind, job, new, table, gpu, args, device, dtype):
+    """``new`` (one shape's entries of ``kind``) where its path takes at most 1 - args.min_gain of the time
+    of the path the library runs with ``table`` (the shape's entry, the nearest one, or the heuristic),
+    both timed in turn on the same problems; else [] (a merge keeps the table's entries). Both times go
+    into the kept entries and a line to stdout. The search times each candidate once, minutes apart, so a
+    winner within a few % of the table's is as likely noise as gain (sessions 11-12, 2026-12-03: timed in
+    turn, 5 of 24 and 4 of 12 retuned shapes did not win by 2%)."""
+    from lora_ops.configs import tuning
+    if args.min_gain is None or not new:
+        return new
+    _, _, K, widths, r, bucket = job
+    with _lookups_from(table, gpu):
+        before = _library_configs(kind, job, args, device, dtype)
+    after = {e["kind"]: e["config"] for e in new}
+    problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
+    us = tuning.times_us({path: [_path_runner(kind, p, cfgs) for p in problems]
+                          for path, cfgs in (("table", before), ("new", after))}, device)
+    keep = us["new"] <= (1 - args.min_gain) * us["table"]
+    for e in new:
+        e.update(table_us=round(us["table"], 2), retimed_us=round(us["new"], 2))
+    print("{} {} r={} M={} {}: table {:.1f} us, new {:.1f} us, new/table {:.3f} -> {}".format(
+        *job[:2], r, bucket, kind, us["table"], us["new"], us["new"] / us["table"], "new" if keep else "table"))
+    return new if keep else []
 
 
 def _table(args, out, gpu, entries, compile_s, t0):
@@ -323,6 +404,9 @@ def main(argv=None):
             todo[kind] = {job for job in todo[kind] if _job_shape(job, kind) not in done}
         jobs = [job for job in jobs if any(job in shapes for shapes in todo.values())]
         sys.stderr.write(f"{len(jobs)} shapes not yet in {out}\n")
+    if args.min_gain is not None and not args.merge:
+        sys.exit("lora_ops.tune: --min-gain compares with the table at --out: it needs --merge")
+    table = _table(args, out, gpu, [], 0, time.time()) if args.min_gain is not None else None
     t0 = time.time()
     compile_s = precompile_all(jobs, args)
     entries = []
@@ -331,10 +415,10 @@ def main(argv=None):
             sys.stderr.write(f"\ntime budget reached after {i} of {len(jobs)} shapes\n")
             break
         progress(i, len(jobs), "{} {} r={} M={}".format(*job[:2], *job[4:]))
-        if job in todo.get("pair", ()):
-            entries += tune_shape(job, args, device, dtype)
-        if job in todo.get("stacked", ()):
-            entries += tune_stacked(job, args, device, dtype)
+        for kind, tune_kind in (("pair", tune_shape), ("stacked", tune_stacked), ("store", tune_store)):
+            if job in todo.get(kind, ()):
+                entries += against_table(kind, job, tune_kind(job, args, device, dtype), table, gpu, args,
+                                         device, dtype)
         if job in todo.get("stack_pad", ()):
             entries += tune_stack_pad(job, args, device, dtype, buckets)
     # Last: the two layer paths as the ops run them, with the table this run writes (its configs and padding).
@@ -367,11 +451,12 @@ def main(argv=None):
     if pads:
         padded = ", ".join(f"{e['layer']} r{e['rank']} +{e['pad']}" for e in pads if e["pad"])
         print(f"stack_a padding: {sum(1 for e in pads if e['pad'])} of {len(pads)} layer shapes padded ({padded})")
-    stacked = [e["expand_entry_us"] / e["us"] for e in entries if e["kind"] == "stacked"]
-    if stacked:
-        geo = torch.tensor(stacked).log().mean().exp().item()
-        print(f"stacked layer, tuned vs add_lora_'s expand config: geomean speed-up {geo:.2f}x over "
-              f"{len(stacked)} shapes")
+    for kind, what in (("stacked", "stacked layer"), ("store", "write-first delta")):
+        gains = [e["expand_entry_us"] / e["us"] for e in entries if e["kind"] == kind]
+        if gains:
+            geo = torch.tensor(gains).log().mean().exp().item()
+            print(f"{what}, tuned vs add_lora_'s expand config: geomean speed-up {geo:.2f}x over "
+                  f"{len(gains)} shapes")
     return table
 
 

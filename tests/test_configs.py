@@ -94,6 +94,8 @@ def fake_gpu_table(pretend_gpu_table):
         dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=64, config=None),
         dict(kind="stacked", features=4096, in_features=14336, slices=1, rank=64, tokens=64,
              config=heuristics.ExpandConfig(16, 32, 64, 4, 2)._asdict()),
+        dict(kind="store", features=14336 * 2, in_features=4096, slices=2, rank=64, tokens=4096,
+             config=heuristics.ExpandConfig(16, 128, 64, 4, 2, 1, 4)._asdict()),
     ])
 
 
@@ -114,6 +116,31 @@ def test_stacked_entry_is_used_and_else_the_expand_serves(fake_gpu_table):
     assert configs.stacked_config(64, 6144, 3, 16, 4, 4096, CUDA, torch.bfloat16) == \
         configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
     assert configs.stacked_config(1, 4096, 1, 64, 4, 14336) == heuristics.expand_config(1, 4096, 64, 4)   # CPU
+
+
+def test_store_entry_is_used_and_else_the_expand_serves(fake_gpu_table):
+    """The expand's store mode (lora_linear's write-first path) takes the table's "store" entry; a shape
+    without one near takes add_lora_'s expand config."""
+    assert configs.store_config(5000, 2 * 14336, 2, 64, 4, 4096, CUDA, torch.bfloat16) == \
+        heuristics.ExpandConfig(16, 128, 64, 4, 2, 1, 4)
+    assert configs.store_config(64, 6144, 3, 16, 4, 4096, CUDA, torch.bfloat16) == \
+        configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
+    assert configs.store_config(4096, 2 * 14336, 2, 64, 4, 4096) == heuristics.expand_config(4096, 28672, 64, 4)
+
+
+def test_write_first_takes_the_store_config(fake_gpu_table, monkeypatch):
+    """lora_linear's write-first launches (add_lora_launches, accumulate=False) resolve the store mode's
+    config; add_lora_'s the expand's."""
+    asked = []
+    real = configs._config
+    monkeypatch.setattr(configs, "_config", lambda kind, *a: asked.append(kind) or real(kind, *a))
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], 16, 3, 9)
+    args = (p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], p["widths"], *p["meta"])
+    launch.add_lora_launches(*args, accumulate=False)
+    assert "store" in asked and "expand" not in asked
+    asked.clear()
+    launch.add_lora_launches(*args)
+    assert "store" not in asked and "expand" in asked
 
 
 def test_nearest_entry_adapts_rank_block(fake_gpu_table):
@@ -215,7 +242,7 @@ def test_heuristic_path_choice(bucket, rank, features, fused):
 
 def test_shipped_tables_parse_and_hold_valid_configs():
     make = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig,
-            "stacked": heuristics.ExpandConfig}
+            "stacked": heuristics.ExpandConfig, "store": heuristics.ExpandConfig}
     for path in configs.TUNED_DIR.glob("*.json"):
         table = json.loads(path.read_text())
         assert table["entries"], path
@@ -304,6 +331,24 @@ def test_tuner_times_what_add_lora_runs(pair):
         ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
         has = (slots >= 0).cpu()
         torch.testing.assert_close(p["h"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"pair-{p}")
+def test_tuner_store_runner_writes_the_delta(pair, monkeypatch):
+    """The tuner's store runner: the shrink add_lora_ resolves, then the expand in its store mode: y (NaN
+    before) = the LoRA delta, rows without one 0."""
+    from lora_ops.reference import lora_delta_reference
+    R, scfg, ecfg = PAIRS[pair]
+    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
+    p["y"].fill_(float("nan"))
+    tuning.store_runner(p, ecfg)()
+    slots = p["meta"][0].new_full((9,), -1)
+    sorted_ids, starts, counts = (t.cpu() for t in p["meta"])
+    for s in range(3):
+        slots[sorted_ids[starts[s]:starts[s] + counts[s]].long()] = s
+    ref = lora_delta_reference(p["x"], p["A"], p["B"], p["scale"], p["rank"], slots, p["widths"])
+    torch.testing.assert_close(p["y"].cpu(), ref.float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])

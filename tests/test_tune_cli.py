@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--dry-run runs the kern
 
 DRY = ["--dry-run", "--model", "tiny", "--layers", "down", "--ranks", "8", "--max-candidates", "2"]
 MAKE = {"shrink": heuristics.ShrinkConfig, "expand": heuristics.ExpandConfig, "fused": heuristics.FusedConfig,
-        "stacked": heuristics.ExpandConfig}
+        "stacked": heuristics.ExpandConfig, "store": heuristics.ExpandConfig}
 KINDS = ("expand", "fused", "shrink", "stacked")
 
 
@@ -64,6 +64,51 @@ def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
     second = tune.main(DRY + ["--tokens", "1", "--kinds", "stacked", "--merge", "--skip-tuned", "--out", out])
     assert shapes(second) == [(kind, "down", 8, 1) for kind in KINDS]
     assert [e for e in second["entries"] if e["kind"] != "stacked"] == first["entries"]
+
+
+def test_dry_run_store_kind_only_where_lora_linear_writes_first(tmp_path, monkeypatch):
+    """--kinds store writes a "store" entry (the expand's store-mode config) at the buckets where lora_linear
+    writes the delta first (launch.writes_first_at), and none at the others."""
+    from lora_ops import launch
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 16)
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    table = tune.main(DRY + ["--tokens", "1", "16", "--kinds", "store", "--out", str(tmp_path / "t.json")])
+    assert shapes(table) == [("store", "down", 8, 16)]
+    (e,) = table["entries"]
+    assert MAKE["store"](**e["config"]) and e["us"] > 0 and e["expand_entry_us"] > 0 and e["in_features"] == 80
+
+
+@pytest.mark.parametrize("table_us, new_us, kept", [(10.0, 9.7, "new"), (10.0, 9.9, "table"), (10.0, 11.0, "table")],
+                         ids=["wins-3pct", "wins-1pct", "loses"])
+def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, monkeypatch, table_us, new_us, kept):
+    """--min-gain 0.02 times each retuned shape's path against the table's, in turn, and keeps the table's
+    entries unless the new path takes at most 0.98 of its time; the other shapes' entries are untouched."""
+    out = str(tmp_path / "table.json")
+    first = tune.main(DRY + ["--tokens", "1", "16", "--kinds", "pair", "stacked", "--out", out])
+    compared = []
+
+    def times_us(fn_lists, device):
+        compared.append(sorted(fn_lists))
+        assert all(len(fns) == len(fn_lists["table"]) > 0 for fns in fn_lists.values())
+        for fns in fn_lists.values():   # both paths run on the problems
+            fns[0]()
+        return {"table": table_us, "new": new_us}
+    monkeypatch.setattr(tuning, "times_us", times_us)
+    # Candidates other than the first tuning's, so "new" differs from the table's wherever it is kept.
+    second = tune.main(DRY[:-2] + ["--max-candidates", "3", "--tokens", "16", "--kinds", "pair", "stacked",
+                                   "--merge", "--min-gain", "0.02", "--out", out])
+    assert compared == [["new", "table"]] * 2   # one shape, two kinds
+    assert shapes(second) == shapes(first)
+    assert [e for e in second["entries"] if e["tokens"] == 1] == [e for e in first["entries"] if e["tokens"] == 1]
+    retuned = [e for e in second["entries"] if e["tokens"] == 16 and e["kind"] in KINDS]
+    assert len(retuned) == 4
+    for e in retuned:
+        if kept == "table":
+            assert e in first["entries"]
+        else:
+            assert (e["table_us"], e["retimed_us"]) == (table_us, new_us)
+    with pytest.raises(SystemExit, match="needs --merge"):
+        tune.main(DRY + ["--min-gain", "0.02", "--out", out])
 
 
 @pytest.mark.parametrize("times, pad", [

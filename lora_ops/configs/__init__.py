@@ -23,7 +23,7 @@ from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
-           "stacked_config", "stack_pad_rows", "stack_limit_tokens",
+           "stacked_config", "store_config", "stack_pad_rows", "stack_limit_tokens",
            "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket", "reset",
            "generation"]
 
@@ -118,7 +118,7 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
 def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, out_features):
     if kind == "shrink":
         return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots, out_features)
-    if kind in ("expand", "stacked"):
+    if kind in ("expand", "stacked", "store"):
         return heuristics.expand_config(bucket, features, max_rank, num_slots)
     if forced == "fused" or heuristics.prefers_fused(bucket, features, max_rank):
         return heuristics.fused_config(bucket, features, max_rank)
@@ -132,9 +132,9 @@ def _from_table(kind, device, features, num_slices, max_rank, bucket, out_featur
         return fallback
     if entry["config"] is None:  # the tuner found two launches faster here
         return None
-    cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig, "stacked": ExpandConfig}[kind](
-        **entry["config"])
-    if kind in ("expand", "stacked") and entry["rank"] != max_rank:
+    cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig, "stacked": ExpandConfig,
+           "store": ExpandConfig}[kind](**entry["config"])
+    if kind in ("expand", "stacked", "store") and entry["rank"] != max_rank:
         return _expand_at_rank(cfg, entry["rank"], max_rank) or fallback
     if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
         cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
@@ -172,7 +172,7 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     # partial sums); the shrink op alone (the backward's dh and h) sums its splits itself: the heuristic.
     if not _tables["on"] or (kind == "shrink" and out_features is None):
         return fallback, True
-    if kind == "stacked":   # no stacked entry near: add_lora_'s expand config (the same kernel) serves
+    if kind in ("stacked", "store"):   # no entry of its own near: add_lora_'s expand config (the same kernel)
         fallback = _config("expand", device, dtype, features, num_slices, max_rank, num_slots, bucket)
     cfg = _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback)
     if forced == "fused" and cfg is None:
@@ -217,6 +217,14 @@ def stacked_config(num_tokens, out_features, num_slices, max_rank, num_slots, in
     (the table's "stacked" entries); without one, add_lora_'s expand config. in_features: the GEMM's K
     (the runtime autotune times the layer)."""
     return _config("stacked", device, dtype, out_features, num_slices, max_rank, num_slots, num_tokens, in_features)
+
+
+def store_config(num_tokens, out_features, num_slices, max_rank, num_slots, in_features,
+                 device=torch.device("cpu"), dtype=torch.bfloat16):
+    """The expand's config in its store mode, where lora_linear writes the delta first (launch.writes_first),
+    tuned there after add_lora_'s shrink (the table's "store" entries); without one, add_lora_'s expand
+    config. in_features: the shrink's K (the runtime autotune times the pair)."""
+    return _config("store", device, dtype, out_features, num_slices, max_rank, num_slots, num_tokens, in_features)
 
 
 def _stack_entry(kind, out_features, in_features, stack_rows, device, dtype):

@@ -369,7 +369,25 @@ def stacked_runner(p, cfg, expand_cfg=None):
     return run
 
 
-RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner, "stacked": stacked_runner}
+def store_runner(p, cfg, expand_cfg=None):
+    """lora_linear's write-first delta (launch.writes_first) as it runs: the shrink with the config add_lora_
+    resolves for the shape, then the expand with ``cfg`` in its store mode (y = the delta, never read), PDL
+    as add_lora_ takes it."""
+    from lora_ops import configs, launch
+    x, A = p["x"], p["A"]
+    (M, K), (L, S, R, _) = x.shape, A.shape
+    shrink_cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=p["y"].shape[1])
+    h = launch.shrink_buffer(x, A, shrink_cfg, cfg)
+    pdl = launch.uses_pdl(x)
+
+    def run():
+        launch.launch_shrink_expand(p["y"], x, A, p["B"], p["scale"], p["rank"], p["widths"], *p["meta"], h,
+                                    shrink_cfg, cfg, pdl=pdl, accumulate=False)
+    return run
+
+
+RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runner, "stacked": stacked_runner,
+           "store": store_runner}
 
 
 def time_config(kind, problems, cfg, expand_cfg=None):
@@ -436,6 +454,8 @@ def candidates_for(kind, bucket, features, max_rank, num_slices=1, num_slots=TUN
         return list(expand_candidates(bucket, features, max_rank))
     if kind == "stacked":
         return list(stacked_candidates(bucket, features, max_rank))
+    if kind == "store":
+        return list(expand_candidates(bucket, features, max_rank))
     return list(fused_candidates(bucket, features, max_rank))
 
 
@@ -486,7 +506,7 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
     elif kind == "expand":
         problems = problem_copies(device, dtype, 64, split_widths(features, num_slices), max_rank, num_slots, bucket)
-    elif kind == "stacked":   # features: the output's; out_features: the input's (configs.stacked_config)
+    elif kind in ("stacked", "store"):   # features: the output's; out_features: the input's (configs.stacked_config)
         problems = problem_copies(device, dtype, out_features, split_widths(features, num_slices), max_rank,
                                   num_slots, bucket)
     else:
