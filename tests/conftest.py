@@ -318,7 +318,7 @@ def make_case(M, K, N, num_slots, num_slices, max_rank, *, dtype=torch.float32, 
     if token_slots is None:
         token_slots = random_slots(M, L, gen)
     slice_widths = unequal_widths(N, S, gen) if slice_widths is None else list(slice_widths)
-    slots = torch.tensor(token_slots, dtype=torch.int64).reshape(M)
+    slots = torch.as_tensor(token_slots, dtype=torch.int64).clone().reshape(M)   # a list or a tensor
 
     def rand(*shape, std):
         return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
