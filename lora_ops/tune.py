@@ -15,8 +15,8 @@ layer and rank, "stack_pad" holds the zero rows that make cuBLAS's GEMM over [W;
 "stack_limit" the token count up to which stack_a takes the stacked path, from both layer paths timed at
 the buckets up to 1024 with the table this run writes. With --merge --min-gain, a retuned shape keeps its
 new entries only where their path beats the one the table gives it, timed in turn. Lookups take the
-nearest entry (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk cache), then
-timed one by one in this process as CUDA-graph replays.
+nearest entry (lora_ops.configs). Candidates are compiled first by parallel worker processes (Triton's disk
+cache), then timed one by one in this process as CUDA-graph replays.
 """
 import argparse
 import contextlib
@@ -63,7 +63,7 @@ def parse_args(argv=None):
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
                          "a tune that its time budget cut short)")
     ap.add_argument("--min-gain", type=float, default=None,
-                    help="with --merge: time each retuned shape's path against the one the table at --out holds "
+                    help="with --merge: time each retuned shape's path against the one the table at --out gives it "
                          "(CUDA-graph replays taken in turn) and keep the new entries only where they take at most "
                          "1 - MIN_GAIN of its time (e.g. 0.02); elsewhere the table's entries stay")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
@@ -284,17 +284,16 @@ def tune_stack_limit(job, args, device, dtype, buckets):
                              max_tokens=tuning.best_stack_limit(timed, times))]
 
 
-def _path_runner(kind, p, configs):
-    """A runner of a shape's layer path given its ``configs`` ({entry kind: config dict or None}): the
-    stacked layer with its expand config, or add_lora_'s one launch where "fused" names one, else its
-    shrink + expand."""
+def _path_runner(kind, p, cfgs):
+    """A runner of a shape's path of ``kind`` given its ``cfgs`` ({entry kind: config dict or None}): the
+    stacked layer or the write-first delta with their expand config, or add_lora_'s one launch where
+    "fused" names one, else its shrink + expand."""
     from lora_ops.configs import heuristics, tuning
     if kind in ("stacked", "store"):
-        return tuning.RUNNERS[kind](p, heuristics.ExpandConfig(**configs[kind]))
-    if configs.get("fused"):
-        return tuning.fused_runner(p, heuristics.FusedConfig(**configs["fused"]))
-    return tuning.shrink_runner(p, heuristics.ShrinkConfig(**configs["shrink"]),
-                                heuristics.ExpandConfig(**configs["expand"]))
+        return tuning.RUNNERS[kind](p, heuristics.ExpandConfig(**cfgs[kind]))
+    if cfgs.get("fused"):
+        return tuning.fused_runner(p, heuristics.FusedConfig(**cfgs["fused"]))
+    return tuning.shrink_runner(p, heuristics.ShrinkConfig(**cfgs["shrink"]), heuristics.ExpandConfig(**cfgs["expand"]))
 
 
 def _library_configs(kind, job, args, device, dtype):

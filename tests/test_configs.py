@@ -508,3 +508,20 @@ def test_autotune_times_the_stacked_layer(monkeypatch):
         assert asked == [("stacked", (CUDA, torch.bfloat16, 6144, 3, 16, 4, 64, 4096))]
     finally:
         configs.enable_autotune(False)
+
+
+def test_autotune_times_the_store_mode(monkeypatch):
+    """tuning.autotune("store") times each candidate as lora_linear's write-first delta runs (the shrink,
+    then the expand in its store mode: tuning.store_runner) on problems of the layer's input width."""
+    timed = []
+    real_runner = tuning.store_runner
+
+    def recording_runner(p, cfg, expand_cfg=None):
+        timed.append((cfg, tuple(p["x"].shape)))
+        return real_runner(p, cfg, expand_cfg)
+    cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 1, 2)]
+    monkeypatch.setitem(tuning.RUNNERS, "store", recording_runner)
+    monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
+    monkeypatch.setattr(tuning, "MAX_COPIES", 1)
+    best = tuning.autotune("store", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)
+    assert best in cands and timed == [(c, (16, 40)) for c in cands]

@@ -506,7 +506,7 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
     elif kind == "expand":
         problems = problem_copies(device, dtype, 64, split_widths(features, num_slices), max_rank, num_slots, bucket)
-    elif kind in ("stacked", "store"):   # features: the output's; out_features: the input's (configs.stacked_config)
+    elif kind in ("stacked", "store"):   # features: the output's; out_features: the input's (configs.*_config)
         problems = problem_copies(device, dtype, out_features, split_widths(features, num_slices), max_rank,
                                   num_slots, bucket)
     else:
