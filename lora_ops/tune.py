@@ -315,10 +315,12 @@ def _library_configs(kind, job, args, device, dtype):
 def against_table(kind, job, new, table, gpu, args, device, dtype):
     """``new`` (one shape's entries of ``kind``) where its path takes at most 1 - args.min_gain of the time
     of the path the library runs with ``table`` (the shape's entry, the nearest one, or the heuristic),
-    both timed in turn on the same problems; else [] (a merge keeps the table's entries). Both times go
-    into the kept entries and a line to stdout. The search times each candidate once, minutes apart, so a
-    winner within a few % of the table's is as likely noise as gain (sessions 11-12, 2026-12-03: timed in
-    turn, 5 of 24 and 4 of 12 retuned shapes did not win by 2%)."""
+    both timed in turn on the same problems; else the same entries holding the table's configs (``kept``:
+    "table"), so the shape keeps what was measured even where its config came from a neighbour's entry or a
+    fallback, which a later entry nearby could change. Both times go into the entries (``table_us``,
+    ``retimed_us``; the other times are the search's) and a line to stdout. The search times each candidate
+    once, minutes apart, so a winner within a few % of the table's is as likely noise as gain (sessions
+    11-12, 2026-12-03: timed in turn, 5 of 24 and 4 of 12 retuned shapes did not win by 2%)."""
     from lora_ops.configs import tuning
     if args.min_gain is None or not new:
         return new
@@ -329,12 +331,11 @@ def against_table(kind, job, new, table, gpu, args, device, dtype):
     problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
     us = tuning.times_us({path: [_path_runner(kind, p, cfgs) for p in problems]
                           for path, cfgs in (("table", before), ("new", after))}, device)
-    keep = us["new"] <= (1 - args.min_gain) * us["table"]
-    for e in new:
-        e.update(table_us=round(us["table"], 2), retimed_us=round(us["new"], 2))
+    kept = "new" if us["new"] <= (1 - args.min_gain) * us["table"] else "table"
     print("{} {} r={} M={} {}: table {:.1f} us, new {:.1f} us, new/table {:.3f} -> {}".format(
-        *job[:2], r, bucket, kind, us["table"], us["new"], us["new"] / us["table"], "new" if keep else "table"))
-    return new if keep else []
+        *job[:2], r, bucket, kind, us["table"], us["new"], us["new"] / us["table"], kept))
+    return [dict(e, table_us=round(us["table"], 2), retimed_us=round(us["new"], 2), kept=kept,
+                 **({} if kept == "new" else {"config": before[e["kind"]]})) for e in new]
 
 
 def _table(args, out, gpu, entries, compile_s, t0):

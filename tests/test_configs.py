@@ -121,11 +121,16 @@ def test_stacked_entry_is_used_and_else_the_expand_serves(fake_gpu_table):
 def test_store_entry_is_used_and_else_the_expand_serves(fake_gpu_table):
     """The expand's store mode (lora_linear's write-first path) takes the table's "store" entry; a shape
     without one near takes add_lora_'s expand config."""
-    assert configs.store_config(5000, 2 * 14336, 2, 64, 4, 4096, CUDA, torch.bfloat16) == \
+    assert configs.store_config(4096, 2 * 14336, 2, 64, 4, 4096, CUDA, torch.bfloat16) == \
         heuristics.ExpandConfig(16, 128, 64, 4, 2, 1, 4)
     assert configs.store_config(64, 6144, 3, 16, 4, 4096, CUDA, torch.bfloat16) == \
         configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.ExpandConfig(32, 256, 16, 8, 2)
     assert configs.store_config(4096, 2 * 14336, 2, 64, 4, 4096) == heuristics.expand_config(4096, 28672, 64, 4)
+    # Only the entry's own key takes it (configs.EXACT_KINDS): not another rank, width, slice count or bucket.
+    others = ((4096, 2 * 14336, 2, 32), (4096, 2 * 8192, 2, 64), (4096, 2 * 14336, 1, 64), (8192, 2 * 14336, 2, 64))
+    for other in others:
+        assert configs.store_config(*other, 4, 4096, CUDA, torch.bfloat16) == \
+            configs.expand_config(*other, 4, CUDA, torch.bfloat16)
 
 
 def test_write_first_takes_the_store_config(fake_gpu_table, monkeypatch):

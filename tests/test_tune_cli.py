@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from conftest import INTERPRETED
 from lora_ops import tune
@@ -81,8 +82,10 @@ def test_dry_run_store_kind_only_where_lora_linear_writes_first(tmp_path, monkey
 @pytest.mark.parametrize("table_us, new_us, kept", [(10.0, 9.7, "new"), (10.0, 9.9, "table"), (10.0, 11.0, "table")],
                          ids=["wins-3pct", "wins-1pct", "loses"])
 def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, monkeypatch, table_us, new_us, kept):
-    """--min-gain 0.02 times each retuned shape's path against the table's, in turn, and keeps the table's
-    entries unless the new path takes at most 0.98 of its time; the other shapes' entries are untouched."""
+    """--min-gain 0.02 times each retuned shape's path against the one the table gives it, in turn, and writes
+    the search's entries where the new path takes at most 0.98 of its time, else entries holding the
+    configs the library resolved (on the CPU: the heuristic's), so the shape keeps what was measured; the
+    other shapes' entries are untouched."""
     out = str(tmp_path / "table.json")
     first = tune.main(DRY + ["--tokens", "1", "16", "--kinds", "pair", "stacked", "--out", out])
     compared = []
@@ -102,11 +105,13 @@ def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, mon
     assert [e for e in second["entries"] if e["tokens"] == 1] == [e for e in first["entries"] if e["tokens"] == 1]
     retuned = [e for e in second["entries"] if e["tokens"] == 16 and e["kind"] in KINDS]
     assert len(retuned) == 4
+    job, args = ("tiny", "down", 80, (32,), 8, 16), tune.parse_args(DRY)
+    resolved = {k: v for kind in ("pair", "stacked")
+                for k, v in tune._library_configs(kind, job, args, torch.device("cpu"), torch.bfloat16).items()}
     for e in retuned:
+        assert (e["kept"], e["table_us"], e["retimed_us"]) == (kept, table_us, new_us)
         if kept == "table":
-            assert e in first["entries"]
-        else:
-            assert (e["table_us"], e["retimed_us"]) == (table_us, new_us)
+            assert e["config"] == resolved[e["kind"]]
     with pytest.raises(SystemExit, match="needs --merge"):
         tune.main(DRY + ["--min-gain", "0.02", "--out", out])
 

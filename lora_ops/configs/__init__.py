@@ -89,6 +89,12 @@ def load_table(gpu_name):
         return json.load(f)
 
 
+# Kinds whose entries serve only their own key (layer shape, rank, token bucket): the store mode is tuned only
+# where lora_linear writes first, and its entry holds a config of its own only where it beat add_lora_'s
+# expand config there, so another key's entry says nothing of this one, whose own expand config (itself
+# looked up) serves it instead.
+EXACT_KINDS = ("store",)
+
 # A table entry further than this (sum of |log2| ratios of features, rank and token bucket, plus 0.5 for
 # another slice count) is not "near": the heuristic serves instead, so a partial table never hands a
 # decode config to a prefill shape.
@@ -105,6 +111,9 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
             d += abs(math.log2(e["out_features"] / out_features))
         return d
     cands = [e for e in entries if e["kind"] == kind]
+    if kind in EXACT_KINDS:
+        cands = [e for e in cands
+                 if (e["features"], e["slices"], e["rank"], e["tokens"]) == (features, num_slices, max_rank, bucket)]
     # Ties go to the entry nearer in token count (tiling and split-K follow the tokens), then to the fewer
     # tokens, whatever the table's order: a config tuned for fewer tokens runs more programs when given
     # more; one tuned for more leaves SMs idle when given fewer (H200, 2026-12-03: 1024-token entries at
