@@ -118,20 +118,21 @@ def _precompile_one(job, items, slots, dtype_name):
     return tuning.precompile(torch.device("cuda"), getattr(torch, dtype_name), K, widths, r, slots, bucket, items)
 
 
-def compile_work(jobs, args):
-    """{job: [(kind, config), ...]} holding each distinct compile once (split_k is a run-time argument;
-    the slice layout is compiled into the expand and one-launch kernels, the slice count into the shrink)."""
+def compile_work(jobs, args, todo):
+    """{job: [(kind, config), ...]} holding each distinct compile once, for the kinds ``todo`` tunes at each
+    job (split_k is a run-time argument; the slice layout is compiled into the expand and one-launch
+    kernels, the slice count into the shrink)."""
     from lora_ops.configs import tuning
     seen, work = set(), {}
 
-    def kinds(K, N):
-        return (((("shrink", K), ("expand", N), ("fused", K)) if "pair" in args.kinds else ())
-                + ((("stacked", N),) if "stacked" in args.kinds else ())
-                + ((("store", N),) if "store" in args.kinds else ()))
+    def kinds(job, K, N):
+        return (((("shrink", K), ("expand", N), ("fused", K)) if job in todo.get("pair", ()) else ())
+                + ((("stacked", N),) if job in todo.get("stacked", ()) else ())
+                + ((("store", N),) if job in todo.get("store", ()) else ()))
     for job in jobs:
         _, _, K, widths, r, bucket = job
         N = sum(widths)
-        for kind, features in kinds(K, N):
+        for kind, features in kinds(job, K, N):
             for cfg in tuning.candidates_for(kind, bucket, features, r, len(widths), args.slots)[:args.max_candidates]:
                 compiled = cfg._replace(split_k=min(cfg.split_k, 2)) if kind == "shrink" else cfg
                 key = (kind, compiled, len(widths) if kind == "shrink" else tuple(widths))
@@ -141,7 +142,7 @@ def compile_work(jobs, args):
     return work
 
 
-def precompile_all(jobs, args):
+def precompile_all(jobs, args, todo):
     """Compile every distinct candidate in worker processes (fills Triton's disk cache, so the timing pass
     only loads); returns seconds spent."""
     import concurrent.futures
@@ -152,7 +153,7 @@ def precompile_all(jobs, args):
         return 0.0
     t0 = time.time()
     tasks = []
-    for job, items in compile_work(jobs, args).items():  # chunks of a few compiles, so workers stay busy
+    for job, items in compile_work(jobs, args, todo).items():  # chunks of a few compiles, so workers stay busy
         tasks += [(job, items[i:i + 4]) for i in range(0, len(items), 4)]
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
@@ -210,13 +211,9 @@ def tune_stacked(job, args, device, dtype):
 
 
 def tune_store(job, args, device, dtype):
-    """The "store" entry for one layer shape, rank and token bucket where lora_linear writes the delta first
-    (launch.writes_first_at): the expand's config in its store mode, timed after add_lora_'s shrink
-    (tuning.store_runner), beside the configs it falls back to without the entry; none elsewhere."""
-    from lora_ops import launch
-    _, _, _, widths, _, bucket = job
-    if not launch.writes_first_at(bucket, sum(widths), dtype.itemsize):
-        return []
+    """The "store" entry for one layer shape, rank and token bucket (main tunes it only where lora_linear
+    writes the delta first: launch.writes_first_at): the expand's config in its store mode, timed after
+    add_lora_'s shrink (tuning.store_runner), beside the configs it falls back to without the entry."""
     return _tune_expand_mode("store", job, args, device, dtype)
 
 
@@ -378,7 +375,7 @@ def _lookups_from(table, gpu):
 
 def main(argv=None):
     args = parse_args(argv)
-    from lora_ops import configs
+    from lora_ops import configs, launch
     from lora_ops.configs import heuristics
 
     if args.dry_run:
@@ -396,6 +393,8 @@ def main(argv=None):
     for kind in _PER_LAYER:   # once per layer and rank: its first (smallest) bucket's job
         if kind in todo:
             todo[kind] = {job for job in jobs if job[5] == min(buckets)}
+    if "store" in todo:   # the store mode runs only where lora_linear writes the delta first
+        todo["store"] = {job for job in todo["store"] if launch.writes_first_at(job[5], sum(job[3]), dtype.itemsize)}
     if args.skip_tuned:
         if not args.merge:
             sys.exit("lora_ops.tune: --skip-tuned keeps a table's entries: it needs --merge")
@@ -408,7 +407,7 @@ def main(argv=None):
         sys.exit("lora_ops.tune: --min-gain compares with the table at --out: it needs --merge")
     table = _table(args, out, gpu, [], 0, time.time()) if args.min_gain is not None else None
     t0 = time.time()
-    compile_s = precompile_all(jobs, args)
+    compile_s = precompile_all(jobs, args, todo)
     entries = []
     for i, job in enumerate(jobs):
         if time.time() - t0 > args.time_budget:

@@ -79,6 +79,17 @@ def test_dry_run_store_kind_only_where_lora_linear_writes_first(tmp_path, monkey
     assert MAKE["store"](**e["config"]) and e["us"] > 0 and e["expand_entry_us"] > 0 and e["in_features"] == 80
 
 
+def test_compile_work_holds_only_what_each_shape_tunes():
+    """The parallel compiles cover the kinds each shape is tuned for, no more (a store kind where lora_linear
+    does not write first, or a kind --skip-tuned leaves out, compiles nothing)."""
+    args = tune.parse_args(DRY + ["--kinds", "pair", "store"])
+    jobs = tune._shape_jobs(args, [1, 16])
+    work = tune.compile_work(jobs, args, {"pair": {jobs[0]}, "store": {jobs[1]}})
+    assert {kind for kind, _ in work[jobs[0]]} == {"shrink", "expand", "fused"}
+    assert {kind for kind, _ in work[jobs[1]]} == {"store"}
+    assert tune.compile_work(jobs, args, {"pair": set(), "store": set()}) == {}
+
+
 @pytest.mark.parametrize("table_us, new_us, kept", [(10.0, 9.7, "new"), (10.0, 9.9, "table"), (10.0, 11.0, "table")],
                          ids=["wins-3pct", "wins-1pct", "loses"])
 def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, monkeypatch, table_us, new_us, kept):
