@@ -13,6 +13,10 @@
 #                                              # `in_order` layers (paired with the base layer),
 #                                              # the decode step without and with it, and the Llama high-rank
 #                                              # grid's stacked rows to 1024 tokens (~9 min)
+#     bash benchmarks/gpu_session.sh large     # 1024-8192 tokens, where the write-first path and the store
+#                                              # entries run: GPU tests of the configs and the write-first
+#                                              # path, the core grid's rows there with the peers and the layer
+#                                              # variants (~3 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -48,6 +52,11 @@ elif [ "$MODE" = stacked ]; then
     # Wide stacks (ranks 128-320: where layers.stacked_token_limit stops stacking), no peers.
     step highrank 90 python benchmarks/bench_lora.py --grid highrank --models llama3-8b --ms 1,64,256,1024 \
         --variants stacked --peers '' --time-budget 75 --out "$R"
+elif [ "$MODE" = large ]; then
+    step tests 90 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider \
+        tests/test_configs.py tests/test_write_first.py
+    step core 110 python benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 --variants stacked,in_order \
+        --time-budget 95 --out "$R"
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
