@@ -164,15 +164,15 @@ def precompile_all(jobs, args, todo):
     return time.time() - t0
 
 
-def tune_shape(job, args, device, dtype):
-    """Table entries (shrink, expand, fused) for one layer shape, rank and token bucket."""
+def tune_shape(job, args, device, dtype, problems):
+    """Table entries (shrink, expand, fused) for one layer shape, rank and token bucket, timed on
+    ``problems`` (tuning.problem_copies of the job)."""
     from lora_ops.configs import heuristics, tuning
 
     def candidates(kind, features):
         return tuning.candidates_for(kind, bucket, features, r, S, args.slots)[:args.max_candidates]
     model, name, K, widths, r, bucket = job
     S, N = len(widths), sum(widths)
-    problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
     key = dict(model=model, layer=name, slices=S, rank=r, tokens=bucket)
     heur_shrink = heuristics.shrink_config(bucket, K, S, r, args.slots, out_features=N)
     heur_expand = heuristics.expand_config(bucket, N, r, args.slots)
@@ -203,21 +203,21 @@ def tune_shape(job, args, device, dtype):
     return entries
 
 
-def tune_stacked(job, args, device, dtype):
+def tune_stacked(job, args, device, dtype, problems):
     """The "stacked" entry for one layer shape, rank and token bucket: the expand's config in the stacked
     path, timed as the whole layer (tuning.stacked_runner), beside the configs it falls back to without
     the entry (add_lora_'s expand: the table's, and the heuristic's)."""
-    return _tune_expand_mode("stacked", job, args, device, dtype)
+    return _tune_expand_mode("stacked", job, args, device, dtype, problems)
 
 
-def tune_store(job, args, device, dtype):
+def tune_store(job, args, device, dtype, problems):
     """The "store" entry for one layer shape, rank and token bucket (main tunes it only where lora_linear
     writes the delta first: launch.writes_first_at): the expand's config in its store mode, timed after
     add_lora_'s shrink (tuning.store_runner), beside the configs it falls back to without the entry."""
-    return _tune_expand_mode("store", job, args, device, dtype)
+    return _tune_expand_mode("store", job, args, device, dtype, problems)
 
 
-def _tune_expand_mode(kind, job, args, device, dtype):
+def _tune_expand_mode(kind, job, args, device, dtype, problems):
     """The entry of ``kind`` ("stacked" or "store": the expand's config in another mode than add_lora_'s,
     tuning.RUNNERS[kind]) for one shape, with the times of add_lora_'s expand config (the table's, the
     heuristic's), which serve the mode without the entry."""
@@ -225,7 +225,6 @@ def _tune_expand_mode(kind, job, args, device, dtype):
     from lora_ops.configs import heuristics, tuning
     model, name, K, widths, r, bucket = job
     S, N = len(widths), sum(widths)
-    problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
     cands = tuning.candidates_for(kind, bucket, N, r, S, args.slots)[:args.max_candidates]
     best, best_us, timings = tuning.search(kind, problems, cands)
     if best is None:
@@ -309,10 +308,10 @@ def _library_configs(kind, job, args, device, dtype):
             "expand": configs.expand_config(bucket, N, S, r, L, device, dtype)._asdict()}
 
 
-def against_table(kind, job, new, table, gpu, args, device, dtype):
+def against_table(kind, job, new, problems, table, gpu, args, device, dtype):
     """``new`` (one shape's entries of ``kind``) where its path takes at most 1 - args.min_gain of the time
     of the path the library runs with ``table`` (the shape's entry, the nearest one, or the heuristic),
-    both timed in turn on the same problems; else the same entries holding the table's configs (``kept``:
+    both timed in turn on ``problems`` (the search's); else the same entries holding the table's configs (``kept``:
     "table"), so the shape keeps what was measured even where its config came from a neighbour's entry or a
     fallback, which a later entry nearby could change. Both times go into the entries (``table_us``,
     ``retimed_us``; the other times are the search's) and a line to stdout. The search times each candidate
@@ -321,11 +320,10 @@ def against_table(kind, job, new, table, gpu, args, device, dtype):
     from lora_ops.configs import tuning
     if args.min_gain is None or not new:
         return new
-    _, _, K, widths, r, bucket = job
+    r, bucket = job[4:]
     with _lookups_from(table, gpu):
         before = _library_configs(kind, job, args, device, dtype)
     after = {e["kind"]: e["config"] for e in new}
-    problems = tuning.problem_copies(device, dtype, K, widths, r, args.slots, bucket)
     us = tuning.times_us({path: [_path_runner(kind, p, cfgs) for p in problems]
                           for path, cfgs in (("table", before), ("new", after))}, device)
     kept = "new" if us["new"] <= (1 - args.min_gain) * us["table"] else "table"
@@ -376,7 +374,7 @@ def _lookups_from(table, gpu):
 def main(argv=None):
     args = parse_args(argv)
     from lora_ops import configs, launch
-    from lora_ops.configs import heuristics
+    from lora_ops.configs import heuristics, tuning
 
     if args.dry_run:
         device, gpu, args.workers = torch.device("cpu"), "dry-run", 0
@@ -414,10 +412,13 @@ def main(argv=None):
             sys.stderr.write(f"\ntime budget reached after {i} of {len(jobs)} shapes\n")
             break
         progress(i, len(jobs), "{} {} r={} M={}".format(*job[:2], *job[4:]))
+        problems = None   # the job's problem copies, made once for every kind below that tunes it
         for kind, tune_kind in (("pair", tune_shape), ("stacked", tune_stacked), ("store", tune_store)):
             if job in todo.get(kind, ()):
-                entries += against_table(kind, job, tune_kind(job, args, device, dtype), table, gpu, args,
-                                         device, dtype)
+                problems = problems or tuning.problem_copies(device, dtype, *job[2:5], args.slots, job[5])
+                entries += against_table(kind, job, tune_kind(job, args, device, dtype, problems), problems, table,
+                                         gpu, args, device, dtype)
+        del problems
         if job in todo.get("stack_pad", ()):
             entries += tune_stack_pad(job, args, device, dtype, buckets)
     # Last: the two layer paths as the ops run them, with the table this run writes (its configs and padding).
