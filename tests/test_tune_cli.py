@@ -92,7 +92,8 @@ def test_compile_work_holds_only_what_each_shape_tunes():
 
 @pytest.mark.parametrize("table_us, new_us, kept", [(10.0, 9.7, "new"), (10.0, 9.9, "table"), (10.0, 11.0, "table")],
                          ids=["wins-3pct", "wins-1pct", "loses"])
-def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, monkeypatch, table_us, new_us, kept):
+def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, monkeypatch, capsys, table_us, new_us,
+                                                                   kept):
     """--min-gain 0.02 times each retuned shape's path against the one the table gives it, in turn, and writes
     the search's entries where the new path takes at most 0.98 of its time, else entries holding the
     configs the library resolved (on the CPU: the heuristic's), so the shape keeps what was measured; the
@@ -109,8 +110,13 @@ def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, mon
         return {"table": table_us, "new": new_us}
     monkeypatch.setattr(tuning, "times_us", times_us)
     # Candidates other than the first tuning's, so "new" differs from the table's wherever it is kept.
+    capsys.readouterr()
     second = tune.main(DRY[:-2] + ["--max-candidates", "3", "--tokens", "16", "--kinds", "pair", "stacked",
                                    "--merge", "--min-gain", "0.02", "--out", out])
+    printed = capsys.readouterr().out
+    assert f"configs kept at {2 if kept == 'new' else 0} of 2 shapes" in printed
+    # The speed-up summaries are the search's, over the entries that hold its configs only.
+    assert ("stacked layer, tuned vs" in printed) == (kept == "new")
     assert compared == [["new", "table"]] * 2   # one shape, two kinds
     assert shapes(second) == shapes(first)
     assert [e for e in second["entries"] if e["tokens"] == 1] == [e for e in first["entries"] if e["tokens"] == 1]
