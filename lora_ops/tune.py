@@ -284,8 +284,9 @@ def _path_runner(kind, p, cfgs):
     """A runner of a shape's path of ``kind`` given its ``cfgs`` ({entry kind: config dict or None}): the
     stacked layer or the write-first delta with their expand config, or add_lora_'s one launch where
     "fused" names one, else its shrink + expand."""
+    from lora_ops import configs
     from lora_ops.configs import heuristics, tuning
-    if kind in ("stacked", "store"):
+    if kind in configs.EXPAND_MODES:
         return tuning.RUNNERS[kind](p, heuristics.ExpandConfig(**cfgs[kind]))
     if cfgs.get("fused"):
         return tuning.fused_runner(p, heuristics.FusedConfig(**cfgs["fused"]))

@@ -89,6 +89,13 @@ def load_table(gpu_name):
         return json.load(f)
 
 
+# The expand's other modes, each with table entries of its own kind: the stacked path's
+# (launch.lora_linear_stacked) and the store mode of lora_linear's write-first path. Same kernel, same ExpandConfig; where a mode
+# has no entry, add_lora_'s expand config serves it.
+EXPAND_MODES = ("stacked", "store")
+EXPAND_KINDS = ("expand", *EXPAND_MODES)
+_CONFIG_TYPES = {"shrink": ShrinkConfig, "fused": FusedConfig, **dict.fromkeys(EXPAND_KINDS, ExpandConfig)}
+
 # Kinds whose entries serve only their own key (layer shape, rank, token bucket): the store mode is tuned only
 # where lora_linear writes first, and its entry holds a config of its own only where it beat add_lora_'s
 # expand config there, so another key's entry says nothing of this one, whose own expand config (itself
@@ -127,7 +134,7 @@ def _nearest(entries, kind, features, num_slices, max_rank, bucket, out_features
 def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, out_features):
     if kind == "shrink":
         return heuristics.shrink_config(bucket, features, num_slices, max_rank, num_slots, out_features)
-    if kind in ("expand", "stacked", "store"):
+    if kind in EXPAND_KINDS:
         return heuristics.expand_config(bucket, features, max_rank, num_slots)
     if forced == "fused" or heuristics.prefers_fused(bucket, features, max_rank):
         return heuristics.fused_config(bucket, features, max_rank)
@@ -141,9 +148,8 @@ def _from_table(kind, device, features, num_slices, max_rank, bucket, out_featur
         return fallback
     if entry["config"] is None:  # the tuner found two launches faster here
         return None
-    cfg = {"shrink": ShrinkConfig, "expand": ExpandConfig, "fused": FusedConfig, "stacked": ExpandConfig,
-           "store": ExpandConfig}[kind](**entry["config"])
-    if kind in ("expand", "stacked", "store") and entry["rank"] != max_rank:
+    cfg = _CONFIG_TYPES[kind](**entry["config"])
+    if kind in EXPAND_KINDS and entry["rank"] != max_rank:
         return _expand_at_rank(cfg, entry["rank"], max_rank) or fallback
     if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
         cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
@@ -181,7 +187,7 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     # partial sums); the shrink op alone (the backward's dh and h) sums its splits itself: the heuristic.
     if not _tables["on"] or (kind == "shrink" and out_features is None):
         return fallback, True
-    if kind in ("stacked", "store"):   # no entry of its own near: add_lora_'s expand config (the same kernel)
+    if kind in EXPAND_MODES:   # no entry of its own near: add_lora_'s expand config (the same kernel)
         fallback = _config("expand", device, dtype, features, num_slices, max_rank, num_slots, bucket)
     cfg = _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback)
     if forced == "fused" and cfg is None:

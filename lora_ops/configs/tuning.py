@@ -495,8 +495,8 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     is chosen by its own time (its key holds no input width to time pairs with), so above rank 64 its two
     code paths are compared without the shrink work each implies; the one-launch key and the offline
     tuner compare pairs (search_pair)."""
+    from lora_ops import configs
     if kind == "shrink" and out_features:  # timed with the expand that adds its partial sums
-        from lora_ops import configs
         problems = problem_copies(device, dtype, features, split_widths(out_features, num_slices), max_rank,
                                   num_slots, bucket)
         expand_cfg = configs.expand_config(bucket, out_features, num_slices, max_rank, num_slots, device, dtype)
@@ -506,7 +506,7 @@ def autotune(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         problems = problem_copies(device, dtype, features, [64] * num_slices, max_rank, num_slots, bucket)
     elif kind == "expand":
         problems = problem_copies(device, dtype, 64, split_widths(features, num_slices), max_rank, num_slots, bucket)
-    elif kind in ("stacked", "store"):   # features: the output's; out_features: the input's (configs.*_config)
+    elif kind in configs.EXPAND_MODES:   # features: the output's; out_features: the input's (configs.*_config)
         problems = problem_copies(device, dtype, out_features, split_widths(features, num_slices), max_rank,
                                   num_slots, bucket)
     else:
