@@ -11,6 +11,7 @@ host is the bottleneck. Rows, each the median of --rounds rounds of --calls call
   ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
   ... both                 neither shortcut (the baseline before 2026-12-02's change)
   ... without launch plans every call resolves configs, grids and arguments (before 2026-12-03's plans)
+  ... no workspace         plan replays allocate their scratch (before session 18's per-stream workspace)
   ... plans replayed through Triton's CudaLauncher   not its C launch function (triton_launch.direct_launch)
   and the pieces: the argument checks, the config lookups, one expand launch each way.
 
@@ -122,8 +123,12 @@ def main(argv=None):
     real_needs_dispatcher = ops.needs_dispatcher
     real_direct_allowed = triton_launch._direct_allowed
 
-    def state(fast=True, dispatcher=False, plans=True, direct=True):
+    real_workspace_bytes = plan.WORKSPACE_BYTES
+
+    def state(fast=True, dispatcher=False, plans=True, direct=True, workspace=True):
         triton_launch.set_fast_launch(fast)
+        # off: every replay allocates its scratch (lora_ops.plan's workspace holds none)
+        plan.WORKSPACE_BYTES = real_workspace_bytes if workspace else 0
         ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
         # off: plan replays call Triton's CudaLauncher, not its C launch function (triton_launch.direct_launch)
         triton_launch._direct_allowed = real_direct_allowed if direct else (lambda: False)
@@ -135,6 +140,7 @@ def main(argv=None):
         "LoRALinear": ({}, lambda: layer(x)),
         "LoRALinear, stack_a (lora_linear_stacked)": ({}, lambda: stacked_layer(x)),
         "LoRALinear without launch plans": (dict(plans=False), lambda: layer(x)),
+        "LoRALinear, scratch allocated every call (no workspace)": (dict(workspace=False), lambda: layer(x)),
         "LoRALinear, plans replayed through Triton's CudaLauncher": (dict(direct=False), lambda: layer(x)),
         "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
         "LoRALinear, Triton's launch path": (dict(fast=False), lambda: layer(x)),
@@ -148,6 +154,8 @@ def main(argv=None):
     if cuda:
         variants["launch.add_lora_ (checks, plan replay)"] = ({}, lambda: launch.add_lora_(*op_args))
         variants["plan replay alone (key, scratch, 2 C launches)"] = ({}, lambda: launch._add_lora(*op_args))
+        variants["plan replay alone, scratch allocated (no workspace)"] = (dict(workspace=False),
+                                                                          lambda: launch._add_lora(*op_args))
         variants["plan replay alone, through CudaLauncher"] = (dict(direct=False), lambda: launch._add_lora(*op_args))
         variants["launch.add_lora_ without plans"] = (dict(plans=False), lambda: launch.add_lora_(*op_args))
         variants["one expand launch, fast"] = ({}, expand)

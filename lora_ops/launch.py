@@ -319,7 +319,7 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
     plan.run(plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids),
              (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
              lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
-                                       slot_starts, slot_counts))
+                                       slot_starts, slot_counts), scratch_out=False)
 
 
 def _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
@@ -328,7 +328,7 @@ def _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_id
     plan.run(("write", *plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids)),
              (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
              lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
-                                       slot_starts, slot_counts, accumulate=False))
+                                       slot_starts, slot_counts, accumulate=False), scratch_out=False)
 
 
 def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,

@@ -18,6 +18,13 @@ A plan is only remembered when it can be replayed exactly:
 Replays bypass the shortcut (Triton's own path per launch, through FastLauncher) where it is off: under
 the interpreter, with a launch hook set, or after ``triton_launch.set_fast_launch(False)`` (which changes
 the key).
+
+An op that never hands its scratch to its caller (add_lora_ and lora_linear's write-first delta: h and the
+split-K partial sums) takes it, on the fast replay, from one workspace per stream instead of the caching
+allocator (:data:`WORKSPACE_BYTES`). That is safe because a stream runs our launches in order: a kernel
+launched with PDL waits (``gdc_wait``) for the kernel before it to finish before it writes anything, so a
+call's scratch is dead once the next call's first kernel writes. Not while a CUDA graph is captured (a graph
+keeps addresses; its scratch comes from its own pool), and not for scratch that must start zeroed.
 """
 import functools
 import operator
@@ -29,6 +36,13 @@ from lora_ops import configs, triton_launch
 MAX_PLANS = 4096      # the key holds the token count: bound the table as FastLauncher does
 _PLANS = {}
 _enabled = [True]
+# Per stream (a few per process), kept for the process's life: never freed while a launch may use it. Scratch
+# of up to this many bytes per call comes from it (add_lora_'s h at decode: 24 KiB for Llama qkv, rank 16, 64
+# tokens, 8 split-K parts); torch.empty cost 5.3 µs of host time a call on the H200 host (session 18), a
+# fifth of add_lora_'s plan replay. Larger scratch goes with kernels long enough to hide the allocation.
+WORKSPACE_BYTES = 1 << 20
+_WORKSPACE_ALIGN = 256
+_WORKSPACES = {}      # (device index, raw stream) -> uint8 tensor of WORKSPACE_BYTES
 
 
 def set_enabled(on):
@@ -68,6 +82,28 @@ def _aligned(pointers):
     return not functools.reduce(operator.or_, pointers) & 15
 
 
+def workspace_layout(specs):
+    """Byte offsets in a stream's workspace for the scratch ``specs`` of an op that keeps its scratch to
+    itself, or None where they do not all fit or one must start zeroed (those are allocated every call)."""
+    offsets, end = [], 0
+    for spec in specs:
+        if spec.zero:
+            return None
+        offsets.append(end)
+        nbytes = spec.dtype.itemsize * functools.reduce(operator.mul, spec.shape, 1)
+        end += -(-nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    return tuple(offsets) if offsets and end <= WORKSPACE_BYTES else None
+
+
+def workspace_address(device_index, stream, device):
+    """The address of the workspace of ``stream`` (a raw handle: the default stream's is 0 on every
+    device) on the device of index ``device_index``, ``device`` as a torch.device; allocated on first use."""
+    ws = _WORKSPACES.get((device_index, stream))
+    if ws is None:
+        ws = _WORKSPACES[(device_index, stream)] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return ws.data_ptr()
+
+
 class _Step:
     """One launch of a plan: which pool entries are its pointers, and how to launch it both ways."""
     __slots__ = ("launch", "pick", "go")
@@ -81,34 +117,46 @@ class Plan:
 
     The pool is the call's tensors (in the order the op lists them) followed by the scratch buffers."""
 
-    def __init__(self, steps, scratch, device):
+    def __init__(self, steps, scratch, device, workspace=None):
         self.steps = steps
         self.scratch = scratch
         self.device = device       # launch_device when built (it is in the key)
         self.fast = all(step.go is not None for step in steps)
+        self.workspace = workspace if self.fast else None   # workspace_layout's offsets, or None
 
     def run(self, tensors):
-        """Launch with ``tensors``; returns this call's scratch buffers (an op's outputs among them)."""
-        scratch = tuple([s.alloc(tensors[0].device) for s in self.scratch])
-        pool = tensors + scratch
+        """Launch with ``tensors``; returns this call's scratch buffers (an op's outputs among them; empty
+        where they came from the workspace)."""
         if self.fast and not triton_launch._hooks_set():
-            pointers = [t.data_ptr() for t in pool]
+            stream = triton_launch._current_stream(self.device)
+            pointers = [t.data_ptr() for t in tensors]
             if _aligned(pointers):
-                stream = triton_launch._current_stream(self.device)
+                scratch = ()
+                x = tensors[0]
+                if self.workspace is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    base = workspace_address(self.device, stream, x.device)
+                    pointers += [base + offset for offset in self.workspace]
+                else:
+                    scratch = tuple([s.alloc(x.device) for s in self.scratch])
+                    pointers += [t.data_ptr() for t in scratch]
                 for step in self.steps:
                     step.go(stream, step.pick(pointers))
                     step.launch.launcher.hits += 1
                 return scratch
+        scratch = tuple([s.alloc(tensors[0].device) for s in self.scratch])
+        pool = tensors + scratch
         for step in self.steps:
             launch = step.launch
             launch.launcher(launch.grid, step.pick(pool), launch.ints, **launch.constexprs)
         return scratch
 
 
-def run(plan_key, tensors, build):
+def run(plan_key, tensors, build, scratch_out=True):
     """One op call: ``tensors`` (a tuple) through the plan of ``plan_key``; for a new key, through the
     launches ``build()`` returns as ``(launches, scratch specs, scratch buffers)``, which run and become
-    the key's plan if they can (see :func:`remember`). Returns the call's scratch buffers."""
+    the key's plan if they can (see :func:`remember`). Returns the call's scratch buffers.
+    ``scratch_out=False``: the op never hands its scratch to its caller, so replays may take it from the
+    stream's workspace (and return none)."""
     known = _PLANS.get(plan_key)
     if known is not None:
         return known.run(tensors)
@@ -116,14 +164,14 @@ def run(plan_key, tensors, build):
     for launch in launches:
         launch()
     if _enabled[0]:
-        remember(plan_key, launches, tensors, scratch, buffers)
+        remember(plan_key, launches, tensors, scratch, buffers, scratch_out)
     return buffers
 
 
-def remember(plan_key, launches, tensors, scratch, buffers):
+def remember(plan_key, launches, tensors, scratch, buffers, scratch_out=True):
     """Keep a plan for ``plan_key`` if ``launches`` (already run, on ``tensors`` and the scratch
-    ``buffers`` allocated from the specs ``scratch``) can be replayed exactly (see the module docstring).
-    Returns the plan, or None."""
+    ``buffers`` allocated from the specs ``scratch``) can be replayed exactly (see the module docstring);
+    ``scratch_out`` as in :func:`run`. Returns the plan, or None."""
     pool = tuple(tensors) + tuple(buffers)
     position = {id(t): i for i, t in enumerate(pool)}
     if len(position) != len(pool) or not _aligned([t.data_ptr() for t in tensors]):
@@ -139,5 +187,6 @@ def remember(plan_key, launches, tensors, scratch, buffers):
         steps.append(_Step(launch._replace(tensors=None), operator.itemgetter(*where), go))
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[0]))
+    workspace = None if scratch_out else workspace_layout(scratch)
+    plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[0]), workspace)
     return plan

@@ -272,3 +272,45 @@ def test_gpu_plan_replay_through_the_c_launch_gives_the_same_bits(monkeypatch):
         monkeypatch.setattr(triton_launch, "_direct_allowed", lambda: True)
         compiled = [c for lc in (launch.SHRINK, launch.EXPAND) for c, _ in lc._compiled.values()]
         assert compiled and all(triton_launch.direct_launch(c) is not None for c in compiled)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (replays through the C launch)")
+def test_gpu_replays_sharing_the_stream_workspace_keep_their_scratch_apart(monkeypatch):
+    """add_lora_'s replays take h from one workspace per stream (lora_ops.plan): calls of two shapes back to
+    back, PDL on, each into a fresh y, all against the float64 reference; a CUDA graph captured between them
+    keeps scratch of its own, so eager calls in between do not disturb its replays."""
+    from lora_ops import configs, plan
+    from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig
+    # Split-K partial sums (the expand adds them): h is [2, M, S, R], none of it zeroed, all in the workspace.
+    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: None)
+    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: ShrinkConfig(16, 16, 32, 2, 4, 1))
+    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ExpandConfig(16, 32, 16, 4, 1))
+    cases = [make_case(M, 96, 80, num_slots=4, num_slices=2, max_rank=16, dtype=torch.bfloat16, device="cuda",
+                       seed=M) for M in (64, 40)]
+    refs = [case.delta_reference() for case in cases]
+
+    def call(case, y):
+        launch.add_lora_(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
+        return y
+    plan.clear()
+    try:
+        for case in cases:
+            call(case, case.new_y("zero"))          # build the plans
+        assert all(p.workspace is not None for p in plan._PLANS.values())
+        outs = [call(cases[i % 2], cases[i % 2].new_y("zero")) for i in range(40)]
+        torch.cuda.synchronize()
+        for i, y in enumerate(outs):
+            assert rel_err(y, refs[i % 2]) <= TOLERANCE[torch.bfloat16], i
+        y_graph = cases[0].new_y("zero")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(cases[0], y_graph)
+        for _ in range(3):
+            y_graph.zero_()
+            graph.replay()
+            y_eager = call(cases[1], cases[1].new_y("zero"))   # the workspace, right behind the replay
+            torch.cuda.synchronize()
+            assert rel_err(y_graph, refs[0]) <= TOLERANCE[torch.bfloat16]
+            assert rel_err(y_eager, refs[1]) <= TOLERANCE[torch.bfloat16]
+    finally:
+        plan.clear()

@@ -286,3 +286,64 @@ def test_fast_replay_falls_back_for_a_misaligned_tensor(fake_compiled, path_conf
     # FastLauncher's path, whose key holds the alignment: the shrink (it reads x) compiles for a misaligned
     # x; the expand (it does not) finds its kernel.
     assert len(slow) == slow_before + 1 and len(runs) == runs_before + 1
+
+
+# ---- scratch from the stream's workspace ------------------------------------------------------------
+
+def _scratch_pointers(run_args, tensors):
+    """The pointers of a C-launcher call that are none of ``tensors``' addresses (its scratch)."""
+    known = {t.data_ptr() for t in tensors}
+    return {p for p in run_args[9:] if type(p) is int and p > 4096 and p not in known}
+
+
+@pytest.mark.parametrize("path_configs", ["split", "split_k_partials"], indirect=True)
+def test_replays_take_add_lora_scratch_from_the_stream_workspace(fake_compiled, path_configs, monkeypatch):
+    runs, _ = fake_compiled
+    monkeypatch.setattr(plan, "_WORKSPACES", {})
+    case = make_case(24, 32, 32, num_slots=2, num_slices=2, max_rank=R, device=DEVICE, seed=8)
+    call(case)
+    known = the_plan(case, case.new_y("zero"))
+    assert known.workspace == (0,)                  # h alone, at the workspace's start
+    for stream in (1234, 1234, 77):
+        monkeypatch.setattr(triton_launch, "_current_stream", lambda device, s=stream: s)
+        y, x = case.new_y("zero"), case.x.clone()
+        before = len(runs)
+        assert known.run((y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta)) == ()
+        base = plan._WORKSPACES[(5, stream)].data_ptr()
+        tensors = (y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta)
+        shrink_args, expand_args = runs[before:]
+        # the shrink writes h and the expand reads it at the workspace's start, on this stream
+        assert shrink_args[3] == expand_args[3] == stream
+        assert _scratch_pointers(shrink_args, tensors) == _scratch_pointers(expand_args, tensors) == {base}
+    assert set(plan._WORKSPACES) == {(5, 1234), (5, 77)}
+
+
+def test_workspace_layout_aligns_and_refuses_what_it_cannot_hold(monkeypatch):
+    h = launch.Scratch((8, 5, 3, 7), torch.float32)          # 3360 bytes
+    parts = launch.Scratch((2, 5, 3, 7), torch.float32)
+    counters = launch.Scratch((6,), torch.int32, zero=True)
+    assert plan.workspace_layout((h, parts)) == (0, 3584)     # each start 256-byte aligned
+    assert plan.workspace_layout((h, counters)) is None       # must start zeroed: allocated every call
+    assert plan.workspace_layout(()) is None
+    monkeypatch.setattr(plan, "WORKSPACE_BYTES", 4096)
+    assert plan.workspace_layout((h,)) == (0,)
+    assert plan.workspace_layout((h, parts)) is None          # 3584 + 840 > 4096
+
+
+@pytest.mark.parametrize("path_configs", ["split_k_summed"], indirect=True)
+def test_zeroed_scratch_is_allocated_every_call(fake_compiled, path_configs):
+    case = make_case(24, 32, 32, num_slots=2, num_slices=2, max_rank=R, device=DEVICE, seed=9)
+    call(case)
+    known = the_plan(case, case.new_y("zero"))
+    assert known.workspace is None
+    scratch = known.run((case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta))
+    assert [tuple(t.shape) for t in scratch] == [tuple(s.shape) for s in known.scratch]
+
+
+def test_ops_that_return_their_scratch_never_take_the_workspace(triton_backend, monkeypatch):
+    monkeypatch.setattr(plan, "WORKSPACE_BYTES", 1 << 30)
+    case = make_case(29, 40, 36, num_slots=3, num_slices=2, max_rank=16, device=DEVICE, seed=6)
+    gen = torch.Generator().manual_seed(0)
+    for _, ours, _ in _op_calls(case, gen):
+        ours()
+    assert len(plan._PLANS) == 4 and all(p.workspace is None for p in plan._PLANS.values())
