@@ -264,6 +264,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
+        self._stack_ptrs = None         # set by _stack
         self.stacked_max_tokens = 0     # set by _stack
         if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
             self._stack()
@@ -284,19 +285,21 @@ class LoRALinear(nn.Module):
             base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
         self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
         self._stacked = (stacked, stacked_bias)
+        # The addresses the parameters have while they are the stack's views (_stack_intact compares them).
+        self._stack_ptrs = (stacked.data_ptr(), stacked.data_ptr() + N * stacked.stride(0) * stacked.element_size(),
+                            None if stacked_bias is None else stacked_bias.data_ptr())
         self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
         parameter replaced by hand drops the layer back to lora_linear)."""
-        stacked, stacked_bias = self._stacked
         if torch.compiler.is_compiling():
             return True
-        ptr, row = stacked.data_ptr(), stacked.stride(0) * stacked.element_size()
-        return (weight.data_ptr() == ptr and lora_a.data_ptr() == ptr + weight.shape[0] * row
-                and weight.dtype == stacked.dtype and lora_a.dtype == stacked.dtype
-                and (bias is None) == (stacked_bias is None)
-                and (bias is None or bias.data_ptr() == stacked_bias.data_ptr()))
+        weight_ptr, lora_a_ptr, bias_ptr = self._stack_ptrs
+        dtype = self._stacked[0].dtype
+        return (weight.data_ptr() == weight_ptr and lora_a.data_ptr() == lora_a_ptr
+                and weight.dtype is dtype and lora_a.dtype is dtype
+                and (bias.data_ptr() == bias_ptr if bias is not None else bias_ptr is None))
 
     @property
     def in_features(self):
