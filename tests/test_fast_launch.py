@@ -277,8 +277,9 @@ def test_gpu_plan_replay_through_the_c_launch_gives_the_same_bits(monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (replays through the C launch)")
 def test_gpu_replays_sharing_the_stream_workspace_keep_their_scratch_apart(monkeypatch):
     """add_lora_'s replays take h from one workspace per stream (lora_ops.plan): calls of two shapes back to
-    back, PDL on, each into a fresh y, all against the float64 reference; a CUDA graph captured between them
-    keeps scratch of its own, so eager calls in between do not disturb its replays."""
+    back, PDL on, each into a fresh y, all against the float64 reference, the workspace poisoned with NaN
+    first; a CUDA graph captured between them keeps scratch of its own, so eager calls in between do not
+    disturb its replays."""
     from lora_ops import configs, plan
     from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig
     # Split-K partial sums (the expand adds them): h is [2, M, S, R], none of it zeroed, all in the workspace.
@@ -296,7 +297,10 @@ def test_gpu_replays_sharing_the_stream_workspace_keep_their_scratch_apart(monke
     try:
         for case in cases:
             call(case, case.new_y("zero"))          # build the plans
-        assert all(p.workspace is not None for p in plan._PLANS.values())
+            call(case, case.new_y("zero"))          # a replay: the stream's workspace now exists
+        assert all(p.workspace is not None for p in plan._PLANS.values()) and plan._WORKSPACES
+        for ws in plan._WORKSPACES.values():
+            ws.fill_(255)                           # every float32 in it NaN: an unwritten read shows
         outs = [call(cases[i % 2], cases[i % 2].new_y("zero")) for i in range(40)]
         torch.cuda.synchronize()
         for i, y in enumerate(outs):
