@@ -95,6 +95,11 @@ def workspace_layout(specs):
     return tuple(offsets) if offsets and end <= WORKSPACE_BYTES else None
 
 
+def _capturing(x):
+    """Whether a CUDA graph is being captured on the current stream (CPU tensors: never)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def workspace_address(device_index, stream, device):
     """The address of the workspace of ``stream`` (a raw handle: the default stream's is 0 on every
     device) on the device of index ``device_index``, ``device`` as a torch.device; allocated on first use."""
@@ -133,7 +138,7 @@ class Plan:
             if _aligned(pointers):
                 scratch = ()
                 x = tensors[0]
-                if self.workspace is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                if self.workspace is not None and not _capturing(x):
                     base = workspace_address(self.device, stream, x.device)
                     pointers += [base + offset for offset in self.workspace]
                 else:

@@ -318,6 +318,26 @@ def test_replays_take_add_lora_scratch_from_the_stream_workspace(fake_compiled, 
     assert set(plan._WORKSPACES) == {(5, 1234), (5, 77)}
 
 
+@pytest.mark.parametrize("path_configs", ["split"], indirect=True)
+def test_replays_during_graph_capture_allocate_their_scratch(fake_compiled, path_configs, monkeypatch):
+    """A graph keeps the addresses it was captured with: its scratch comes from the graph's own pool, never
+    from the stream's workspace, which the stream's eager calls reuse."""
+    runs, _ = fake_compiled
+    monkeypatch.setattr(plan, "_WORKSPACES", {})
+    case = make_case(24, 32, 32, num_slots=2, num_slices=2, max_rank=R, device=DEVICE, seed=10)
+    call(case)
+    known = the_plan(case, case.new_y("zero"))
+    monkeypatch.setattr(plan, "_capturing", lambda x: True)
+    y, x = case.new_y("zero"), case.x.clone()
+    tensors = (y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta)
+    before = len(runs)
+    scratch = known.run(tensors)
+    assert [tuple(t.shape) for t in scratch] == [tuple(s.shape) for s in known.scratch]
+    assert not plan._WORKSPACES
+    for args in runs[before:]:
+        assert _scratch_pointers(args, tensors) == {scratch[0].data_ptr()}
+
+
 def test_workspace_layout_aligns_and_refuses_what_it_cannot_hold(monkeypatch):
     h = launch.Scratch((8, 5, 3, 7), torch.float32)          # 3360 bytes
     parts = launch.Scratch((2, 5, 3, 7), torch.float32)
