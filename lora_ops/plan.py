@@ -5,8 +5,8 @@ integer arguments, the constexprs, the scratch buffers, the compiled kernels Tri
 the arguments' shapes, strides, dtype and device, of the current CUDA device and of the config state
 (lora_ops.configs.generation), never of tensor data. :func:`op_key` names those for any op; add_lora_, the
 eager decode path, has its own :func:`key` that reads only what its launches use. A :class:`Plan` keeps the
-launches of the first call with a key. A later call with the key allocates the scratch, takes the
-addresses of its tensors and calls the compiled kernels' C launchers: no config lookup, no grid, no
+launches of the first call with a key. A later call with the key allocates the scratch (or takes it from
+the stream's workspace, below), takes the addresses of its tensors and calls the compiled kernels' C launchers: no config lookup, no grid, no
 argument tuple, no Triton key. In eager mode that is most of add_lora_'s host time (DESIGN §4).
 
 A plan is only remembered when it can be replayed exactly:
@@ -129,6 +129,9 @@ class Plan:
         self.fast = all(step.go is not None for step in steps)
         self.workspace = workspace if self.fast else None   # workspace_layout's offsets, or None
 
+    def _allocate(self, device):
+        return tuple([s.alloc(device) for s in self.scratch])
+
     def run(self, tensors):
         """Launch with ``tensors``; returns this call's scratch buffers (an op's outputs among them; empty
         where they came from the workspace)."""
@@ -142,13 +145,13 @@ class Plan:
                     base = workspace_address(self.device, stream, x.device)
                     pointers += [base + offset for offset in self.workspace]
                 else:
-                    scratch = tuple([s.alloc(x.device) for s in self.scratch])
+                    scratch = self._allocate(x.device)
                     pointers += [t.data_ptr() for t in scratch]
                 for step in self.steps:
                     step.go(stream, step.pick(pointers))
                     step.launch.launcher.hits += 1
                 return scratch
-        scratch = tuple([s.alloc(tensors[0].device) for s in self.scratch])
+        scratch = self._allocate(tensors[0].device)
         pool = tensors + scratch
         for step in self.steps:
             launch = step.launch
