@@ -272,6 +272,8 @@ def test_tuner_candidates_include_valid_configs(bucket):
     # From 1024 tokens 2 and 4 splits are always tried (a token axis of ~M / block_m tiles fills SMs unevenly).
     assert ({2, 4} <= {c.split_k for c in shr}) == (bucket >= tuning.FEW_SPLITS_MIN_BUCKET)
     assert {c.block_r for c in shr} == {16}
+    # From 1024 tokens (long K loops, many token tiles) the shrink also tries a 4-stage pipeline.
+    assert {c.num_stages for c in shr} == ({3, 4} if bucket >= tuning.DEEP_PIPELINE_MIN_BUCKET else {3})
     # Above rank 64 the shrink also tries a 128-wide rank block (8 warps: its accumulator is large).
     wide_shr = list(tuning.shrink_candidates(bucket, 4096, 320, 3))
     assert {c.block_r for c in wide_shr} == {64, 128} and len(set(wide_shr)) == len(wide_shr)

@@ -161,7 +161,8 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_feat
     most = (MAX_SPLIT_K if out_features is None or expand_rank_loops(bucket, max_rank, out_features)
             else MAX_EXPAND_PARTS)
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), most))
-    # H200 tuning (configs/tuned): 3 stages everywhere, 8 warps once the rank block is 64 wide.
+    # H200 tuning (configs/tuned): 3 stages at most shapes (4 won at some from 1024 tokens and lost by up to
+    # 1.3x at others, session 19: not a rule), 8 warps once the rank block is 64 wide.
     return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
                         slice_group=group)
 

@@ -60,8 +60,19 @@ def shrink_candidates(bucket, in_features, max_rank, num_slices=1, num_slots=TUN
                 splits += (2, 4)
             for sk in sorted({min(most, s) for s in splits}):
                 # A 128-wide rank block holds a 64 x 128 fp32 accumulator at least: 8 warps only.
-                for warps, stages in ((4, 3), (8, 3)) if br <= 64 else ((8, 3),):
+                for warps, stages in itertools.product((4, 8) if br <= 64 else (8,), shrink_stages(bucket)):
                     yield ShrinkConfig(bm, br, bk, sk, warps, stages, group)
+
+
+# From this bucket the shrink also tries a 4-stage pipeline: its K loop is long (4096-14336 features) and
+# its token tiles many. H200, session 19 (lab_shrink_tiles.py, 4096 tokens, shrink alone): Llama qkv r320
+# 85 -> 74 µs, Phi-4-mini qkv r320 64 -> 58; 5 stages lost everywhere, and wider tiles (128 x 128, 128 x 256)
+# cut the L2 traffic by up to 40% and lost or tied.
+DEEP_PIPELINE_MIN_BUCKET = 1024
+
+
+def shrink_stages(bucket):
+    return (3, 4) if bucket >= DEEP_PIPELINE_MIN_BUCKET else (3,)
 
 
 # Above rank 64, up to this bucket, the tuner also tries the expand with the whole rank in one block
