@@ -13,7 +13,9 @@ within 1-2%). Every shape is checked against float64 before it is timed (the ben
     python benchmarks/ab_trees.py compare "$OUT/ab" base new
 
 Timing: the benchmark's (CUDA-graph replay medians, cold L2, inputs rotated). --tokens picks the token
-counts (default 1,16,64,256,1024); --device cpu with TRITON_INTERPRET=1 checks the logic on tiny shapes.
+counts (default 1,16,64,256,1024), --ranks and --models the shapes (default Llama-3-8B at ranks 16 and 64;
+e.g. --ranks 128,256,320 --models llama3-8b,phi4-mini for the high-rank grid's); --device cpu with
+TRITON_INTERPRET=1 checks the logic on tiny shapes.
 """
 import argparse
 import collections
@@ -26,7 +28,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def time_tree(tree, tag, out_dir, tokens, device):
+def time_tree(tree, tag, out_dir, tokens, device, ranks=(16, 64), models=("llama3-8b",)):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.abspath(tree))   # this tree's lora_ops and csrc_meta, before any other
     import torch
@@ -37,11 +39,14 @@ def time_tree(tree, tag, out_dir, tokens, device):
     import shapes
     from timing import Timer
     timer = Timer(device)
-    layers = shapes.LLAMA3_8B if device == "cuda" else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+    by_model = {"llama3-8b": shapes.LLAMA3_8B, "phi4-mini": shapes.PHI4_MINI}
+    layers = [(model, layer) for model in models for layer in by_model[model]]
+    if device != "cuda":
+        layers = [(model, shapes.tiny_layer(layer)) for model, layer in layers]
     rows = {}
     for M in tokens:
-        for layer in layers:
-            for rank in (16, 64):
+        for model, layer in layers:
+            for rank in ranks:
                 p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), torch.bfloat16, device)
                 sets = {0: p.inputs(0)}
 
@@ -53,7 +58,8 @@ def time_tree(tree, tag, out_dir, tokens, device):
                 check = problems.check_delta(p, sets[0], problems.ours(p, sets[0]), ref,
                                              problems.TOLERANCE[torch.bfloat16])
                 us = timer.measure(lambda k, p=p: problems.ours(p, inputs(k)), p.set_bytes(), False)[0]
-                rows[f"{layer.name} r{rank} M={M}"] = dict(us=us, ok=check.ok, err=check.err)
+                name = layer.name if models == ("llama3-8b",) else f"{model}:{layer.name}"
+                rows[f"{name} r{rank} M={M}"] = dict(us=us, ok=check.ok, err=check.err)
                 del sets, ref
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -103,13 +109,16 @@ def main(argv=None):
     t.add_argument("out_dir")
     t.add_argument("--tokens", default="1,16,64,256,1024")
     t.add_argument("--device", default="cuda")
+    t.add_argument("--ranks", default="16,64", help="uniform slot ranks (default 16,64: the core grid's)")
+    t.add_argument("--models", default="llama3-8b", help="llama3-8b and/or phi4-mini (comma-separated)")
     c = sub.add_parser("compare", help="each tag's fastest pass per shape against the base tag's")
     c.add_argument("out_dir")
     c.add_argument("base_tag")
     c.add_argument("tags", nargs="+")
     args = ap.parse_args(argv)
     if args.cmd == "time":
-        return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device)
+        return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device,
+                         tuple(int(r) for r in args.ranks.split(",")), tuple(args.models.split(",")))
     compare(args.out_dir, args.base_tag, args.tags)
     return 0
 
