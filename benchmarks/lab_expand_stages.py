@@ -1,0 +1,97 @@
+"""Lab (session 19): the high-rank expand's pipeline depth.
+
+A 4-stage pipeline won the high-rank shrink up to 14% (lab_shrink_tiles.py). The rank-loop expand's tuned
+tile everywhere at 1024-8192 tokens is 64 x 256 x 32 at 4 warps and 3 stages, and the tuner's candidates
+never held that tile at 4 stages (only 8 warps went to 4). Here the shipped expand, on the h add_lora_'s
+shrink writes, runs on the table's config and on the same tile at other stage counts (and 8 warps at 4),
+each timed as CUDA-graph replays (cold L2) and checked against float64 twice, before and after its
+timing: the relative error of its delta (an exact kernel shows the rounding of y, ~2.8e-3 in bf16), how
+many values are off by more than the tuner's check allows (configs.tuning.check_candidate), and how far
+its delta is from the table config's first one.
+
+Session 19's run (call 8) compared deltas with the table config's only: on Llama o / down r320 every
+other config's delta was 1.3e-3 away from it, and 5 stages gave garbage on down; which config was off
+is what the float64 columns settle.
+
+    python benchmarks/lab_expand_stages.py                          # H200 (MS default 4096)
+    DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_expand_stages.py   # logic check, tiny, float16
+"""
+import os
+
+import torch
+
+import repo_path  # noqa: F401,E402
+import problems  # noqa: E402
+import shapes  # noqa: E402
+from lab_env import ints  # noqa: E402
+from lora_ops import configs, launch  # noqa: E402
+from lora_ops.configs import tuning  # noqa: E402
+from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
+from timing import Timer  # noqa: E402
+
+DEV = os.environ.get("DEV", "cuda")
+TINY = DEV != "cuda"
+DTYPE = torch.bfloat16 if not TINY else torch.float16
+TOKENS = ints("MS", "4096" if not TINY else "48")
+
+
+def rows():
+    if TINY:   # rank 40 in blocks of 16 (below): two full rank blocks and a partial one
+        return [(shapes.tiny_layer(layer), 40) for layer in shapes.LLAMA3_8B[:2]]
+    return ([(layer, r) for layer in shapes.LLAMA3_8B for r in (128, 320)]
+            + [(layer, 320) for layer in shapes.PHI4_MINI])
+
+
+def variants(cfg):
+    """The table's tile at other pipeline depths, and at 8 warps."""
+    out = [cfg._replace(num_stages=s) for s in (2, 4, 5) if s != cfg.num_stages]
+    return out + [cfg._replace(num_warps=8, num_stages=4)]
+
+
+def main():
+    if TINY:   # the rank loop at tiny shapes: a rank block smaller than the rank
+        configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 3)
+    timer = Timer(DEV)
+    print("| layer | r | M | config (block_m, block_n, block_r, warps, stages) | µs | / table | vs table | "
+          "fp64 err before / after timing | values off before / after |\n|---|---|---|---|---|---|---|---|---|")
+    for layer, rank in rows():
+        for M in TOKENS:
+            p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
+            i = p.inputs(0)
+            launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank,
+                                                            p.widths, *p.meta)
+            if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
+                print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
+                continue
+            launches[0]()   # the shrink: h
+            h = buffers[0]
+            table = configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
+            y0 = i.y.clone()
+            exact = problems.reference_delta(p, i)
+            first, base_us = None, None
+
+            def run_checked(lc):
+                """(delta, its fp64 relative error, values off by more than the tuner's check allows)."""
+                i.y.copy_(y0)
+                lc()
+                delta = i.y.double() - y0.double()
+                off = tuning._mismatch(i.y, y0, exact.float())
+                return delta, float((delta - exact).norm() / exact.norm()), off.split(" of")[0] if off else "0"
+            for cfg in [table, *variants(table)]:
+                try:
+                    lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
+                    delta, err, off = run_checked(lc)
+                except Exception as e:  # noqa: BLE001 (a lab: a config that does not run is a row)
+                    print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | failed: {type(e).__name__} |")
+                    continue
+                first = delta if first is None else first
+                vs_table = float((delta - first).norm() / first.norm())
+                us = timer.measure(lambda k, lc=lc: lc, p.set_bytes(), eager=False)[0]
+                _, err_after, off_after = run_checked(lc)
+                base_us = base_us or us
+                print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | {us:.1f} | {us / base_us:.3f} | "
+                      f"{vs_table:.1e} | {err:.2e} / {err_after:.2e} | {off} / {off_after} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
