@@ -187,9 +187,10 @@ def tune_shape(job, args, device, dtype, problems):
     entries = [
         dict(kind="shrink", features=K, out_features=N, **key, config=shrink._asdict(),
              us=round(split_us - expand_us, 2), pair_us=round(split_us, 2),
-             heuristic_us=round(heur_pair_us - heur_expand_us, 2), candidates=len(timings)),
+             heuristic_us=_us(None if None in (heur_pair_us, heur_expand_us) else heur_pair_us - heur_expand_us),
+             candidates=len(timings)),
         dict(kind="expand", features=N, **key, config=expand._asdict(), us=round(expand_us, 2),
-             heuristic_us=round(heur_expand_us, 2), candidates=len(expand_timings)),
+             heuristic_us=_us(heur_expand_us), candidates=len(expand_timings)),
     ]
     fused, fused_us, timings = tuning.search("fused", problems, candidates("fused", K))
     heur_fused = heuristics.fused_config(bucket, K, r)
@@ -198,9 +199,14 @@ def tune_shape(job, args, device, dtype, problems):
     use = fused is not None and fused_us < split_us
     entries.append(dict(kind="fused", features=K, out_features=N, **key, config=fused._asdict() if use else None,
                         us=round(min(fused_us, split_us), 2), one_launch_us=round(fused_us, 2) if fused else None,
-                        two_launch_us=round(split_us, 2), heuristic_us=round(heur_path_us, 2),
+                        two_launch_us=round(split_us, 2), heuristic_us=_us(heur_path_us),
                         candidates=len(timings)))
     return entries
+
+
+def _us(t):
+    """A time for the table, rounded; None where the config did not run or failed its check."""
+    return None if t is None else round(t, 2)
 
 
 def tune_stacked(job, args, device, dtype, problems):
@@ -235,8 +241,8 @@ def _tune_expand_mode(kind, job, args, device, dtype, problems):
     fallback = configs.expand_config(bucket, N, S, r, args.slots, device, dtype)
     return [dict(kind=kind, features=N, in_features=K, model=model, layer=name, slices=S, rank=r,
                  tokens=bucket, config=best._asdict(), us=round(best_us, 2),
-                 expand_entry_us=round(us_of(fallback), 2),
-                 heuristic_us=round(us_of(heuristics.expand_config(bucket, N, r, args.slots)), 2),
+                 expand_entry_us=_us(us_of(fallback)),
+                 heuristic_us=_us(us_of(heuristics.expand_config(bucket, N, r, args.slots))),
                  candidates=len(timings))]
 
 
@@ -446,7 +452,7 @@ def main(argv=None):
               f"{sum(e['kept'] == 'new' for e in compared)} of {len(compared)} shapes")
     by_layer = {}
     for e in searched:
-        if e["kind"] == "fused":  # per layer call: the heuristic's path against the tuned one
+        if e["kind"] == "fused" and e["heuristic_us"]:  # per layer call: the heuristic's path against the tuned one
             by_layer[(e["layer"], e["rank"], e["tokens"])] = e["heuristic_us"] / e["us"]
     if by_layer:
         geo = torch.tensor(list(by_layer.values())).log().mean().exp().item()

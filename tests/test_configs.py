@@ -337,7 +337,8 @@ def test_tuner_times_what_add_lora_runs(pair):
     else:
         ref = shrink_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
         has = (slots >= 0).cpu()
-        torch.testing.assert_close(p["h"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
+        # Into a buffer of its own: p["h"] stays the expand's input.
+        torch.testing.assert_close(p["h_shrink"].cpu()[has], ref.float()[has], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"pair-{p}")
@@ -356,6 +357,70 @@ def test_tuner_store_runner_writes_the_delta(pair, monkeypatch):
         slots[sorted_ids[starts[s]:starts[s] + counts[s]].long()] = s
     ref = lora_delta_reference(p["x"], p["A"], p["B"], p["scale"], p["rank"], slots, p["widths"])
     torch.testing.assert_close(p["y"].cpu(), ref.float(), rtol=1e-4, atol=1e-4)
+
+
+CHECKED = {   # kind -> (max rank, config, expand config) each runner is checked with
+    "expand": (80, heuristics.ExpandConfig(16, 16, 32, 4, 2), None),
+    "shrink": (80, PAIRS["rank_loop-rank_80"][1], None),
+    "pair": (80, *PAIRS["rank_loop-rank_80"][1:]),
+    "pair_one_block": (16, *PAIRS["one_block"][1:]),
+    "fused": (16, heuristics.FusedConfig(16, 16, 16, 16, 4, 2), None),
+    "store": (80, heuristics.ExpandConfig(16, 16, 32, 4, 2), None),
+    "stacked": (16, heuristics.ExpandConfig(16, 16, 16, 4, 2), None),
+}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")   # see test_split_k_...
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CHECKED)
+def test_tuner_check_passes_right_candidates_and_restores_y(case, dtype, request):
+    """Every runner's output passes the tuner's check (check_candidate) for a right config, with y as first
+    seen afterwards, also after timing-like runs added into y. (bf16 is judged on a GPU only: the
+    interpreter's own bf16 arithmetic is wrong, so the check skips it there.)"""
+    if dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_interpreter")
+    R, cfg, ecfg = CHECKED[case]
+    kind = case.split("_")[0].replace("pair", "shrink")
+    p = tuning.synthetic_problem(torch.device(DEVICE), dtype, 40, [24, 8], R, 3, 9)
+    y0 = p["y"].clone()
+    assert tuning.check_candidate(kind, p, cfg, ecfg) is None
+    tuning.RUNNERS[kind](p, cfg, ecfg)()   # as a timing replay would: y moves on
+    assert tuning.check_candidate(kind, p, cfg, ecfg) is None
+    assert torch.equal(p["y"], y0)
+
+
+@pytest.mark.parametrize("fault", ["one_value", "one_row", "nan", "skipped"])
+@pytest.mark.parametrize("kind", ["expand", "store", "shrink_alone"])
+def test_tuner_check_rejects_wrong_candidates(kind, fault, monkeypatch, capsys):
+    """A candidate whose output is wrong (one value or one row off by the delta's size, a NaN, or no write at
+    all) fails the check, and time_config drops it with a line to stderr."""
+    R, cfg, ecfg = CHECKED["shrink" if kind == "shrink_alone" else kind]
+    kind = kind.replace("_alone", "")
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
+    real = tuning.RUNNERS[kind]
+
+    def faulty(p, cfg, expand_cfg=None):
+        run = real(p, cfg, expand_cfg)
+
+        def go():
+            out = p["h_shrink"] if kind == "shrink" else p["y"]
+            before = out.clone()
+            run()
+            used = (p["slots"] >= 0).nonzero()[0, 0]   # a token with an adapter
+            if fault == "one_value":
+                out[used].view(-1)[0] += 3 * float(out[used].abs().max())
+            elif fault == "one_row":
+                out[used] = before[used]
+            elif fault == "nan":
+                out[used].view(-1)[-1] = float("nan")
+            else:
+                out.copy_(before)
+        return go
+    monkeypatch.setattr(tuning, "RUNNERS", {**tuning.RUNNERS, kind: faulty})
+    assert tuning.check_candidate(kind, p, cfg, ecfg) is not None
+    assert tuning.time_config(kind, [p], cfg, ecfg) is None
+    assert "wrong result" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
@@ -382,14 +447,29 @@ def test_tuner_picks_the_fastest_pair_over_both_expand_paths(monkeypatch):
                (shrinks[0], one_block): 12.0, (shrinks[1], one_block): 25.0}
     timed = []
 
-    def fake_time(kind, problems, cfg, expand_cfg=None):
+    def fake_time(kind, problems, cfg, expand_cfg=None, check=True):
         timed.append(expand_cfg)
         return pair_us[(cfg, expand_cfg)]
     monkeypatch.setattr(tuning, "time_config", fake_time)
+    monkeypatch.setattr(tuning, "passes_check", lambda *a: True)
     expand_us = {loop_fast: 3.0, loop_slow: 4.0, one_block: 5.0}     # the one-block expand alone is slower
     shrink, us, timings, expand, e_us = tuning.search_pair([], shrinks, expand_us, 128)
     assert (shrink, us, expand, e_us) == (shrinks[0], 12.0, one_block, 5.0)
     assert set(timed) == {loop_fast, one_block} and len(timings) == 2
+
+
+def test_search_checks_each_new_fastest_and_drops_a_wrong_one(monkeypatch):
+    """search checks a candidate only when it times faster than all before it; a wrong one is neither kept
+    nor timed into the result, and the fastest right one wins."""
+    cands = [heuristics.ExpandConfig(16, bn, 16, 4, 2) for bn in (16, 32, 64, 128)]
+    us = dict(zip(cands, (5.0, 7.0, 3.0, 1.0)))
+    checked = []
+    monkeypatch.setattr(tuning, "time_config", lambda kind, problems, cfg, expand_cfg=None, check=True: us[cfg])
+    monkeypatch.setattr(tuning, "passes_check",
+                        lambda kind, problems, cfg, expand_cfg=None: checked.append(cfg) or cfg != cands[3])
+    best, best_us, timings = tuning.search("expand", [], cands)
+    assert (best, best_us) == (cands[2], 3.0) and cands[3] not in timings and len(timings) == 3
+    assert checked == [cands[0], cands[2], cands[3]]
 
 
 def test_tuner_pairs_each_column_block_count_with_the_shrinks(monkeypatch):
@@ -407,10 +487,11 @@ def test_tuner_pairs_each_column_block_count_with_the_shrinks(monkeypatch):
         pair_us[(c, four)] = 8.0 if (c.block_k, c.split_k, c.block_m) == (256, 16, 16) else 10.5
     timed = []
 
-    def fake_time(kind, problems, cfg, expand_cfg=None):
+    def fake_time(kind, problems, cfg, expand_cfg=None, check=True):
         timed.append((cfg, expand_cfg))
         return pair_us[(cfg, expand_cfg)]
     monkeypatch.setattr(tuning, "time_config", fake_time)
+    monkeypatch.setattr(tuning, "passes_check", lambda *a: True)
     shrink, us, timings, expand, e_us = tuning.search_pair([], shrinks, {one: 3.0, one_slow: 3.5, four: 4.0}, 64)
     assert (shrink, us, expand, e_us) == (shrinks[5], 8.0, four, 4.0)
     after_four = {cfg for cfg, e in timed if e == four}
@@ -458,6 +539,7 @@ def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
         return real_runner(p, cfg, expand_cfg)
     cands = [heuristics.ShrinkConfig(16, 16, 16, 2, 4, 2), heuristics.ShrinkConfig(16, 16, 32, 1, 4, 2)]
     monkeypatch.setitem(tuning.RUNNERS, "shrink", recording_runner)
+    monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("shrink", torch.device(DEVICE), torch.float32, 40, 2, 16, 3, 16, out_features=32)
@@ -499,6 +581,7 @@ def test_autotune_times_the_stacked_layer(monkeypatch):
         return run
     cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 2)]
     monkeypatch.setitem(tuning.RUNNERS, "stacked", recording_runner)
+    monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     # 3 slots, 2 slices of 24 + 24 outputs, rank 16, K 40: [W; A] is [48 + 3 * 2 * 16, 40].
@@ -528,6 +611,7 @@ def test_autotune_times_the_store_mode(monkeypatch):
         return real_runner(p, cfg, expand_cfg)
     cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 1, 2)]
     monkeypatch.setitem(tuning.RUNNERS, "store", recording_runner)
+    monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("store", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)

@@ -8,6 +8,7 @@ per launch counts. Candidates that fail to compile or exceed the GPU's resources
 import itertools
 import math
 import statistics
+import sys
 
 import torch
 
@@ -252,7 +253,8 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
     batch = LoRABatch(num_tokens, num_slots, device)
     batch.update(slots)
     h = torch.randn(num_tokens, S, max_rank, generator=g, device=device)
-    return dict(x=x, A=A, B=B, y=y, scale=scale, rank=rank, meta=batch.meta, h=h, widths=list(slice_widths))
+    return dict(x=x, A=A, B=B, y=y, scale=scale, rank=rank, meta=batch.meta, h=h, widths=list(slice_widths),
+                slots=slots)
 
 
 def base_weight(out_features, in_features, device, dtype, seed):
@@ -332,7 +334,10 @@ def shrink_runner(p, cfg, expand_cfg=None):
     before its wait run beside the shrink, which changes which pair is fastest (DESIGN §4)."""
     from lora_ops import launch
     if expand_cfg is None:
-        h = p["h"]
+        # Its own output: p["h"] stays the expand's input (check_candidate's reference is computed from it).
+        if "h_shrink" not in p:
+            p["h_shrink"] = torch.zeros_like(p["h"])
+        h = p["h_shrink"]
 
         def run():
             launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], h, cfg)
@@ -375,7 +380,7 @@ def stacked_runner(p, cfg, expand_cfg=None):
     pdl = launch.stacked_uses_pdl(p["x"])
 
     def run():
-        out = torch.nn.functional.linear(p["x"], p["Wst"])
+        out = p["stacked_out"] = torch.nn.functional.linear(p["x"], p["Wst"])
         launch.launch_expand_stacked(out, N, p["B"], p["widths"], p["rank"], p["scale"], *p["meta"], cfg, pdl=pdl)
     return run
 
@@ -401,24 +406,136 @@ RUNNERS = {"shrink": shrink_runner, "expand": expand_runner, "fused": fused_runn
            "store": store_runner}
 
 
-def time_config(kind, problems, cfg, expand_cfg=None):
-    """µs per launch of `cfg` on `problems` (copies), or None if it does not compile or run. A shrink
-    given ``expand_cfg`` is timed with that expand after it (shrink_runner)."""
+def time_config(kind, problems, cfg, expand_cfg=None, check=True):
+    """µs per launch of `cfg` on `problems` (copies), or None if it does not compile or run, or (``check``)
+    if its output on the first copy is wrong (:func:`passes_check`). A shrink given ``expand_cfg`` is
+    timed with that expand after it (shrink_runner)."""
     try:
+        if check and not passes_check(kind, problems, cfg, expand_cfg):
+            return None
         fns = [RUNNERS[kind](p, cfg, expand_cfg) for p in problems]
         return graph_time_us(fns) if problems[0]["x"].is_cuda else wall_time_us(fns)
     except Exception:  # noqa: BLE001 — out of resources / compile failure: not a candidate
-        torch.cuda.synchronize()
+        if problems[0]["x"].is_cuda:
+            torch.cuda.synchronize()
         return None
 
 
+def passes_check(kind, problems, cfg, expand_cfg=None):
+    """Whether ``cfg`` writes the right values on the first copy (check_candidate); if not, a line to stderr."""
+    try:
+        wrong = check_candidate(kind, problems[0], cfg, expand_cfg)
+    except Exception as e:  # noqa: BLE001 — a config that cannot run is not a candidate either
+        wrong = f"the check's run raised {type(e).__name__}"
+    if wrong:
+        sys.stderr.write(f"\nlora_ops.tune: {kind} {tuple(cfg)}"
+                         + (f" before expand {tuple(expand_cfg)}" if expand_cfg else "")
+                         + f": wrong result ({wrong}); not a candidate\n")
+    return not wrong
+
+
+# A candidate's output is checked on a problem's first copy (search: each one that times faster than all
+# before it; time_config: before it is timed), because the compiler can get a config wrong that the shipped
+# ones never exercised, and a table must never hold it. H200, session 19 (benchmarks/lab_expand_stages.py):
+# the rank-loop expand on the Llama o / down rank-320 shapes at 4096 tokens gave garbage (error 3.9e11) at 5
+# stages, and at 2 or 4 stages or 8 warps a delta 1.3e-3 (relative) away from the 3-stage one, which the
+# benchmark's float64 check passed (which of them is off is not settled). An element fails where it is off
+# its float64 value by more than CHECK_ULPS rounding steps of the output's dtype (at least 2^-10: float32
+# sums differ by order), relative to that value plus the delta's RMS (rounded h, partial sums); NaN or inf
+# fails. A right kernel stays within one or two steps; a wrong row, tile or garbage is off by about the
+# delta itself.
+CHECK_ULPS = 4
+CHECK_CHUNK = 1 << 24   # elements compared at a time: float64 temporaries stay bounded at any shape
+
+
+def check_candidate(kind, p, cfg, expand_cfg=None):
+    """None if one run of ``cfg`` (``kind``'s runner) on problem ``p`` writes the right values, else a short
+    reason. y is reset first to its value when first seen (timing replays keep adding into it, which
+    would loosen a check relative to y), and after. bf16 off a GPU is run but not judged: Triton's
+    interpreter (the tuner's --dry-run) computes bf16 wrongly itself (DESIGN §6)."""
+    run = RUNNERS[kind](p, cfg, expand_cfg)
+    judged = p["x"].is_cuda or p["x"].dtype != torch.bfloat16
+    if kind == "shrink" and expand_cfg is None:
+        out = p["h_shrink"]
+        out.fill_(float("nan"))
+        run()
+        if not judged:
+            return None
+        ref = _reference(p, "h")
+        written = ref != 0   # slot -1 rows and columns past a slot's rank are never written
+        return _mismatch(out[written], None, ref[written], 2 ** -10)
+    if "y_first" not in p:
+        p["y_first"] = p["y"].clone()
+    p["y"].copy_(p["y_first"])
+    if kind == "store":
+        p["y"].fill_(float("nan"))   # every row must be written: the delta, or zeros without one
+    run()
+    wrong = None
+    if judged:
+        delta = _reference(p, "expand" if kind == "expand" else "delta")
+        if kind == "stacked":
+            wrong = _mismatch(p["stacked_out"][:, :p["B"].shape[1]], _reference(p, "base"), delta)
+        else:
+            wrong = _mismatch(p["y"], None if kind == "store" else p["y_first"], delta)
+    p["y"].copy_(p["y_first"])
+    return wrong
+
+
+def _mismatch(out, base, delta, eps=None):
+    """Why ``out`` is not base + delta (base None: zero) within CHECK_ULPS rounding steps, or None."""
+    eps = max(torch.finfo(out.dtype).eps if eps is None else eps, 2 ** -10)
+    out, delta = out.reshape(-1), delta.reshape(-1)
+    base = None if base is None else base.reshape(-1)
+    if not bool(torch.isfinite(out).all()):
+        return f"{int((~torch.isfinite(out)).sum())} of {out.numel()} values not finite"
+    rms = delta.double().pow(2).mean().sqrt() if delta.numel() else torch.zeros((), dtype=torch.float64)
+    bad = torch.zeros((), dtype=torch.int64, device=out.device)
+    worst = torch.zeros((), dtype=torch.float64, device=out.device)
+    for i in range(0, out.numel(), CHECK_CHUNK):   # one host sync at the end, not one per chunk
+        exact = delta[i:i + CHECK_CHUNK].double()
+        if base is not None:
+            exact = exact + base[i:i + CHECK_CHUNK].double()
+        err = (out[i:i + CHECK_CHUNK].double() - exact).abs()
+        bad += (err > CHECK_ULPS * eps * (exact.abs() + rms)).sum()
+        worst = torch.maximum(worst, err.max())
+    if int(bad):
+        return f"{int(bad)} of {out.numel()} values off, by up to {float(worst):.3g} (delta RMS {float(rms):.3g})"
+    return None
+
+
+def _reference(p, what):
+    """Float values a candidate's output is checked against, computed in float64 once per problem copy and
+    kept in float32: "delta" (the LoRA delta of x), "expand" (p["h"] B^T: what the expand alone adds),
+    "h" (the shrink's output), "base" (F.linear(x, W): the stacked GEMM's first columns, up to rounding)."""
+    key = "ref_" + what
+    if key not in p:
+        from lora_ops import reference
+        slots = p["slots"]
+        zeros = torch.zeros(p["y"].shape, dtype=torch.float64, device=p["y"].device)
+        if what == "delta":
+            value = reference.lora_forward_reference(zeros, p["x"], p["A"], p["B"], p["scale"], p["rank"], slots,
+                                                     p["widths"])
+        elif what == "expand":
+            value = reference.expand_forward_reference(zeros, p["h"], p["B"], p["rank"], slots, p["widths"])
+        elif what == "h":
+            value = reference.shrink_grouped_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
+        else:
+            value = torch.nn.functional.linear(p["x"], p["Wst"][:p["B"].shape[1]])
+        p[key] = value.float() if value.dtype == torch.float64 else value
+    return p[key]
+
+
 def search(kind, problems, candidates, expand_cfg=None):
-    """(best config, its µs, {config: µs}) over the candidates that run; (None, inf, {}) if none does."""
-    timings = {}
+    """(best config, its µs, {config: µs}) over the candidates that run; (None, inf, {}) if none does.
+    A candidate is checked (passes_check) when it times faster than every one before it: so the best is
+    always a checked one, at a few checks per search; a wrong one is dropped from the timings."""
+    timings, best_us = {}, math.inf
     for cfg in candidates:
-        us = time_config(kind, problems, cfg, expand_cfg)
-        if us is not None:
-            timings[cfg] = us
+        us = time_config(kind, problems, cfg, expand_cfg, check=False)
+        if us is None or (us < best_us and not passes_check(kind, problems, cfg, expand_cfg)):
+            continue
+        timings[cfg] = us
+        best_us = min(best_us, us)
     if not timings:
         return None, math.inf, timings
     best = min(timings, key=timings.get)
