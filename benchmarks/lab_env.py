@@ -30,6 +30,22 @@ def problem(layer, rank, M):
     return problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
 
 
+def rank_loop_row(layer, rank, M):
+    """(problem, its input set 0, h) for one high-rank row, h written by add_lora_'s shrink on the shipped
+    config; None (a line printed) where add_lora_ does not take the shrink + rank-loop expand path. The
+    expand labs (lab_h_planes, lab_expand_stages) time expands on this h."""
+    from lora_ops import launch
+    p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
+    i = p.inputs(0)
+    launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank, p.widths,
+                                                    *p.meta)
+    if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
+        print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
+        return None
+    launches[0]()
+    return p, i, buffers[0]
+
+
 def lab_rows(tokens, ranks, budget):
     """(layer, rank, M) for every token count, rank and layer, in that nesting, while fewer than ``budget``
     seconds have passed since the lab started; the GPU's cache is emptied after each row."""

@@ -16,22 +16,15 @@ is what the float64 columns settle.
     python benchmarks/lab_expand_stages.py                          # H200 (MS default 4096)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_expand_stages.py   # logic check, tiny, float16
 """
-import os
-
-import torch
-
 import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
-from lab_env import ints  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints, rank_loop_row  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs import tuning  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
 from timing import Timer  # noqa: E402
 
-DEV = os.environ.get("DEV", "cuda")
-TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if not TINY else torch.float16
 TOKENS = ints("MS", "4096" if not TINY else "48")
 
 
@@ -56,15 +49,10 @@ def main():
           "fp64 err before / after timing | values off before / after |\n|---|---|---|---|---|---|---|---|---|")
     for layer, rank in rows():
         for M in TOKENS:
-            p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
-            i = p.inputs(0)
-            launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank,
-                                                            p.widths, *p.meta)
-            if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
-                print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
+            row = rank_loop_row(layer, rank, M)
+            if row is None:
                 continue
-            launches[0]()   # the shrink: h
-            h = buffers[0]
+            p, i, h = row
             table = configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
             y0 = i.y.clone()
             exact = problems.reference_delta(p, i)

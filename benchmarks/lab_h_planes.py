@@ -25,24 +25,19 @@ planes itself (its epilogue has the full sum when it sums its own splits) and th
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_h_planes.py   # logic check, tiny, float16
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 import repo_path  # noqa: F401,E402
-import problems  # noqa: E402
 import shapes  # noqa: E402
-from lab_env import ints  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints, rank_loop_row  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig, max_token_tiles, next_power_of_2, rank_align  # noqa: E402
 from lora_ops.kernels.work import find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil  # noqa: E402
 from timing import Timer  # noqa: E402
 
-DEV = os.environ.get("DEV", "cuda")
-TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if not TINY else torch.float16
 TOKENS = ints("MS", "4096" if not TINY else "48")
 
 
@@ -152,17 +147,13 @@ def main():
     print("| layer | r | M | variant | µs | / expand | err vs expand |\n|---|---|---|---|---|---|---|")
     for layer, rank in rows():
         for M in TOKENS:
-            p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
-            i = p.inputs(0)
-            launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank,
-                                                            p.widths, *p.meta)
-            if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
-                print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
+            row = rank_loop_row(layer, rank, M)
+            if row is None:
                 continue
-            shrink, expand = launches
-            shrink()
+            p, i, h = row
             cfg = configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
-            planes = h_planes(buffers[0], DTYPE)
+            expand = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
+            planes = h_planes(h, DTYPE)
             calls = {"expand": expand}
             for name, (count, tile) in variants(cfg).items():
                 calls[name] = functools.partial(planes_launch(i.y, planes, p, tile, count), i)

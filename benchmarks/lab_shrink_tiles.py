@@ -14,21 +14,17 @@ checked against the table's h and timed as CUDA-graph replays (cold L2) beside t
     python benchmarks/lab_shrink_tiles.py                          # H200 (MS default 4096)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_shrink_tiles.py   # logic check, tiny, float16
 """
-import os
 
 import torch
 
 import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
-from lab_env import ints  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs.heuristics import ShrinkConfig, cdiv, max_token_tiles, next_power_of_2  # noqa: E402
 from timing import Timer  # noqa: E402
 
-DEV = os.environ.get("DEV", "cuda")
-TINY = DEV != "cuda"
-DTYPE = torch.bfloat16 if not TINY else torch.float16
 TOKENS = ints("MS", "4096" if not TINY else "48")
 ROWS = ([("llama3-8b", name, 320) for name in ("qkv", "o", "gate_up", "down")]
         + [("llama3-8b", "down", 128), ("llama3-8b", "qkv", 128), ("phi4-mini", "qkv", 320),
