@@ -30,20 +30,23 @@ def problem(layer, rank, M):
     return problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
 
 
-def rank_loop_row(layer, rank, M):
-    """(problem, its input set 0, h) for one high-rank row, h written by add_lora_'s shrink on the shipped
-    config; None (a line printed) where add_lora_ does not take the shrink + rank-loop expand path. The
-    expand labs (lab_h_planes, lab_expand_stages) time expands on this h."""
-    from lora_ops import launch
-    p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
-    i = p.inputs(0)
-    launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank, p.widths,
-                                                    *p.meta)
-    if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
-        print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
-        return None
-    launches[0]()
-    return p, i, buffers[0]
+def rank_loop_rows(rows, tokens):
+    """For each (layer, rank) of ``rows`` and token count: (layer, rank, M, problem, its input set 0, h,
+    the expand's config), h written by add_lora_'s shrink on the shipped config; rows where add_lora_ does
+    not take the shrink + rank-loop expand path are skipped with a line. The expand labs (lab_h_planes,
+    lab_expand_stages) time expands on this h."""
+    from lora_ops import configs, launch
+    for layer, rank in rows:
+        for M in tokens:
+            p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
+            i = p.inputs(0)
+            launches, _, buffers = launch.add_lora_launches(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank,
+                                                            p.widths, *p.meta)
+            if len(launches) != 2 or launches[1].constexprs["ONE_RANK_BLOCK"]:
+                print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
+                continue
+            launches[0]()
+            yield layer, rank, M, p, i, buffers[0], configs.expand_config(M, p.N, p.S, p.R, p.L, DEV, DTYPE)
 
 
 def lab_rows(tokens, ranks, budget):

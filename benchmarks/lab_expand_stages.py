@@ -19,7 +19,7 @@ is what the float64 columns settle.
 import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
-from lab_env import DEV, DTYPE, TINY, ints, rank_loop_row  # noqa: E402
+from lab_env import DEV, TINY, ints, rank_loop_rows  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs import tuning  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
@@ -47,38 +47,32 @@ def main():
     timer = Timer(DEV)
     print("| layer | r | M | config (block_m, block_n, block_r, warps, stages) | µs | / table | vs table | "
           "fp64 err before / after timing | values off before / after |\n|---|---|---|---|---|---|---|---|---|")
-    for layer, rank in rows():
-        for M in TOKENS:
-            row = rank_loop_row(layer, rank, M)
-            if row is None:
-                continue
-            p, i, h = row
-            table = configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
-            y0 = i.y.clone()
-            exact = problems.reference_delta(p, i)
-            first, base_us = None, None
+    for layer, rank, M, p, i, h, table in rank_loop_rows(rows(), TOKENS):
+        y0 = i.y.clone()
+        exact = problems.reference_delta(p, i)
+        first, base_us = None, None
 
-            def run_checked(lc):
-                """(delta, its fp64 relative error, values off by more than the tuner's check allows)."""
-                i.y.copy_(y0)
-                lc()
-                delta = i.y.double() - y0.double()
-                off = tuning._mismatch(i.y, y0, exact.float())
-                return delta, float((delta - exact).norm() / exact.norm()), off.split(" of")[0] if off else "0"
-            for cfg in [table, *variants(table)]:
-                try:
-                    lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
-                    delta, err, off = run_checked(lc)
-                except Exception as e:  # noqa: BLE001 (a lab: a config that does not run is a row)
-                    print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | failed: {type(e).__name__} |")
-                    continue
-                first = delta if first is None else first
-                vs_table = float((delta - first).norm() / first.norm())
-                us = timer.measure(lambda k, lc=lc: lc, p.set_bytes(), eager=False)[0]
-                _, err_after, off_after = run_checked(lc)
-                base_us = base_us or us
-                print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | {us:.1f} | {us / base_us:.3f} | "
-                      f"{vs_table:.1e} | {err:.2e} / {err_after:.2e} | {off} / {off_after} |", flush=True)
+        def run_checked(lc):
+            """(delta, its fp64 relative error, values off by more than the tuner's check allows)."""
+            i.y.copy_(y0)
+            lc()
+            delta = i.y.double() - y0.double()
+            off = tuning._mismatch(i.y, y0, exact.float())
+            return delta, float((delta - exact).norm() / exact.norm()), off.split(" of")[0] if off else "0"
+        for cfg in [table, *variants(table)]:
+            try:
+                lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
+                delta, err, off = run_checked(lc)
+            except Exception as e:  # noqa: BLE001 (a lab: a config that does not run is a row)
+                print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | failed: {type(e).__name__} |")
+                continue
+            first = delta if first is None else first
+            vs_table = float((delta - first).norm() / first.norm())
+            us = timer.measure(lambda k, lc=lc: lc, p.set_bytes(), eager=False)[0]
+            _, err_after, off_after = run_checked(lc)
+            base_us = base_us or us
+            print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | {us:.1f} | {us / base_us:.3f} | "
+                  f"{vs_table:.1e} | {err:.2e} / {err_after:.2e} | {off} / {off_after} |", flush=True)
 
 
 if __name__ == "__main__":

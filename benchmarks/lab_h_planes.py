@@ -32,7 +32,7 @@ import triton.language as tl
 
 import repo_path  # noqa: F401,E402
 import shapes  # noqa: E402
-from lab_env import DEV, DTYPE, TINY, ints, rank_loop_row  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints, rank_loop_rows  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig, max_token_tiles, next_power_of_2, rank_align  # noqa: E402
 from lora_ops.kernels.work import find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil  # noqa: E402
@@ -145,36 +145,30 @@ def main():
         configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 1)
     timer = Timer(DEV)
     print("| layer | r | M | variant | µs | / expand | err vs expand |\n|---|---|---|---|---|---|---|")
-    for layer, rank in rows():
-        for M in TOKENS:
-            row = rank_loop_row(layer, rank, M)
-            if row is None:
+    for layer, rank, M, p, i, h, cfg in rank_loop_rows(rows(), TOKENS):
+        expand = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
+        planes = h_planes(h, DTYPE)
+        calls = {"expand": expand}
+        for name, (count, tile) in variants(cfg).items():
+            calls[name] = functools.partial(planes_launch(i.y, planes, p, tile, count), i)
+        y0 = i.y.clone()
+        deltas = {}
+        for name, fn in calls.items():
+            i.y.copy_(y0)
+            fn()
+            deltas[name] = i.y.double() - y0.double()
+        ref = deltas["expand"]
+        for name, fn in calls.items():
+            us = timer.measure(lambda k, fn=fn: fn, p.set_bytes(), eager=False)[0]
+            if name == "expand":
+                base_us = us
+                label = f"expand (shipped: {cfg.block_m}x{cfg.block_n}x{cfg.block_r} w{cfg.num_warps} " \
+                        f"s{cfg.num_stages})"
+                print(f"| {layer.name} | {rank} | {M} | {label} | {us:.1f} | 1 | 0 |", flush=True)
                 continue
-            p, i, h = row
-            cfg = configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
-            expand = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
-            planes = h_planes(h, DTYPE)
-            calls = {"expand": expand}
-            for name, (count, tile) in variants(cfg).items():
-                calls[name] = functools.partial(planes_launch(i.y, planes, p, tile, count), i)
-            y0 = i.y.clone()
-            deltas = {}
-            for name, fn in calls.items():
-                i.y.copy_(y0)
-                fn()
-                deltas[name] = i.y.double() - y0.double()
-            ref = deltas["expand"]
-            for name, fn in calls.items():
-                us = timer.measure(lambda k, fn=fn: fn, p.set_bytes(), eager=False)[0]
-                if name == "expand":
-                    base_us = us
-                    label = f"expand (shipped: {cfg.block_m}x{cfg.block_n}x{cfg.block_r} w{cfg.num_warps} " \
-                            f"s{cfg.num_stages})"
-                    print(f"| {layer.name} | {rank} | {M} | {label} | {us:.1f} | 1 | 0 |", flush=True)
-                    continue
-                err = float((deltas[name] - ref).norm() / ref.norm())
-                print(f"| {layer.name} | {rank} | {M} | {name} | {us:.1f} | {us / base_us:.3f} | {err:.1e} |",
-                      flush=True)
+            err = float((deltas[name] - ref).norm() / ref.norm())
+            print(f"| {layer.name} | {rank} | {M} | {name} | {us:.1f} | {us / base_us:.3f} | {err:.1e} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
