@@ -36,49 +36,50 @@ def shrink_reference(x, lora_a, scale, rank, token_slots):
     return h * (scale.double().cpu()[s] * (slots >= 0).double())[:, None, None]
 
 
-def lora_forward_reference(y, x, lora_a, lora_b, scale, rank, token_slots, slice_widths=None):
+def lora_forward_reference(y, x, lora_a, lora_b, scale, rank, token_slots, slice_widths=None, dtype=torch.float64):
     """y + delta in float64, differentiable in y, x, lora_a and lora_b (the gradient reference).
 
     Grouped per slot (float64 products over each slot's tokens only, no dense [M, R, K] gather), on the
     tensors' own device, so it serves the GPU check at real shapes too. Reads slots and ranks on the host.
+    ``dtype``: float32 for a fast check where float64 is slow (the tuner's, on GPUs with little float64).
     """
-    scales = scale.double()
+    scales = scale.to(dtype)
 
     def slot_h(slot, ids, r):
-        return torch.einsum("mk,srk->msr", x[ids].double(), lora_a[slot, :, :r].double()) * scales[slot]
-    return _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths)
+        return torch.einsum("mk,srk->msr", x[ids].to(dtype), lora_a[slot, :, :r].to(dtype)) * scales[slot]
+    return _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths, dtype)
 
 
-def shrink_grouped_reference(x, lora_a, scale, rank, token_slots):
+def shrink_grouped_reference(x, lora_a, scale, rank, token_slots, dtype=torch.float64):
     """:func:`shrink_reference` grouped per slot on x's device (real shapes: the tuner's check)."""
     L, S, R, K = lora_a.shape
     slots = token_slots.to(x.device).long()
     ranks = rank.tolist()
-    out = torch.zeros(x.shape[0], S, R, dtype=torch.float64, device=x.device)
+    out = torch.zeros(x.shape[0], S, R, dtype=dtype, device=x.device)
     for slot in range(L):
         ids = (slots == slot).nonzero().squeeze(1)
         r = min(max(int(ranks[slot]), 0), R)
         if r and ids.numel():
-            out[ids, :, :r] = torch.einsum("mk,srk->msr", x[ids].double(), lora_a[slot, :, :r].double()) \
+            out[ids, :, :r] = torch.einsum("mk,srk->msr", x[ids].to(dtype), lora_a[slot, :, :r].to(dtype)) \
                 * float(scale[slot])
     return out
 
 
-def expand_forward_reference(y, h, lora_b, rank, token_slots, slice_widths=None):
+def expand_forward_reference(y, h, lora_b, rank, token_slots, slice_widths=None, dtype=torch.float64):
     """y + h B^T in float64 (h [M, S, R] given: what the expand alone adds), grouped per slot on the
     tensors' own device like :func:`lora_forward_reference`."""
-    return _add_slot_products(y, lambda slot, ids, r: h[ids, :, :r].double(), lora_b, rank, token_slots,
-                              slice_widths)
+    return _add_slot_products(y, lambda slot, ids, r: h[ids, :, :r].to(dtype), lora_b, rank, token_slots,
+                              slice_widths, dtype)
 
 
-def _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths):
-    """y (as float64) plus, per slot with tokens and a rank, slot_h(slot, token ids, rank) [m, S, r] times
+def _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths, dtype):
+    """y (in ``dtype``) plus, per slot with tokens and a rank, slot_h(slot, token ids, rank) [m, S, r] times
     that slot's B per output slice, added at the slot's token rows."""
     L, N, R = lora_b.shape
     slice_widths = list(slice_widths or [N])
     slots = token_slots.to(y.device).long()
     ranks = rank.tolist()
-    out = y.double()
+    out = y.to(dtype)
     for slot in range(L):
         ids = (slots == slot).nonzero().squeeze(1)
         r = min(max(int(ranks[slot]), 0), R)
@@ -87,7 +88,7 @@ def _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths):
         h = slot_h(slot, ids, r)
         parts, col = [], 0
         for i, n in enumerate(slice_widths):
-            parts.append(h[:, i] @ lora_b[slot, col:col + n, :r].double().T)
+            parts.append(h[:, i] @ lora_b[slot, col:col + n, :r].to(dtype).T)
             col += n
         out = out.index_add(0, ids, torch.cat(parts, dim=1))
     return out

@@ -440,10 +440,10 @@ def passes_check(kind, problems, cfg, expand_cfg=None):
 # the rank-loop expand on the Llama o / down rank-320 shapes at 4096 tokens gave garbage (error 3.9e11) at 5
 # stages, and at 2 or 4 stages or 8 warps a delta 1.3e-3 (relative) away from the 3-stage one, which the
 # benchmark's float64 check passed (which of them is off is not settled). An element fails where it is off
-# its float64 value by more than CHECK_ULPS rounding steps of the output's dtype (at least 2^-10: float32
-# sums differ by order), relative to that value plus the delta's RMS (rounded h, partial sums); NaN or inf
-# fails. A right kernel stays within one or two steps; a wrong row, tile or garbage is off by about the
-# delta itself.
+# its exact value (full-precision float32 references: _reference) by more than CHECK_ULPS rounding steps of
+# the output's dtype (at least 2^-10: float32 sums differ by order), relative to that value plus the delta's
+# RMS (rounded h, partial sums); NaN or inf fails. A right kernel stays within one or two steps; a wrong row,
+# tile or garbage is off by about the delta itself.
 CHECK_ULPS = 4
 CHECK_CHUNK = 1 << 24   # elements compared at a time: float64 temporaries stay bounded at any shape
 
@@ -504,24 +504,32 @@ def _mismatch(out, base, delta, eps=None):
 
 
 def _reference(p, what):
-    """Float values a candidate's output is checked against, computed in float64 once per problem copy and
-    kept in float32: "delta" (the LoRA delta of x), "expand" (p["h"] B^T: what the expand alone adds),
-    "h" (the shrink's output), "base" (F.linear(x, W): the stacked GEMM's first columns, up to rounding)."""
+    """What a candidate's output is checked against, computed once per problem copy: "delta" (the LoRA
+    delta of x), "expand" (p["h"] B^T: what the expand alone adds), "h" (the shrink's output), in float32
+    at full precision (no TF32: errors ~1e-6 relative, far inside the check's 2^-10; float64 runs at 1/64
+    of the rate on many GPUs, where the runtime autotune checks too); "base" (F.linear(x, W): the stacked
+    GEMM's first columns, up to rounding)."""
     key = "ref_" + what
     if key not in p:
         from lora_ops import reference
-        slots = p["slots"]
-        zeros = torch.zeros(p["y"].shape, dtype=torch.float64, device=p["y"].device)
-        if what == "delta":
-            value = reference.lora_forward_reference(zeros, p["x"], p["A"], p["B"], p["scale"], p["rank"], slots,
-                                                     p["widths"])
-        elif what == "expand":
-            value = reference.expand_forward_reference(zeros, p["h"], p["B"], p["rank"], slots, p["widths"])
-        elif what == "h":
-            value = reference.shrink_grouped_reference(p["x"], p["A"], p["scale"], p["rank"], slots)
-        else:
-            value = torch.nn.functional.linear(p["x"], p["Wst"][:p["B"].shape[1]])
-        p[key] = value.float() if value.dtype == torch.float64 else value
+        args = (p["rank"], p["slots"])
+        zeros = torch.zeros(p["y"].shape, dtype=torch.float32, device=p["y"].device)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            if what == "delta":
+                value = reference.lora_forward_reference(zeros, p["x"], p["A"], p["B"], p["scale"], *args,
+                                                         p["widths"], dtype=torch.float32)
+            elif what == "expand":
+                value = reference.expand_forward_reference(zeros, p["h"], p["B"], *args, p["widths"],
+                                                           dtype=torch.float32)
+            elif what == "h":
+                value = reference.shrink_grouped_reference(p["x"], p["A"], p["scale"], *args, dtype=torch.float32)
+            else:
+                value = torch.nn.functional.linear(p["x"], p["Wst"][:p["B"].shape[1]])
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        p[key] = value
     return p[key]
 
 
