@@ -411,6 +411,7 @@ def time_config(kind, problems, cfg, expand_cfg=None, check=True):
     if its output on the first copy is wrong (:func:`passes_check`). A shrink given ``expand_cfg`` is
     timed with that expand after it (shrink_runner)."""
     try:
+        _keep_first_y(problems[0])   # before any run adds into it: the check's baseline
         if check and not passes_check(kind, problems, cfg, expand_cfg):
             return None
         fns = [RUNNERS[kind](p, cfg, expand_cfg) for p in problems]
@@ -450,8 +451,8 @@ CHECK_CHUNK = 1 << 24   # elements compared at a time: float64 temporaries stay 
 
 def check_candidate(kind, p, cfg, expand_cfg=None):
     """None if one run of ``cfg`` (``kind``'s runner) on problem ``p`` writes the right values, else a short
-    reason. y is reset first to its value when first seen (timing replays keep adding into it, which
-    would loosen a check relative to y), and after. bf16 off a GPU is run but not judged: Triton's
+    reason. y is reset first to its value before the tuner's first run on ``p`` (timing replays keep adding
+    into it, which would loosen a check relative to y), and after. bf16 off a GPU is run but not judged: Triton's
     interpreter (the tuner's --dry-run) computes bf16 wrongly itself (DESIGN §6)."""
     run = RUNNERS[kind](p, cfg, expand_cfg)
     judged = p["x"].is_cuda or p["x"].dtype != torch.bfloat16
@@ -464,8 +465,7 @@ def check_candidate(kind, p, cfg, expand_cfg=None):
         ref = _reference(p, "h")
         written = ref != 0   # slot -1 rows and columns past a slot's rank are never written
         return _mismatch(out[written], None, ref[written], 2 ** -10)
-    if "y_first" not in p:
-        p["y_first"] = p["y"].clone()
+    _keep_first_y(p)
     p["y"].copy_(p["y_first"])
     if kind == "store":
         p["y"].fill_(float("nan"))   # every row must be written: the delta, or zeros without one
@@ -479,6 +479,12 @@ def check_candidate(kind, p, cfg, expand_cfg=None):
             wrong = _mismatch(p["y"], None if kind == "store" else p["y_first"], delta)
     p["y"].copy_(p["y_first"])
     return wrong
+
+
+def _keep_first_y(p):
+    """Keep y as it was before the tuner's first run on this copy (check_candidate resets y to it)."""
+    if "y_first" not in p:
+        p["y_first"] = p["y"].clone()
 
 
 def _mismatch(out, base, delta, eps=None):
