@@ -84,6 +84,9 @@ def test_store_mode_writes_every_row(triton_backend, label, max_rank, cfg, M):
     assert rel_err(y, ref) <= TOLERANCE[dtype]
 
 
+# The rank loop computes rows of a tile's invalid tokens from token 0's h (unwritten memory when token 0 has no
+# adapter) and never stores them; the interpreter (numpy) warns when such a row holds inf/NaN garbage.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 def test_layer_matches_reference(backend, checked_dtype, write_first_from, write_calls, M):
