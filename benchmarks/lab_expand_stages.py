@@ -16,6 +16,8 @@ is what the float64 columns settle.
     python benchmarks/lab_expand_stages.py                          # H200 (MS default 4096)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_expand_stages.py   # logic check, tiny, float16
 """
+import torch
+
 import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
@@ -41,6 +43,25 @@ def variants(cfg):
     return out + [cfg._replace(num_warps=8, num_stages=4)]
 
 
+def where(p, mask, block_m):
+    """Where a [M, N] mask is set: how many values and rows, and the first rows as (token, slot, token tile
+    of its slot, row in the tile) with their first columns: a race, a tile or a row shows in the pattern."""
+    rows = mask.any(1).nonzero()[:, 0].tolist()
+    if not rows:
+        return ""
+    sorted_ids, starts, _ = (t.tolist() for t in p.meta)
+    order = {tok: k for k, tok in enumerate(sorted_ids[:p.M])}
+    slots = p.slots_cpu.tolist()
+    first = []
+    for t in rows[:3]:
+        s = slots[t]
+        k = order[t] - starts[s] if s >= 0 else -1
+        cols = mask[t].nonzero()[:, 0].tolist()
+        more = "..." if len(cols) > 4 else ""
+        first.append(f"token {t} slot {s} tile {k // block_m} row {k % block_m} cols {cols[:4]}{more}")
+    return f"{int(mask.sum())} values in {len(rows)} rows; " + "; ".join(first)
+
+
 def main():
     if TINY:   # the rank loop at tiny shapes: a rank block smaller than the rank
         configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 3)
@@ -52,27 +73,36 @@ def main():
         exact = problems.reference_delta(p, i)
         first, base_us = None, None
 
+        rms = float(exact.pow(2).mean().sqrt())
+
         def run_checked(lc):
-            """(delta, its fp64 relative error, values off by more than the tuner's check allows)."""
+            """(delta, its fp64 relative error, values off by more than the tuner's check allows, where)."""
             i.y.copy_(y0)
             lc()
             delta = i.y.double() - y0.double()
-            off = tuning._mismatch(i.y, y0, exact.float())
-            return delta, float((delta - exact).norm() / exact.norm()), off.split(" of")[0] if off else "0"
+            eps = max(float(torch.finfo(i.y.dtype).eps), 2 ** -10)
+            off = ((i.y.double() - (y0.double() + exact)).abs()
+                   > tuning.CHECK_ULPS * eps * ((y0.double() + exact).abs() + rms)) | ~i.y.isfinite()
+            err = float((delta - exact).norm() / exact.norm())
+            return delta, err, int(off.sum()), where(p, off.cpu(), table.block_m)
         for cfg in [table, *variants(table)]:
             try:
                 lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False)
-                delta, err, off = run_checked(lc)
+                delta, err, off, off_where = run_checked(lc)
             except Exception as e:  # noqa: BLE001 (a lab: a config that does not run is a row)
                 print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | failed: {type(e).__name__} |")
                 continue
             first = delta if first is None else first
             vs_table = float((delta - first).norm() / first.norm())
             us = timer.measure(lambda k, lc=lc: lc, p.set_bytes(), eager=False)[0]
-            _, err_after, off_after = run_checked(lc)
+            _, err_after, off_after, where_after = run_checked(lc)
             base_us = base_us or us
             print(f"| {layer.name} | {rank} | {M} | {tuple(cfg[:5])} | {us:.1f} | {us / base_us:.3f} | "
                   f"{vs_table:.1e} | {err:.2e} / {err_after:.2e} | {off} / {off_after} |", flush=True)
+            for label, text in (("off before timing", off_where), ("off after timing", where_after),
+                                ("differs from the table's", where(p, (delta != first).cpu(), table.block_m))):
+                if text:
+                    print(f"|   | {label}: {text} |", flush=True)
 
 
 if __name__ == "__main__":
