@@ -43,25 +43,16 @@ def lora_forward_reference(y, x, lora_a, lora_b, scale, rank, token_slots, slice
     tensors' own device, so it serves the GPU check at real shapes too. Reads slots and ranks on the host.
     ``dtype``: float32 for a fast check where float64 is slow (the tuner's, on GPUs with little float64).
     """
-    scales = scale.to(dtype)
-
-    def slot_h(slot, ids, r):
-        return torch.einsum("mk,srk->msr", x[ids].to(dtype), lora_a[slot, :, :r].to(dtype)) * scales[slot]
-    return _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths, dtype)
+    return _add_slot_products(y, _slot_h(x, lora_a, scale, dtype), lora_b, rank, token_slots, slice_widths, dtype)
 
 
 def shrink_grouped_reference(x, lora_a, scale, rank, token_slots, dtype=torch.float64):
     """:func:`shrink_reference` grouped per slot on x's device (real shapes: the tuner's check)."""
     L, S, R, K = lora_a.shape
-    slots = token_slots.to(x.device).long()
-    ranks = rank.tolist()
+    slot_h = _slot_h(x, lora_a, scale, dtype)
     out = torch.zeros(x.shape[0], S, R, dtype=dtype, device=x.device)
-    for slot in range(L):
-        ids = (slots == slot).nonzero().squeeze(1)
-        r = min(max(int(ranks[slot]), 0), R)
-        if r and ids.numel():
-            out[ids, :, :r] = torch.einsum("mk,srk->msr", x[ids].to(dtype), lora_a[slot, :, :r].to(dtype)) \
-                * float(scale[slot])
+    for slot, ids, r in _slot_groups(token_slots, rank, R, x.device):
+        out[ids, :, :r] = slot_h(slot, ids, r)
     return out
 
 
@@ -72,19 +63,30 @@ def expand_forward_reference(y, h, lora_b, rank, token_slots, slice_widths=None,
                               slice_widths, dtype)
 
 
+def _slot_groups(token_slots, rank, max_rank, device):
+    """(slot, its token ids on ``device``, its rank) for each slot holding tokens and a rank above 0."""
+    slots = token_slots.to(device).long()
+    for slot, r in enumerate(rank.tolist()):
+        ids = (slots == slot).nonzero().squeeze(1)
+        r = min(max(int(r), 0), max_rank)
+        if r and ids.numel():
+            yield slot, ids, r
+
+
+def _slot_h(x, lora_a, scale, dtype):
+    """slot_h(slot, ids, r): scale[slot] * x[ids] A[slot, :, :r]^T, [m, S, r] in ``dtype``."""
+    scales = scale.to(dtype)
+    return lambda slot, ids, r: torch.einsum("mk,srk->msr", x[ids].to(dtype), lora_a[slot, :, :r].to(dtype)) \
+        * scales[slot]
+
+
 def _add_slot_products(y, slot_h, lora_b, rank, token_slots, slice_widths, dtype):
     """y (in ``dtype``) plus, per slot with tokens and a rank, slot_h(slot, token ids, rank) [m, S, r] times
     that slot's B per output slice, added at the slot's token rows."""
     L, N, R = lora_b.shape
     slice_widths = list(slice_widths or [N])
-    slots = token_slots.to(y.device).long()
-    ranks = rank.tolist()
     out = y.to(dtype)
-    for slot in range(L):
-        ids = (slots == slot).nonzero().squeeze(1)
-        r = min(max(int(ranks[slot]), 0), R)
-        if r == 0 or ids.numel() == 0:
-            continue
+    for slot, ids, r in _slot_groups(token_slots, rank, R, y.device):
         h = slot_h(slot, ids, r)
         parts, col = [], 0
         for i, n in enumerate(slice_widths):
