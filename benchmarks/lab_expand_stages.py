@@ -6,7 +6,7 @@ never held that tile at 4 stages (only 8 warps went to 4). Here the shipped expa
 shrink writes, runs on the table's config and on the same tile at other stage counts (and 8 warps at 4),
 each timed as CUDA-graph replays (cold L2) and checked against float64 twice, before and after its
 timing: the relative error of its delta (an exact kernel shows the rounding of y, ~2.8e-3 in bf16), how
-many values are off by more than the tuner's check allows (configs.tuning.check_candidate), and how far
+many values are off by more than the tuner's check allows (configs.tuning.allowed_error), and how far
 its delta is from the table config's first one.
 
 Session 19's run (call 8) compared deltas with the table config's only: on Llama o / down r320 every
@@ -80,9 +80,9 @@ def main():
             i.y.copy_(y0)
             lc()
             delta = i.y.double() - y0.double()
-            eps = max(float(torch.finfo(i.y.dtype).eps), 2 ** -10)
-            off = ((i.y.double() - (y0.double() + exact)).abs()
-                   > tuning.CHECK_ULPS * eps * ((y0.double() + exact).abs() + rms)) | ~i.y.isfinite()
+            want = y0.double() + exact
+            off = ((i.y.double() - want).abs() > tuning.allowed_error(want, rms, torch.finfo(i.y.dtype).eps)) \
+                | ~i.y.isfinite()
             err = float((delta - exact).norm() / exact.norm())
             return delta, err, int(off.sum()), where(p, off.cpu(), table.block_m)
         for cfg in [table, *variants(table)]:

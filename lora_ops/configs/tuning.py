@@ -487,9 +487,15 @@ def _keep_first_y(p):
         p["y_first"] = p["y"].clone()
 
 
+def allowed_error(exact, rms, eps):
+    """How far a value may be off ``exact`` and pass the check: CHECK_ULPS rounding steps (``eps``, at least
+    2^-10) relative to |exact| plus the delta's RMS (see above)."""
+    return CHECK_ULPS * max(eps, 2 ** -10) * (exact.abs() + rms)
+
+
 def _mismatch(out, base, delta, eps=None):
-    """Why ``out`` is not base + delta (base None: zero) within CHECK_ULPS rounding steps, or None."""
-    eps = max(torch.finfo(out.dtype).eps if eps is None else eps, 2 ** -10)
+    """Why ``out`` is not base + delta (base None: zero) within allowed_error, or None."""
+    eps = torch.finfo(out.dtype).eps if eps is None else eps
     out, delta = out.reshape(-1), delta.reshape(-1)
     base = None if base is None else base.reshape(-1)
     if not bool(torch.isfinite(out).all()):
@@ -502,7 +508,7 @@ def _mismatch(out, base, delta, eps=None):
         if base is not None:
             exact = exact + base[i:i + CHECK_CHUNK].double()
         err = (out[i:i + CHECK_CHUNK].double() - exact).abs()
-        bad += (err > CHECK_ULPS * eps * (exact.abs() + rms)).sum()
+        bad += (err > allowed_error(exact, rms, eps)).sum()
         worst = torch.maximum(worst, err.max())
     if int(bad):
         return f"{int(bad)} of {out.numel()} values off, by up to {float(worst):.3g} (delta RMS {float(rms):.3g})"
