@@ -6,8 +6,9 @@ the arguments' shapes, strides, dtype and device, of the current CUDA device and
 (lora_ops.configs.generation), never of tensor data. :func:`op_key` names those for any op; add_lora_, the
 eager decode path, has its own :func:`key` that reads only what its launches use. A :class:`Plan` keeps the
 launches of the first call with a key. A later call with the key allocates the scratch (or takes it from
-the stream's workspace, below), takes the addresses of its tensors and calls the compiled kernels' C launchers: no config lookup, no grid, no
-argument tuple, no Triton key. In eager mode that is most of add_lora_'s host time (DESIGN §4).
+the stream's workspace, below), takes the addresses of its tensors and calls the compiled kernels' C
+launchers: no config lookup, no grid, no argument tuple, no Triton key. In eager mode that is most of
+add_lora_'s host time (DESIGN §4).
 
 A plan is only remembered when it can be replayed exactly:
 - every tensor a launch takes is one of the call's tensors or a scratch buffer the plan allocates, and the
