@@ -18,9 +18,9 @@
 #                                              # path, the core grid's rows there with the peers and the layer
 #                                              # variants (~3 min)
 #     bash benchmarks/gpu_session.sh checks    # the tuner's output check on the GPU (its tests, bf16 judged
-#                                              # there), lab_expand_stages against float64 (session 19's open
-#                                              # question: Llama o / down r320), and one small real tune with
-#                                              # the check on, its stderr kept (~4 min)
+#                                              # there), race_sweep.py on the high-rank grid (every path run 4
+#                                              # times: values and bits), and one small real tune with the
+#                                              # check on, its stderr kept (~5 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -64,7 +64,7 @@ elif [ "$MODE" = large ]; then
 elif [ "$MODE" = checks ]; then
     step tests 120 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_configs.py -k "check or what_add_lora or store_runner"
-    step stages 150 python benchmarks/lab_expand_stages.py
+    step sweep 150 env GRID=highrank REPEATS=4 BUDGET=135 python benchmarks/race_sweep.py
     cp lora_ops/configs/tuned/NVIDIA_H200.json "$R/"
     step tune 150 python -m lora_ops.tune --model llama3-8b --layers o down --ranks 320 --tokens 4096 --kinds pair \
         --merge --min-gain 0.02 --time-budget 120 --out "$R/NVIDIA_H200.json"
@@ -83,7 +83,7 @@ else
     step mixed 120 python benchmarks/bench_lora.py --grid mixed --time-budget 105 --out "$R"   # 70 s left rows out
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode decode_stacked highrank grad profile mixed variants stages tune; do
+for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

@@ -46,7 +46,7 @@ def rank_loop_rows(rows, tokens):
                 print(f"| {layer.name} | {rank} | {M} | (not the rank loop) |")
                 continue
             launches[0]()
-            yield layer, rank, M, p, i, buffers[0], configs.expand_config(M, p.N, p.S, p.R, p.L, DEV, DTYPE)
+            yield layer, rank, M, p, i, buffers[0], configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
 
 
 def lab_rows(tokens, ranks, budget):

@@ -10,8 +10,9 @@ many values are off by more than the tuner's check allows (configs.tuning.allowe
 its delta is from the table config's first one.
 
 Session 19's run (call 8) compared deltas with the table config's only: on Llama o / down r320 every
-other config's delta was 1.3e-3 away from it, and 5 stages gave garbage on down; which config was off
-is what the float64 columns settle.
+other config's delta was 1.3e-3 away from it, and 5 stages gave garbage on down. Settled in session 20
+(lab_wrong_values.py): the rank loop raced (an asynchronous wgmma reading registers the next step
+overwrote, kernels.work.dot_t), in some runs and at several configs, the table's among them.
 
     python benchmarks/lab_expand_stages.py                          # H200 (MS default 4096)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_expand_stages.py   # logic check, tiny, float16

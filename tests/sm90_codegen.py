@@ -109,17 +109,27 @@ def global_loads(ptx):
     return census
 
 
+def wgmma_operands(ptx):
+    """Hopper MMAs by where their left operand comes from: {'shared': n, 'registers': n}. A wgmma's operands
+    follow its accumulator's {...} list: a descriptor (shared memory) or a {...} list of registers."""
+    census = collections.Counter()
+    for a in re.findall(r"wgmma\.mma_async[^;]*?\}\s*,\s*([{%])", ptx):
+        census["registers" if a == "{" else "shared"] += 1
+    return dict(census)
+
+
 def _census(ptx):
     return {f"{kind} {width} B": n for (kind, width), n in sorted(global_loads(ptx).items())}
 
 
 def summary(compiled):
     """{'registers', 'spill_bytes', 'loads': {'cp.async 16 B': n, 'ld.global 2 B': n, ...},
+    'wgmma_a': where the MMAs' left operands come from (:func:`wgmma_operands`),
     'loads_before_wait': the same census before the first griddepcontrol.wait (PDL), or None without one}"""
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
     wait = ptx.find("griddepcontrol.wait")
-    return {"registers": regs, "spill_bytes": spills, "loads": _census(ptx),
+    return {"registers": regs, "spill_bytes": spills, "loads": _census(ptx), "wgmma_a": wgmma_operands(ptx),
             "loads_before_wait": _census(ptx[:wait]) if wait >= 0 else None}
 
 
@@ -200,7 +210,8 @@ def main(argv):
     if "--table" in argv:
         for name, r in results.items():
             loads = ", ".join(f"{k} x{n}" for k, n in r["loads"].items())
-            print(f"{name:30s} registers {r['registers']} spills {r['spill_bytes']} B | {loads}")
+            print(f"{name:30s} registers {r['registers']} spills {r['spill_bytes']} B | {loads} | wgmma A "
+                  f"{r['wgmma_a']}")
     else:
         print(json.dumps(results))
 

@@ -4,7 +4,9 @@ A run-time rank mask on the contiguous dimension once made every h and B load a 
 the rank loop from pipelining them (H200: the high-rank grid 30-40% slower, docs/DESIGN.md §4). These
 tests hold the fix in every kernel: bf16 operands never load 2 bytes at a time, no cp.async is narrower
 than 16 bytes, and the rank loop streams its operands with 16-byte cp.async. Under PDL, the stacked
-path's expand must not read y before it waits for the GEMM that writes it.
+path's expand must not read y before it waits for the GEMM that writes it. The MMAs of the loops that
+multiply a float32 operand split in registers read it from shared memory (kernels.work.dot_t: read from
+registers by a pipelined wgmma, it raced on the H200).
 """
 import json
 import os
@@ -70,3 +72,16 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
     assert any(k != "ld.global 4 B" for k in reference), reference
     if case == "expand_stacked_pdl_r16":
         assert before["ld.global 4 B"] == reference["ld.global 4 B"] + 1, (before, reference)
+
+
+@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "grad_x_r64", "segment_outer_r64"])
+def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
+    """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
+    of them did, and the rank loop's wrote wrong values on the H200 in some runs). The rank loop's last,
+    partial rank block (masked operands, run once after the loop, not pipelined) still does: there the
+    register operands are as many as the loop's shared ones."""
+    a = codegen[case]["wgmma_a"]
+    if case == "expand_rank_loop_r320":
+        assert a.get("shared", 0) > 0 and a.get("registers", 0) <= a["shared"], a
+    else:
+        assert a.get("registers", 0) == 0, a

@@ -435,16 +435,16 @@ def passes_check(kind, problems, cfg, expand_cfg=None):
     return not wrong
 
 
-# A candidate's output is checked on a problem's first copy (search: each one that times faster than all
-# before it; time_config: before it is timed), because the compiler can get a config wrong that the shipped
-# ones never exercised, and a table must never hold it. H200, session 19 (benchmarks/lab_expand_stages.py):
-# the rank-loop expand on the Llama o / down rank-320 shapes at 4096 tokens gave garbage (error 3.9e11) at 5
-# stages, and at 2 or 4 stages or 8 warps a delta 1.3e-3 (relative) away from the 3-stage one, which the
-# benchmark's float64 check passed (which of them is off is not settled). An element fails where it is off
-# its exact value (full-precision float32 references: _reference) by more than CHECK_ULPS rounding steps of
-# the output's dtype (at least 2^-10: float32 sums differ by order), relative to that value plus the delta's
-# RMS (rounded h, partial sums); NaN or inf fails. A right kernel stays within one or two steps; a wrong row,
-# tile or garbage is off by about the delta itself.
+# A candidate's output is checked on a problem's first copy (search: each one that times faster than all before it;
+# time_config: before it is timed), because the compiler can get a config wrong that the shipped ones never exercised,
+# and a table must never hold it. H200, session 20: its first real run dropped the rank-loop expand (64, 128, 32, 4
+# warps, 3 stages) on Llama down r320 at 4096 tokens (3066 values off, by up to 187) and the table's own pair there
+# (333 off): a race between an asynchronous wgmma and the registers it read (kernels.work.dot_t, since fixed). A check
+# sees one run, so a race can pass it; the grids' runs and benchmarks/race_sweep.py repeat them. An element fails
+# where it is off its exact value (full-precision float32 references: _reference) by more than CHECK_ULPS rounding
+# steps of the output's dtype (at least 2^-10: float32 sums differ by order), relative to that value plus the delta's
+# RMS (rounded h, partial sums); NaN or inf fails. A right kernel stays within one or two steps; a wrong row, tile or
+# garbage is off by about the delta itself.
 CHECK_ULPS = 4
 CHECK_CHUNK = 1 << 24   # elements compared at a time: float64 temporaries stay bounded at any shape
 

@@ -2,8 +2,8 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import (dot_f32_lhs, dot_split, expand_tile_rows, find_slice_chunk, find_slot_tile, gdc_wait,
-                                   load_h_parts, load_tile_tokens, rank_ceil)
+from lora_ops.kernels.work import (dot_f32_lhs, dot_split, dot_t, expand_tile_rows, find_slice_chunk, find_slot_tile,
+                                   gdc_wait, load_h_parts, load_tile_tokens, rank_ceil)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -161,29 +161,15 @@ def expand_kernel(
             offs_n = next_n
             n_ok = next_ok
     else:
+        # h in B's 16-bit dtype (the stacked GEMM's): multiplied as it is (rank_loop).
+        h_native: tl.constexpr = (h_ptr.dtype.element_ty == b_ptr.dtype.element_ty
+                                  and b_ptr.dtype.element_ty != tl.float32)
         if PDL:
             gdc_wait()   # h is the shrink's
         for j in range(N_LOOP):
             n_ok = offs_n < col_hi
-            b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # Full rank blocks: no rank mask, so h and B load as 16-byte vectors, pipelined (a run-time rank
-            # mask made every element a load of its own). Rows of invalid tokens read token 0's h (in bounds;
-            # their results are never stored): no row mask either.
-            full = rank // BLOCK_R * BLOCK_R
-            for r0 in range(0, full, BLOCK_R):
-                rs = r0 + offs_r
-                ht = tl.load(h_rows + rs[None, :] * stride_hr).to(tl.float32)
-                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
-                acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
-            if full < rank:  # the last rank block, partial
-                rs = full + offs_r
-                r_ok = rs < rank
-                r_in = rs < rank_ceil(rank, RANK_ALIGN)
-                ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0).to(tl.float32)
-                bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
-                acc = dot_f32_lhs(tl.where(r_ok[None, :], ht, 0.0), tl.where(r_ok[:, None], bt, 0.0), acc,
-                                  H_PRECISION)
+            acc = rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_br, BLOCK_M, BLOCK_N,
+                            BLOCK_R, RANK_ALIGN, H_PRECISION, h_native)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             if SCALE_BY_SLOT:
@@ -193,3 +179,65 @@ def expand_kernel(
             y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
             offs_n += BLOCK_N
+
+
+@triton.jit
+def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_br, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
+              H_NATIVE: tl.constexpr):
+    """h[tile, :rank] @ B[slot, cols, :rank]^T as float32 [BLOCK_M, BLOCK_N]: a GEMM with K = the slot's rank
+    in BLOCK_R steps (expand_kernel's rank loop). h_rows: [BLOCK_M, 1] pointers to the tile's h rows (rank
+    stride stride_hr); b_slot: the slot's B; offs_n / n_ok: the block's columns and which exist.
+
+    Where the operands sit (kernels.work.dot_t says why it matters on Hopper):
+    - h in B's 16-bit dtype (the stacked path's h): one dot of the two loads as they are;
+    - float32 h with bf16 B ("bf16x2", "bf16"): the transposed product, acc^T = B h^T (dot_t), so h's bf16
+      terms, computed in registers, are the right operand, staged in shared memory;
+    - float32 h with fp16 or float32 B ("tf32", "ieee"): h, a plain load, on the left, B widened on the right.
+    Full rank blocks load without a rank mask (16-byte vectors, pipelined; a run-time rank mask made every
+    element a load of its own); rows of invalid tokens read token 0's h (in bounds, never stored). The last,
+    partial block is masked to the rank (rounded up for vector loads, kernels.work.rank_ceil).
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    full = rank // BLOCK_R * BLOCK_R
+    transposed: tl.constexpr = not H_NATIVE and (H_PRECISION == "bf16x2" or H_PRECISION == "bf16")
+    b_cols = b_slot + offs_n[None, :].to(tl.int64) * stride_bn     # B^T [BLOCK_R, BLOCK_N] blocks
+    b_rows = b_slot + offs_n[:, None].to(tl.int64) * stride_bn     # B [BLOCK_N, BLOCK_R] blocks
+    if transposed:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for r0 in range(0, full, BLOCK_R):
+            rs = r0 + offs_r
+            ht = tl.load(h_rows + rs[None, :] * stride_hr)
+            b = tl.load(b_rows + rs[None, :] * stride_br, mask=n_ok[:, None], other=0.0)
+            acc_t = dot_t(b, tl.trans(ht), acc_t, H_PRECISION)
+        if full < rank:
+            rs = full + offs_r
+            r_ok = rs < rank
+            r_in = rs < rank_ceil(rank, RANK_ALIGN)
+            ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+            b = tl.load(b_rows + rs[None, :] * stride_br, mask=n_ok[:, None] & r_in[None, :], other=0.0)
+            acc_t = dot_t(tl.where(r_ok[None, :], b, 0.0), tl.trans(tl.where(r_ok[None, :], ht, 0.0)), acc_t,
+                          H_PRECISION)
+        return tl.trans(acc_t)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, full, BLOCK_R):
+        rs = r0 + offs_r
+        ht = tl.load(h_rows + rs[None, :] * stride_hr)
+        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
+        if H_NATIVE:
+            acc = tl.dot(ht, bt, acc)
+        else:
+            acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+    if full < rank:
+        rs = full + offs_r
+        r_ok = rs < rank
+        r_in = rs < rank_ceil(rank, RANK_ALIGN)
+        ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
+        ht = tl.where(r_ok[None, :], ht, 0.0)
+        bt = tl.where(r_ok[:, None], bt, 0.0)
+        if H_NATIVE:
+            acc = tl.dot(ht, bt, acc)
+        else:
+            acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+    return acc

@@ -3,7 +3,7 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_f32_lhs, find_slot_tile, load_tile_tokens, rank_ceil
+from lora_ops.kernels.work import dot_t, find_slot_tile, load_tile_tokens, rank_ceil
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -26,7 +26,7 @@ def lora_grad_x_kernel(
     Strides: every dimension of dh, A and dx, in elements.
     NUM_SLICES: S; the slices are summed in the fp32 accumulator, so dx is rounded once.
     Grid: (cdiv(K, BLOCK_N), token-tile bound); the rank loop stops at the slot's own rank.
-    H_PRECISION: see :func:`dot_f32_lhs`. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
+    H_PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
     dh's rank columns load in vectors).
     """
     pid_n = tl.program_id(0)
@@ -41,10 +41,12 @@ def lora_grad_x_kernel(
     n_ok = offs_n < K
     offs_r = tl.arange(0, BLOCK_R)
     dh_rows = dh_ptr + tok[:, None] * stride_hm
-    a_cols = a_ptr + slot.to(tl.int64) * stride_al + offs_n[None, :].to(tl.int64) * stride_ak
 
     rank_in = rank_ceil(rank, RANK_ALIGN)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Transposed, dx^T = A^T dh^T, so the float32 dh (split in registers) is the MMA's right operand, staged
+    # in shared memory: on the left, read from registers by a pipelined wgmma, it raced (kernels.work.dot_t).
+    a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_n[:, None].to(tl.int64) * stride_ak
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in tl.static_range(NUM_SLICES):
         for r0 in range(0, rank, BLOCK_R):
             rs = r0 + offs_r
@@ -52,9 +54,10 @@ def lora_grad_x_kernel(
             ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr,
                          mask=valid[:, None] & (rs < rank_in)[None, :], other=0.0)
             ht = tl.where(r_ok[None, :], ht, 0.0)
-            at = tl.load(a_cols + i * stride_as + rs[:, None].to(tl.int64) * stride_ar,
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = dot_f32_lhs(ht, at, acc, H_PRECISION)
+            a_t = tl.load(a_rows + i * stride_as + rs[None, :].to(tl.int64) * stride_ar,
+                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            acc_t = dot_t(a_t, tl.trans(ht), acc_t, H_PRECISION)
+    acc = tl.trans(acc_t)
 
     dx_ptrs = dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -81,7 +84,7 @@ def segment_outer_kernel(
     out, in elements (views with any strides, stride 0 included).
     Grid: (cdiv(Q, BLOCK_Q), cdiv(P, BLOCK_P), L); each program walks its slot's tokens in BLOCK_T chunks,
     accumulating in float32 (no atomics: every output block has one owner, so results are deterministic).
-    PRECISION: see :func:`dot_f32_lhs`. RANK_ALIGN: a power of two dividing P (kernels.work.rank_ceil: u's
+    PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing P (kernels.work.rank_ceil: u's
     rank columns load in vectors).
     """
     pid_q = tl.program_id(0)
@@ -100,20 +103,22 @@ def segment_outer_kernel(
     # A rank block past the slot's rank only writes its zeros.
     n_tokens = tl.where(pid_p * BLOCK_P < rank, count, 0)
 
-    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    # Transposed, out^T = v^T u, so the float32 u (split in registers) is the MMA's right operand (dot_t).
+    acc_t = tl.zeros((BLOCK_Q, BLOCK_P), dtype=tl.float32)
     for t0 in range(0, n_tokens, BLOCK_T):
         rows = start + t0 + offs_t
         valid = (t0 + offs_t < count) & (rows < capacity)
         tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
         valid = valid & (tok >= 0) & (tok < M)
         tok = tok.to(tl.int64)
-        # u is loaded transposed ([BLOCK_P, BLOCK_T]) so the product needs no tl.trans.
-        ut = tl.load(u_ptr + tok[None, :] * stride_um + offs_p[:, None] * stride_up,
-                     mask=p_in[:, None] & valid[None, :], other=0.0)
-        ut = tl.where(p_ok[:, None], ut, 0.0)
-        vt = tl.load(v_ptr + tok[:, None] * stride_vm + offs_q[None, :].to(tl.int64) * stride_vq,
-                     mask=valid[:, None] & q_ok[None, :], other=0.0)
-        acc = dot_f32_lhs(ut, vt, acc, PRECISION)
+        ut = tl.load(u_ptr + tok[:, None] * stride_um + offs_p[None, :] * stride_up,
+                     mask=valid[:, None] & p_in[None, :], other=0.0)
+        ut = tl.where(p_ok[None, :], ut, 0.0)
+        # v^T [BLOCK_Q, BLOCK_T], loaded transposed.
+        v_t = tl.load(v_ptr + tok[None, :] * stride_vm + offs_q[:, None].to(tl.int64) * stride_vq,
+                      mask=q_ok[:, None] & valid[None, :], other=0.0)
+        acc_t = dot_t(v_t, ut, acc_t, PRECISION)
+    acc = tl.trans(acc_t)
 
     out_ptrs = (out_ptr + slot.to(tl.int64) * stride_ol + offs_p[:, None].to(tl.int64) * stride_op
                 + offs_q[None, :].to(tl.int64) * stride_oq)

@@ -182,6 +182,34 @@ def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def dot_t(b_t, a_t, acc_t, PRECISION: tl.constexpr):
+    """acc_t + b_t @ a_t with ``a_t`` float32, computed in registers, and ``b_t`` in the weights' dtype: the
+    transposed form of acc + a @ b (acc_t = acc^T, b_t = b^T, a_t = a^T), which keeps the float32 operand
+    on the MMA's right, where the tensor cores read it from shared memory.
+
+    Why (Hopper): an operand computed in registers can only be the left one of a wgmma, read from the
+    registers while the MMA runs asynchronously; in a pipelined loop with Triton 3.6's ptxas (12.8) the
+    next step overwrote those registers before the MMA had read them (triton-lang/triton#9433, fixed in
+    ptxas 13.3). H200, session 20 (benchmarks/lab_wrong_values.py): the expand's rank loop at 64 x 256
+    tiles and 4 warps wrote stale or garbage products into a few rows of a tile in 1 to 5 runs of 6. On
+    the right the compiler stages the operand in shared memory, and the wgmma reads both from there.
+    PRECISION as :func:`split_f32`; "tf32" widens ``b_t`` (fp16) to float32 on the left (the one form
+    that still reads registers), "ieee" multiplies in float32 without tensor cores.
+    """
+    hi, lo = split_f32(a_t, PRECISION)
+    if PRECISION == "bf16x2":
+        acc_t = tl.dot(b_t, hi, acc_t)
+        acc_t = tl.dot(b_t, lo, acc_t)
+    elif PRECISION == "bf16":
+        acc_t = tl.dot(b_t, hi, acc_t)
+    elif PRECISION == "tf32":
+        acc_t = tl.dot(b_t.to(tl.float32), hi, acc_t, input_precision="tf32")
+    else:
+        acc_t = tl.dot(b_t, hi, acc_t, input_precision="ieee")
+    return acc_t
+
+
+@triton.jit
 def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype (see :func:`split_f32`)."""
     hi, lo = split_f32(a, PRECISION)
