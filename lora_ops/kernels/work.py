@@ -167,17 +167,28 @@ def split_f32(a, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b from ``split_f32(a, PRECISION)``, ``b`` in the weights' dtype, accumulated in float32."""
-    if PRECISION == "bf16x2":
-        acc = tl.dot(hi, b, acc)
-        acc = tl.dot(lo, b, acc)
-    elif PRECISION == "bf16":
-        acc = tl.dot(hi, b, acc)
-    elif PRECISION == "tf32":
-        acc = tl.dot(hi, b.to(tl.float32), acc, input_precision="tf32")
+def _mma(term, b, acc, TERM_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr = "tf32"):
+    """acc + term @ b, or acc + b @ term with TERM_RIGHT (INPUT_PRECISION applies to float32 operands only)."""
+    if TERM_RIGHT:
+        acc = tl.dot(b, term, acc, input_precision=INPUT_PRECISION)
     else:
-        acc = tl.dot(hi, b, acc, input_precision="ieee")
+        acc = tl.dot(term, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr, TERMS_RIGHT: tl.constexpr = False):
+    """acc + a @ b from ``split_f32(a, PRECISION)``, ``b`` in the weights' dtype, accumulated in float32;
+    with TERMS_RIGHT, acc + b @ a (:func:`dot_t`)."""
+    if PRECISION == "bf16x2":
+        acc = _mma(hi, b, acc, TERMS_RIGHT)
+        acc = _mma(lo, b, acc, TERMS_RIGHT)
+    elif PRECISION == "bf16":
+        acc = _mma(hi, b, acc, TERMS_RIGHT)
+    elif PRECISION == "tf32":
+        acc = _mma(hi, b.to(tl.float32), acc, TERMS_RIGHT, "tf32")
+    else:
+        acc = _mma(hi, b, acc, TERMS_RIGHT, "ieee")
     return acc
 
 
@@ -197,16 +208,7 @@ def dot_t(b_t, a_t, acc_t, PRECISION: tl.constexpr):
     that still reads registers), "ieee" multiplies in float32 without tensor cores.
     """
     hi, lo = split_f32(a_t, PRECISION)
-    if PRECISION == "bf16x2":
-        acc_t = tl.dot(b_t, hi, acc_t)
-        acc_t = tl.dot(b_t, lo, acc_t)
-    elif PRECISION == "bf16":
-        acc_t = tl.dot(b_t, hi, acc_t)
-    elif PRECISION == "tf32":
-        acc_t = tl.dot(b_t.to(tl.float32), hi, acc_t, input_precision="tf32")
-    else:
-        acc_t = tl.dot(b_t, hi, acc_t, input_precision="ieee")
-    return acc_t
+    return dot_split(hi, lo, b_t, acc_t, PRECISION, True)
 
 
 @triton.jit
