@@ -44,7 +44,8 @@ def lora_grad_x_kernel(
 
     rank_in = rank_ceil(rank, RANK_ALIGN)
     # Transposed, dx^T = A^T dh^T, so the float32 dh (split in registers) is the MMA's right operand, staged
-    # in shared memory: on the left, read from registers by a pipelined wgmma, it raced (kernels.work.dot_t).
+    # in shared memory: on the left a pipelined wgmma reads it from registers, which raced in the expand's
+    # rank loop (kernels.work.dot_t).
     a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_n[:, None].to(tl.int64) * stride_ak
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in tl.static_range(NUM_SLICES):
