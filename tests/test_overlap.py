@@ -39,6 +39,8 @@ def overlap_mode():
     launch.set_overlap("never")
 
 
+# Rows of invalid tokens computed from unwritten h and never stored: see test_write_first's filter.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")
 @pytest.mark.parametrize("M", [1, 7, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 def test_lora_linear_matches_reference(backend, checked_dtype, M):
