@@ -2,6 +2,7 @@
 of the lookup is exercised with a fake GPU name and table); the tuner's runner and the runtime autotune
 run their kernels on the test device (the interpreter, or the GPU with LORA_OPS_TEST_DEVICE=cuda)."""
 import json
+import math
 
 import pytest
 import torch
@@ -420,6 +421,32 @@ def test_tuner_check_rejects_wrong_candidates(kind, fault, monkeypatch, capsys):
     assert tuning.check_candidate(kind, p, cfg, ecfg) is not None
     assert tuning.time_config(kind, [p], cfg, ecfg) is None
     assert "wrong result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["expand", "shrink_alone", "stacked"])
+def test_tuner_check_rejects_runs_that_differ(kind, monkeypatch, capsys):
+    """A candidate whose runs write different bits (a race: one value a step off in the second run, within
+    the value bound) fails the check as a race, whatever its values."""
+    R, cfg, ecfg = CHECKED["shrink" if kind == "shrink_alone" else kind]
+    kind = kind.replace("_alone", "")
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
+    real, runs = tuning.RUNNERS[kind], []
+
+    def racing(p, cfg, expand_cfg=None):
+        run = real(p, cfg, expand_cfg)
+
+        def go():
+            run()
+            runs.append(1)
+            if len(runs) % 2 == 0:
+                out = p["h_shrink"] if kind == "shrink" else p["stacked_out"] if kind == "stacked" else p["y"]
+                used = (p["slots"] >= 0).nonzero()[0, 0]
+                out[used].view(-1)[0] = torch.nextafter(out[used].view(-1)[0], torch.tensor(math.inf))
+        return go
+    monkeypatch.setattr(tuning, "RUNNERS", {**tuning.RUNNERS, kind: racing})
+    assert "a race" in tuning.check_candidate(kind, p, cfg, ecfg)
+    assert tuning.time_config(kind, [p], cfg, ecfg) is None
+    assert "runs differ" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])

@@ -446,39 +446,57 @@ def passes_check(kind, problems, cfg, expand_cfg=None):
 # RMS (rounded h, partial sums); NaN or inf fails. A right kernel stays within one or two steps; a wrong row, tile or
 # garbage is off by about the delta itself.
 CHECK_ULPS = 4
+CHECK_RUNS = 2          # runs of a candidate the check compares bit for bit (check_candidate)
 CHECK_CHUNK = 1 << 24   # elements compared at a time: float64 temporaries stay bounded at any shape
 
 
 def check_candidate(kind, p, cfg, expand_cfg=None):
-    """None if one run of ``cfg`` (``kind``'s runner) on problem ``p`` writes the right values, else a short
-    reason. y is reset first to its value before the tuner's first run on ``p`` (timing replays keep adding
-    into it, which would loosen a check relative to y), and after. bf16 off a GPU is run but not judged: Triton's
-    interpreter (the tuner's --dry-run) computes bf16 wrongly itself (DESIGN §6)."""
+    """None if CHECK_RUNS runs of ``cfg`` (``kind``'s runner) on problem ``p`` write the same bits and the
+    right values, else a short reason. Runs that differ are a race (session 20: the rank loop's wgmma race
+    wrote wrong values in some runs and not in others), whatever the values. y is reset first to its value
+    before the tuner's first run on ``p`` (timing replays keep adding into it, which would loosen a check
+    relative to y), and after. bf16 off a GPU is run but not judged: Triton's interpreter (the tuner's
+    --dry-run) computes bf16 wrongly itself (DESIGN §6)."""
     run = RUNNERS[kind](p, cfg, expand_cfg)
-    judged = p["x"].is_cuda or p["x"].dtype != torch.bfloat16
-    if kind == "shrink" and expand_cfg is None:
-        out = p["h_shrink"]
-        out.fill_(float("nan"))
-        run()
-        if not judged:
-            return None
+    shrink_alone = kind == "shrink" and expand_cfg is None
+    outs = [_output_of_one_run(kind, p, run, shrink_alone) for _ in range(CHECK_RUNS)]
+    differ = max(int((_bits(o) != _bits(outs[0])).sum()) for o in outs[1:]) if len(outs) > 1 else 0
+    if differ:
+        return f"{CHECK_RUNS} runs differ in up to {differ} of {outs[0].numel()} values (a race)"
+    if not (p["x"].is_cuda or p["x"].dtype != torch.bfloat16):
+        return None
+    out = outs[0]
+    if shrink_alone:
         ref = _reference(p, "h")
         written = ref != 0   # slot -1 rows and columns past a slot's rank are never written
         return _mismatch(out[written], None, ref[written], 2 ** -10)
+    delta = _reference(p, "expand" if kind == "expand" else "delta")
+    if kind == "stacked":
+        return _mismatch(out, _reference(p, "base"), delta)
+    return _mismatch(out, None if kind == "store" else p["y_first"], delta)
+
+
+def _output_of_one_run(kind, p, run, shrink_alone):
+    """A copy of what one run of a candidate writes (the shrink's h alone, the stacked layer's y columns, or
+    y), each run from the same start: h poisoned with NaN, y as first seen (store: NaN: every row must be
+    written); y is put back after."""
+    if shrink_alone:
+        p["h_shrink"].fill_(float("nan"))
+        run()
+        return p["h_shrink"].clone()
     _keep_first_y(p)
     p["y"].copy_(p["y_first"])
     if kind == "store":
-        p["y"].fill_(float("nan"))   # every row must be written: the delta, or zeros without one
+        p["y"].fill_(float("nan"))
     run()
-    wrong = None
-    if judged:
-        delta = _reference(p, "expand" if kind == "expand" else "delta")
-        if kind == "stacked":
-            wrong = _mismatch(p["stacked_out"][:, :p["B"].shape[1]], _reference(p, "base"), delta)
-        else:
-            wrong = _mismatch(p["y"], None if kind == "store" else p["y_first"], delta)
+    out = (p["stacked_out"][:, :p["B"].shape[1]] if kind == "stacked" else p["y"]).clone()
     p["y"].copy_(p["y_first"])
-    return wrong
+    return out
+
+
+def _bits(t):
+    """``t``'s bits as integers: runs compared bit for bit, NaN included."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _keep_first_y(p):
