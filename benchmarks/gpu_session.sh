@@ -43,7 +43,8 @@ if [ "$MODE" = quick ]; then
     step tests 200 bash -c 'export LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu
         P="python -m pytest -q -p no:cacheprovider -rf"
         $P tests/test_kernels_property.py -k "expand or split_k or rank_above or nan_stays"
-        $P tests/test_fast_launch.py tests/test_training.py tests/test_codegen.py tests/test_write_first.py'
+        $P tests/test_fast_launch.py tests/test_training.py tests/test_codegen.py tests/test_determinism.py \
+            tests/test_write_first.py'
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
