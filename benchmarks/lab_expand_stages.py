@@ -82,8 +82,7 @@ def main():
             lc()
             delta = i.y.double() - y0.double()
             want = y0.double() + exact
-            off = ((i.y.double() - want).abs() > tuning.allowed_error(want, rms, torch.finfo(i.y.dtype).eps)) \
-                | ~i.y.isfinite()
+            off = tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps)
             err = float((delta - exact).norm() / exact.norm())
             return delta, err, int(off.sum()), where(p, off.cpu(), table.block_m)
         for cfg in [table, *variants(table)]:

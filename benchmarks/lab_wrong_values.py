@@ -53,18 +53,12 @@ def changed_inputs(problems, snaps):
 
 
 def output(kind, p, cfg, ecfg):
-    """One run of ``cfg`` as the tuner's check runs it: (the output it is judged on, base, exact delta)."""
-    run = tuning.RUNNERS[kind](p, cfg, ecfg)
-    if kind == "shrink" and ecfg is None:
-        p["h_shrink"].fill_(float("nan"))
-        run()
-        ref = tuning._reference(p, "h")
-        return p["h_shrink"].clone(), None, ref
-    tuning._keep_first_y(p)
-    p["y"].copy_(p["y_first"])
-    run()
-    out = p["y"].clone()
-    p["y"].copy_(p["y_first"])
+    """One run of ``cfg`` as the tuner's check runs it (tuning.output_of_one_run): (the output it is judged
+    on, base, exact delta)."""
+    shrink_alone = kind == "shrink" and ecfg is None
+    out = tuning.output_of_one_run(kind, p, tuning.RUNNERS[kind](p, cfg, ecfg), shrink_alone)
+    if shrink_alone:
+        return out, None, tuning._reference(p, "h")
     return out, p["y_first"], tuning._reference(p, "expand" if kind == "expand" else "delta")
 
 
@@ -76,7 +70,7 @@ def locate(p, out, base, exact, block_m):
     written = exact != 0 if base is None else torch.ones_like(exact, dtype=torch.bool)
     rms = (exact - (0 if base is None else base.double())).pow(2).mean().sqrt()
     eps = 2 ** -10 if base is None else torch.finfo(p["y"].dtype).eps
-    off = written & (((out - exact).abs() > tuning.allowed_error(exact, rms, eps)) | ~out.isfinite())
+    off = written & tuning.off_mask(out, exact, rms, eps)
     if not bool(off.any()):
         return ""
     off = off.reshape(out.shape[0], -1).cpu()
@@ -99,8 +93,7 @@ def check_runs(kind, p, cfg, ecfg, block_m):
         out, base, exact = output(kind, p, cfg, ecfg)
         outs.append(out)
         notes.append(locate(p, out, base, exact, block_m))
-    same = all(torch.equal(o, outs[0]) or (o.isnan() == outs[0].isnan()).all() and torch.equal(
-        o.nan_to_num(0), outs[0].nan_to_num(0)) for o in outs[1:])
+    same = all(torch.equal(tuning.bits_of(o), tuning.bits_of(outs[0])) for o in outs[1:])
     return notes, same
 
 

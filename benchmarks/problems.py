@@ -143,14 +143,13 @@ def reference_delta(problem, inp):
 
 def values_off(y_after, y_before, ref):
     """How many values of y_after are off y_before + ref (float64) by more than the tuner's check allows
-    (configs.tuning.allowed_error), in row chunks (float64 temporaries stay small at M = 8192)."""
-    from lora_ops.configs.tuning import allowed_error
+    (configs.tuning.off_mask), in row chunks (float64 temporaries stay small at M = 8192)."""
+    from lora_ops.configs.tuning import off_mask
     rms = ref.pow(2).mean().sqrt()
     eps = torch.finfo(y_after.dtype).eps
     off = 0
     for i in range(0, ref.shape[0], 1024):
-        exact = y_before[i:i + 1024].double() + ref[i:i + 1024]
-        off += int((y_after[i:i + 1024].double() - exact).abs().gt(allowed_error(exact, rms, eps)).sum())
+        off += int(off_mask(y_after[i:i + 1024], y_before[i:i + 1024].double() + ref[i:i + 1024], rms, eps).sum())
     return off
 
 

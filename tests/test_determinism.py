@@ -15,6 +15,7 @@ import lora_ops
 from conftest import DEVICE, make_case
 from lora_ops import launch
 from lora_ops.configs.heuristics import ExpandConfig
+from lora_ops.configs.tuning import bits_of
 
 RUNS = 5
 ON_GPU = DEVICE == "cuda"
@@ -28,24 +29,27 @@ SHAPES = {
 }
 
 
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def case_for(shape, dtype):
     M, K, N, S, R, _ = SHAPES[shape]
     return make_case(M, K, N, 4, S, R, dtype=dtype, device=DEVICE, seed=3, ranks=[R] * 4)
+
+
+@pytest.fixture
+def fresh_plans():
+    """Plans hold the configs they were made with: none made under a forced config outlives the test."""
+    launch.plan.clear()
+    yield
+    launch.plan.clear()
 
 
 def forced_expand(shape, monkeypatch):
     cfg = SHAPES[shape][5]
     if cfg is not None:
         monkeypatch.setattr(lora_ops.configs, "expand_config", lambda *a, **k: cfg)
-        launch.plan.clear()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_add_lora_gives_the_same_bits_every_run(triton_backend, bf16_interpreter, shape, monkeypatch):
+def test_add_lora_gives_the_same_bits_every_run(triton_backend, bf16_interpreter, fresh_plans, shape, monkeypatch):
     forced_expand(shape, monkeypatch)
     case = case_for(shape, torch.bfloat16)
     y_in = case.new_y("random")
@@ -54,14 +58,14 @@ def test_add_lora_gives_the_same_bits_every_run(triton_backend, bf16_interpreter
         y = y_in.clone()
         lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
                           slice_widths=case.slice_widths)
-        outs.append(bits(y))
+        outs.append(bits_of(y))
     differ = [int((o != outs[0]).sum()) for o in outs[1:]]
     assert not any(differ), f"values that differ from the first run, per run: {differ}"
-    launch.plan.clear()
 
 
 @pytest.mark.parametrize("shape", ["rank_loop", "one_block"])
-def test_gradients_give_the_same_bits_every_run(triton_backend, bf16_interpreter, shape, monkeypatch):
+def test_gradients_give_the_same_bits_every_run(triton_backend, bf16_interpreter, fresh_plans, shape,
+                                                monkeypatch):
     forced_expand(shape, monkeypatch)
     case = case_for(shape, torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_a, case.lora_b)]
@@ -73,8 +77,7 @@ def test_gradients_give_the_same_bits_every_run(triton_backend, bf16_interpreter
             t.grad = None
         lora_ops.lora_forward(y, *leaves, case.scale, case.rank, batch=case.meta,
                               slice_widths=case.slice_widths).backward(dy)
-        outs.append([bits(t.grad.clone()) for t in leaves])
+        outs.append([bits_of(t.grad.clone()) for t in leaves])
     for name, i in (("dx", 0), ("dA", 1), ("dB", 2)):
         differ = [int((o[i] != outs[0][i]).sum()) for o in outs[1:]]
         assert not any(differ), f"{name}: values that differ from the first run, per run: {differ}"
-    launch.plan.clear()

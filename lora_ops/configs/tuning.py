@@ -459,11 +459,11 @@ def check_candidate(kind, p, cfg, expand_cfg=None):
     --dry-run) computes bf16 wrongly itself (DESIGN §6)."""
     run = RUNNERS[kind](p, cfg, expand_cfg)
     shrink_alone = kind == "shrink" and expand_cfg is None
-    outs = [_output_of_one_run(kind, p, run, shrink_alone) for _ in range(CHECK_RUNS)]
-    differ = max(int((_bits(o) != _bits(outs[0])).sum()) for o in outs[1:]) if len(outs) > 1 else 0
+    outs = [output_of_one_run(kind, p, run, shrink_alone) for _ in range(CHECK_RUNS)]
+    differ = max(int((bits_of(o) != bits_of(outs[0])).sum()) for o in outs[1:]) if len(outs) > 1 else 0
     if differ:
         return f"{CHECK_RUNS} runs differ in up to {differ} of {outs[0].numel()} values (a race)"
-    if not (p["x"].is_cuda or p["x"].dtype != torch.bfloat16):
+    if not p["x"].is_cuda and p["x"].dtype == torch.bfloat16:
         return None
     out = outs[0]
     if shrink_alone:
@@ -476,7 +476,7 @@ def check_candidate(kind, p, cfg, expand_cfg=None):
     return _mismatch(out, None if kind == "store" else p["y_first"], delta)
 
 
-def _output_of_one_run(kind, p, run, shrink_alone):
+def output_of_one_run(kind, p, run, shrink_alone):
     """A copy of what one run of a candidate writes (the shrink's h alone, the stacked layer's y columns, or
     y), each run from the same start: h poisoned with NaN, y as first seen (store: NaN: every row must be
     written); y is put back after."""
@@ -494,7 +494,7 @@ def _output_of_one_run(kind, p, run, shrink_alone):
     return out
 
 
-def _bits(t):
+def bits_of(t):
     """``t``'s bits as integers: runs compared bit for bit, NaN included."""
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -511,6 +511,13 @@ def allowed_error(exact, rms, eps):
     return CHECK_ULPS * max(eps, 2 ** -10) * (exact.abs() + rms)
 
 
+def off_mask(out, exact, rms, eps):
+    """Where ``out`` is off ``exact`` (float64) by more than allowed_error; NaN and inf count as off. The one
+    definition of a wrong value: the tuner's check, the benchmark's (problems.values_off), the labs and
+    benchmarks/race_sweep.py all ask it."""
+    return ~((out.double() - exact).abs() <= allowed_error(exact, rms, eps))
+
+
 def _mismatch(out, base, delta, eps=None):
     """Why ``out`` is not base + delta (base None: zero) within allowed_error, or None."""
     eps = torch.finfo(out.dtype).eps if eps is None else eps
@@ -525,9 +532,9 @@ def _mismatch(out, base, delta, eps=None):
         exact = delta[i:i + CHECK_CHUNK].double()
         if base is not None:
             exact = exact + base[i:i + CHECK_CHUNK].double()
-        err = (out[i:i + CHECK_CHUNK].double() - exact).abs()
-        bad += (err > allowed_error(exact, rms, eps)).sum()
-        worst = torch.maximum(worst, err.max())
+        chunk = out[i:i + CHECK_CHUNK]
+        bad += off_mask(chunk, exact, rms, eps).sum()
+        worst = torch.maximum(worst, (chunk.double() - exact).abs().max())
     if int(bad):
         return f"{int(bad)} of {out.numel()} values off, by up to {float(worst):.3g} (delta RMS {float(rms):.3g})"
     return None
