@@ -122,7 +122,8 @@ def expand_kernel(
             y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
             h_hi, h_lo = load_h_parts(h_rows + offs_r[None, :] * stride_hr, valid[:, None] & r_in[None, :], r_ok,
                                       num_parts, tl.cast(stride_hp, tl.int64), PART_CHUNK, H_PRECISION)
-            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
+            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
+                            False)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty),
@@ -154,7 +155,8 @@ def expand_kernel(
             next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
             y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
                              mask=read_y[:, None] & next_ok[None, :], other=0.0)
-            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION)
+            acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
+                            False)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
             tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)

@@ -167,8 +167,11 @@ def split_f32(a, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _mma(term, b, acc, TERM_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr = "tf32"):
-    """acc + term @ b, or acc + b @ term with TERM_RIGHT (INPUT_PRECISION applies to float32 operands only)."""
+def _mma(term, b, acc, TERM_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + term @ b, or acc + b @ term with TERM_RIGHT (INPUT_PRECISION applies to float32 operands only).
+
+    No defaults for the constexprs of helpers like this one: Triton 3.6 hands a called function's string
+    default in as a plain str, not a constexpr, and fails to compile it (3.9 wraps it)."""
     if TERM_RIGHT:
         acc = tl.dot(b, term, acc, input_precision=INPUT_PRECISION)
     else:
@@ -177,14 +180,14 @@ def _mma(term, b, acc, TERM_RIGHT: tl.constexpr, INPUT_PRECISION: tl.constexpr =
 
 
 @triton.jit
-def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr, TERMS_RIGHT: tl.constexpr = False):
+def dot_split(hi, lo, b, acc, PRECISION: tl.constexpr, TERMS_RIGHT: tl.constexpr):
     """acc + a @ b from ``split_f32(a, PRECISION)``, ``b`` in the weights' dtype, accumulated in float32;
     with TERMS_RIGHT, acc + b @ a (:func:`dot_t`)."""
     if PRECISION == "bf16x2":
-        acc = _mma(hi, b, acc, TERMS_RIGHT)
-        acc = _mma(lo, b, acc, TERMS_RIGHT)
+        acc = _mma(hi, b, acc, TERMS_RIGHT, "tf32")   # bf16 operands: input_precision does not apply
+        acc = _mma(lo, b, acc, TERMS_RIGHT, "tf32")
     elif PRECISION == "bf16":
-        acc = _mma(hi, b, acc, TERMS_RIGHT)
+        acc = _mma(hi, b, acc, TERMS_RIGHT, "tf32")
     elif PRECISION == "tf32":
         acc = _mma(hi, b.to(tl.float32), acc, TERMS_RIGHT, "tf32")
     else:
@@ -215,4 +218,4 @@ def dot_t(b_t, a_t, acc_t, PRECISION: tl.constexpr):
 def dot_f32_lhs(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b with ``a`` float32 and ``b`` in the weights' dtype (see :func:`split_f32`)."""
     hi, lo = split_f32(a, PRECISION)
-    return dot_split(hi, lo, b, acc, PRECISION)
+    return dot_split(hi, lo, b, acc, PRECISION, False)
