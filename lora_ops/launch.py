@@ -108,7 +108,8 @@ def shrink_grid(M, S, R, L, cfg):
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
                   sum_scratch=None, run=True, pdl=False):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
-    h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`).
+    h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`), or [planes, M, S, R] in x's 16-bit
+    dtype: h as bf16 terms (:func:`h_planes`: hi, then lo = h - hi), for the expand's rank loop.
 
     With ``partials_out`` (and split-K), h is [split_k, M, S, R] and gets each split's partial sums, for
     a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less.
@@ -118,8 +119,9 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     L, S, R, _ = lora_a.shape
     grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
+    planes = h.shape[0] if h.dtype != torch.float32 else 0
     # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
-    h_strides = h.stride()[-3:]
+    h_strides = (*h.stride()[-3:], h.stride(0) if planes else 0)
     if partials_out:
         part, arrivals, part_strides = h, sorted_token_ids, h.stride()
     elif cfg.split_k > 1:
@@ -128,14 +130,14 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         part, arrivals = sum_scratch
         part_strides = part.stride()
     else:  # one split: its partial sums are h itself (the part stride is never used)
-        part, arrivals, part_strides = h, sorted_token_ids, (h_strides[0] * M, *h_strides)
+        part, arrivals, part_strides = h, sorted_token_ids, (h_strides[0] * M, *h_strides[:3])
     return Launch(
         SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
          *x.stride(), *lora_a.stride(), *h_strides, *part_strides),
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
-             DOT_PRECISION=_DOT_PRECISION[x.dtype],
+             DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
@@ -148,13 +150,18 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     without a delta zeroed (every row the metadata names is written; kernels.expand, ACCUMULATE)."""
     M = y.shape[0]
     R = lora_b.shape[2]
-    num_parts = h.shape[0] if h.dim() == 4 else 1
+    planes = h.shape[0] if h.dtype != torch.float32 else 0   # h as 16-bit terms (h_planes)
+    num_parts = h.shape[0] if h.dim() == 4 and not planes else 1
     part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
     if num_parts > 1 and not takes_partials(cfg, R):
         raise ValueError(f"h: the expand's rank loop (rank {R} > block_r {cfg.block_r}) takes one part, got "
                          f"{num_parts} partial sums")
+    if planes and takes_partials(cfg, R):
+        raise ValueError(f"h: {h.dtype} planes are for the expand's rank loop (rank {R} > block_r {cfg.block_r})")
     hp, hm, hs, hr = part_strides
-    extra = pdl_options(pdl) if accumulate else dict(ACCUMULATE=False, **pdl_options(pdl))
+    extra = dict(H_PLANES=planes, **pdl_options(pdl))
+    if not accumulate:
+        extra["ACCUMULATE"] = False
     return _expand_launch(y, h, (0, hp, hm, 0, hs, hr), num_parts, rank, lora_b, slice_widths, rank,
                           sorted_token_ids, slot_starts, slot_counts, cfg, f32_operand_precision(y.dtype),
                           extra, run)
@@ -346,10 +353,10 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
     ecfg = (configs.expand_config(M, N, S, R, L, y.device, y.dtype) if accumulate
             else configs.store_config(M, N, S, R, L, K, y.device, y.dtype))
-    h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg)
+    h_spec = shrink_buffer_spec(M, S, R, scfg, ecfg, x.dtype)
     pdl = uses_pdl(x)
     shrink_launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts,
-                                                          slot_counts, h_spec, scfg, h_spec.shape[0] > 1, pdl)
+                                                          slot_counts, h_spec, scfg, holds_partials(h_spec), pdl)
     expand_launch = launch_expand(y, buffers[0], lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
                                   slot_counts, ecfg, run=False, pdl=pdl, accumulate=accumulate)
     return [shrink_launch, expand_launch], scratch, buffers
@@ -377,22 +384,46 @@ def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
     (:func:`uses_pdl`); ``accumulate=False``: the expand's store mode (y = the delta). The tuner times this
     (add_lora_ and lora_linear's write-first path run the same launches through :func:`add_lora_launches`)."""
     launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                  partials_out=h.shape[0] > 1, pdl=pdl)
+                  partials_out=holds_partials(h), pdl=pdl)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg, pdl=pdl,
                   accumulate=accumulate)
 
 
-def shrink_buffer_spec(M, S, R, scfg, ecfg):
+def h_planes(ecfg, max_rank, dtype):
+    """How many 16-bit planes add_lora_'s h is stored in for the expand's rank loop (0: float32 h).
+
+    The rank loop multiplies bf16 terms of h (hi, and lo = h - hi: kernels.work.split_f32). Split in its
+    registers every rank step, they have to be the MMA's right operand on Hopper (kernels.work.dot_t),
+    which costs the loop its asynchronous MMAs; stored as planes by the shrink, which has h's full sum in
+    its epilogue, they load like B and multiply as loaded. bf16 weights only: 2 planes, or 1 with
+    set_fast_bf16 (fp16 keeps float32 h, which the rank loop multiplies in tf32)."""
+    if takes_partials(ecfg, max_rank):
+        return 0
+    return {"bf16x2": 2, "bf16": 1}.get(f32_operand_precision(dtype), 0)
+
+
+def shrink_buffer_spec(M, S, R, scfg, ecfg, dtype=torch.float32):
     """h for the shrink to fill and the expand to read: every entry the expand reads (valid tokens,
-    r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, else [1, M, S, R]."""
+    r < rank) gets written; [split_k, M, S, R] partial sums where the expand adds them, [planes, M, S, R]
+    bf16 terms where the rank loop multiplies them (:func:`h_planes`, ``dtype``: the weights'), else
+    [1, M, S, R] float32."""
+    planes = h_planes(ecfg, R, dtype)
+    if planes:
+        return Scratch((planes, M, S, R), dtype)
     parts = scfg.split_k if takes_partials(ecfg, R) else 1
     return Scratch((parts, M, S, R), torch.float32)
+
+
+def holds_partials(h):
+    """Whether add_lora_'s h (a tensor, or its :func:`shrink_buffer_spec`) takes the shrink's split-K
+    partial sums."""
+    return h.dtype == torch.float32 and h.shape[0] > 1
 
 
 def shrink_buffer(x, lora_a, scfg, ecfg):
     """:func:`shrink_buffer_spec`'s h for these arguments, allocated."""
     _, S, R, _ = lora_a.shape
-    return shrink_buffer_spec(x.shape[0], S, R, scfg, ecfg).alloc(x.device)
+    return shrink_buffer_spec(x.shape[0], S, R, scfg, ecfg, x.dtype).alloc(x.device)
 
 
 # ---- lora_linear: the base GEMM and the LoRA delta, the shrink beside the GEMM ---------------------------
@@ -511,7 +542,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     side.wait_stream(main)
     with torch.cuda.stream(side):
         launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
-                      partials_out=h.shape[0] > 1)
+                      partials_out=holds_partials(h))
     y = F.linear(x, weight, bias)
     main.wait_stream(side)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)

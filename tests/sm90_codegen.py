@@ -150,6 +150,19 @@ def cases():
             launch.launch_expand(p["y"], p["h"].unsqueeze(0), p["B"], p["widths"], p["rank"], *p["meta"], cfg)
         yield name, launch.EXPAND, run
 
+    # add_lora_'s pair above rank 64 in bf16: the shrink stores h as bf16 planes, the rank loop loads them.
+    p = tuning.synthetic_problem(cpu, bf16, 256, [256, 256], 320, 4, 64)
+    scfg, ecfg = configs.heuristics.ShrinkConfig(64, 64, 64, 1, 4, 4), ExpandConfig(64, 256, 32, 4, 3, 1)
+    planes = launch.shrink_buffer(p["x"], p["A"], scfg, ecfg)
+
+    def shrink_planes(p=p):
+        launch.launch_shrink(p["x"], p["A"], p["scale"], p["rank"], *p["meta"], planes, scfg)
+    yield "shrink_planes_r320", launch.SHRINK, shrink_planes
+
+    def expand_planes(p=p):
+        launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg)
+    yield "expand_rank_loop_planes_r320", launch.EXPAND, expand_planes
+
     # Under PDL: add_lora_'s expand (y and B loaded before its wait) and the stacked path's (behind the GEMM,
     # which writes y and h: only metadata, token ids and the scale before the wait), both code paths.
     p = tuning.synthetic_problem(cpu, bf16, 64, [256, 256], 16, 4, 64)

@@ -35,7 +35,8 @@ def codegen():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "expand_pdl_r16",
+CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_planes_r320",
+         "expand_rank_loop_planes_r320", "expand_pdl_r16",
          "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
          "grad_x_r64", "segment_outer_r64"]
 
@@ -56,8 +57,9 @@ def test_no_narrow_cp_async(codegen, case):
     assert not narrow, codegen[case]
 
 
-def test_rank_loop_streams_its_operands(codegen):
-    assert codegen["expand_rank_loop_r320"]["loads"].get("cp.async 16 B", 0) > 0, codegen["expand_rank_loop_r320"]
+@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320"])
+def test_rank_loop_streams_its_operands(codegen, case):
+    assert codegen[case]["loads"].get("cp.async 16 B", 0) > 0, codegen[case]
 
 
 @pytest.mark.parametrize("case", ["expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320"])
@@ -74,14 +76,15 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
         assert before["ld.global 4 B"] == reference["ld.global 4 B"] + 1, (before, reference)
 
 
-@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "grad_x_r64", "segment_outer_r64"])
+@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320", "grad_x_r64",
+                                  "segment_outer_r64"])
 def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
     """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
     of them did, and the rank loop's wrote wrong values on the H200 in some runs). The rank loop's last,
     partial rank block (masked operands, run once after the loop, not pipelined) still does: there the
     register operands are as many as the loop's shared ones."""
     a = codegen[case]["wgmma_a"]
-    if case == "expand_rank_loop_r320":
+    if case.startswith("expand_rank_loop"):
         assert a.get("shared", 0) > 0 and a.get("registers", 0) <= a["shared"], a
     else:
         assert a.get("registers", 0) == 0, a

@@ -340,6 +340,52 @@ def test_fast_bf16_rounds_h_to_one_term(triton_backend, bf16_interpreter, path):
     assert rel_err(outs[True] - y_in.double(), ref) > rel_err(outs[False] - y_in.double(), ref)
 
 
+# add_lora_'s pair above rank 64 in bf16: the shrink stores h as bf16 planes (hi, lo), which the rank loop
+# multiplies as loaded (launch.h_planes); fp16 and float32 keep float32 h.
+PLANES_PAIRS = {   # split count: 1 (the shrink stores h) or 3 (the last split adds the others, then stores)
+    "one_split": heuristics.ShrinkConfig(16, 64, 16, 1, 4, 2),
+    "three_splits": heuristics.ShrinkConfig(16, 64, 16, 3, 4, 2),
+}
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["bf16x2", "fast_bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("split", PLANES_PAIRS)
+def test_rank_loop_takes_h_as_bf16_planes(triton_backend, checked_dtype, split, fast):
+    dtype = checked_dtype
+    R, ecfg = 80, ExpandConfig(16, 16, 32, 4, 2)   # the rank loop: two full rank blocks and a partial one
+    case = make_case(37, 48, 40, 3, 2, R, dtype=dtype, device=triton_backend.device, seed=11)
+    launch.set_fast_bf16(fast)
+    try:
+        planes = {torch.bfloat16: 1 if fast else 2}.get(dtype, 0)
+        assert launch.h_planes(ecfg, R, dtype) == planes
+        h = launch.shrink_buffer(case.x, case.lora_a, PLANES_PAIRS[split], ecfg)
+        assert h.dtype == (dtype if planes else torch.float32) and h.shape[0] == max(planes, 1), h.shape
+        h.fill_(math.nan)   # entries past a slot's rank (rounded up) and rows of slot -1 are never read
+        y_in = case.new_y("random")
+        y = y_in.clone()
+        launch.launch_shrink_expand(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths,
+                                    *case.meta, h, PLANES_PAIRS[split], ecfg)
+    finally:
+        launch.set_fast_bf16(False)
+    ref = case.delta_reference()
+    assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
+    assert_delta_close(y, y_in, ref, dtype)
+    if planes == 2:   # hi + lo hold h to ~16 bits: as the float32 h split in registers
+        # The same terms split in registers (float32 h = hi + lo: the transposed rank loop) give the same
+        # products: within one step of y, so the lo plane counts.
+        y32 = y_in.clone()
+        h32 = torch.where(torch.isnan(h[0]), 0.0, h[0].float() + h[1].float()).unsqueeze(0)
+        launch.launch_expand(y32, h32, case.lora_b, case.slice_widths, case.rank, *case.meta, ecfg)
+        assert ((y.double() - y32.double()).abs() <= ulp(y32, dtype)).all()
+        h_ref = shrink_reference(case.x, case.lora_a, case.scale, case.rank, case.token_slots).float().cpu()
+        have = (case.token_slots >= 0).cpu()
+        summed = (h[0].float() + h[1].float()).cpu()
+        for s, r in enumerate(case.rank.tolist()):
+            rows = have & (case.token_slots.cpu() == s)
+            torch.testing.assert_close(summed[rows][..., :r], h_ref[rows][..., :r], rtol=2 ** -14, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # Isolation: a NaN in one slot's weights (or one token's x) reaches exactly the outputs it should
 # ------------------------------------------------------------------------------------------------

@@ -352,10 +352,20 @@ def shrink_runner(p, cfg, expand_cfg=None):
 
 
 def expand_runner(p, cfg, expand_cfg=None):
+    """The expand alone on p["h"], in the form add_lora_ hands it to ``cfg``: float32, or bf16 planes where
+    the rank loop takes them (launch.h_planes)."""
     from lora_ops import launch
+    planes = launch.h_planes(cfg, p["B"].shape[2], p["B"].dtype)
+    h = p["h"]
+    if planes:
+        key = f"h_planes{planes}"
+        if key not in p:
+            hi = p["h"].to(p["B"].dtype)
+            p[key] = torch.stack([hi, (p["h"] - hi.float()).to(hi.dtype)][:planes])
+        h = p[key]
 
     def run():
-        launch.launch_expand(p["y"], p["h"], p["B"], p["widths"], p["rank"], *p["meta"], cfg)
+        launch.launch_expand(p["y"], h, p["B"], p["widths"], p["rank"], *p["meta"], cfg)
     return run
 
 

@@ -17,7 +17,7 @@ def expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = True, M_LOOP: tl.constexpr = 1,
+    ACCUMULATE: tl.constexpr = True, M_LOOP: tl.constexpr = 1, H_PLANES: tl.constexpr = 0,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -54,6 +54,8 @@ def expand_kernel(
     RANK_ALIGN: a power of two dividing R; rank masks are rounded up to it (kernels.work.rank_ceil), so
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
+    H_PLANES (the rank loop only): h is [H_PLANES, M, S, R] in B's dtype, the bf16 terms of h as the shrink
+    stores them (launch.h_planes), plane p stride_hp * p further (num_parts = 1).
     ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
     write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
@@ -163,15 +165,15 @@ def expand_kernel(
             offs_n = next_n
             n_ok = next_ok
     else:
-        # h in B's 16-bit dtype (the stacked GEMM's): multiplied as it is (rank_loop).
+        # h in B's 16-bit dtype (the stacked GEMM's, or add_lora_'s planes): multiplied as it is (rank_loop).
         h_native: tl.constexpr = (h_ptr.dtype.element_ty == b_ptr.dtype.element_ty
                                   and b_ptr.dtype.element_ty != tl.float32)
         if PDL:
             gdc_wait()   # h is the shrink's
         for j in range(N_LOOP):
             n_ok = offs_n < col_hi
-            acc = rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_br, BLOCK_M, BLOCK_N,
-                            BLOCK_R, RANK_ALIGN, H_PRECISION, h_native)
+            acc = rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_bn, stride_br, BLOCK_M,
+                            BLOCK_N, BLOCK_R, RANK_ALIGN, H_PRECISION, h_native, H_PLANES)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             if SCALE_BY_SLOT:
@@ -184,15 +186,16 @@ def expand_kernel(
 
 
 @triton.jit
-def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_br, BLOCK_M: tl.constexpr,
+def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_bn, stride_br, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
-              H_NATIVE: tl.constexpr):
+              H_NATIVE: tl.constexpr, H_PLANES: tl.constexpr):
     """h[tile, :rank] @ B[slot, cols, :rank]^T as float32 [BLOCK_M, BLOCK_N]: a GEMM with K = the slot's rank
     in BLOCK_R steps (expand_kernel's rank loop). h_rows: [BLOCK_M, 1] pointers to the tile's h rows (rank
     stride stride_hr); b_slot: the slot's B; offs_n / n_ok: the block's columns and which exist.
 
     Where the operands sit (kernels.work.dot_t says why it matters on Hopper):
-    - h in B's 16-bit dtype (the stacked path's h): one dot of the two loads as they are;
+    - h in B's 16-bit dtype (the stacked path's h, add_lora_'s planes): a dot of the loads as they are, one
+      per plane;
     - float32 h with bf16 B ("bf16x2", "bf16"): the transposed product, acc^T = B h^T (dot_t), so h's bf16
       terms, computed in registers, are the right operand, staged in shared memory;
     - float32 h with fp16 or float32 B ("tf32", "ieee"): h, a plain load, on the left, B widened on the right.
@@ -228,6 +231,8 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_b
         bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
         if H_NATIVE:
             acc = tl.dot(ht, bt, acc)
+            if H_PLANES == 2:
+                acc = tl.dot(tl.load(h_rows + stride_hp + rs[None, :] * stride_hr), bt, acc)
         else:
             acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
     if full < rank:
@@ -240,6 +245,9 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_bn, stride_b
         bt = tl.where(r_ok[:, None], bt, 0.0)
         if H_NATIVE:
             acc = tl.dot(ht, bt, acc)
+            if H_PLANES == 2:
+                lo = tl.load(h_rows + stride_hp + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
+                acc = tl.dot(tl.where(r_ok[None, :], lo, 0.0), bt, acc)
         else:
             acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
     return acc

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens
+from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens, rank_ceil
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_pk"])
@@ -12,11 +12,11 @@ def shrink_kernel(
     M, K, num_slices, num_slots, max_rank, capacity, split_k,
     stride_xm, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
-    stride_hm, stride_hs, stride_hr,
+    stride_hm, stride_hs, stride_hr, stride_hp,
     stride_pk, stride_pm, stride_ps, stride_pr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, H_PLANES: tl.constexpr = 0, RANK_ALIGN: tl.constexpr = 1,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
@@ -40,6 +40,10 @@ def shrink_kernel(
     counter is used. The consumer adds the splits in order (the expand kernel does, for add_lora_), which
     saves the counters' zero-fill launch and the last split's extra round trip.
     DOT_PRECISION: "ieee" for float32 inputs (no silent tf32), ignored for 16-bit inputs.
+    H_PLANES (1 or 2; 0: h is float32): h is [H_PLANES, M, S, R] in a 16-bit dtype, plane p at stride_hp * p:
+    the sum's bf16 terms, hi = bf16(h) and lo = bf16(h - hi), which the expand's rank loop multiplies as
+    loaded (kernels.expand.rank_loop). Stored up to the rank rounded up to RANK_ALIGN (a power of two
+    dividing R: vector stores; the columns between the rank and it hold zeros, A's rows there being masked).
     PDL (launched with programmatic dependent launch, sm_90+): wait for the previous kernel in the stream
     before reading anything, then let the next kernel (the expand) launch at once: its programs load their
     y and B while this kernel runs, and wait for it before reading h.
@@ -97,4 +101,11 @@ def shrink_kernel(
         for k_split in range(0, split_k):
             acc += tl.load(part_ptr + k_split * stride_pk + part_off, mask=mask, other=0.0, cache_modifier=".cg")
     h_ptrs = h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr
-    tl.store(h_ptrs, acc, mask=mask)
+    if H_PLANES == 0:
+        tl.store(h_ptrs, acc, mask=mask)
+    else:
+        plane_mask = valid[:, None] & ((col_slice < num_slices) & (col_r < rank_ceil(rank, RANK_ALIGN)))[None, :]
+        hi = acc.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptrs, hi, mask=plane_mask)
+        if H_PLANES == 2:
+            tl.store(h_ptrs + stride_hp, (acc - hi.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=plane_mask)
