@@ -350,8 +350,10 @@ def _table(args, out, gpu, entries, compile_s, t0):
             return (e["kind"], *_entry_shape(e))
         with open(out) as f:
             old = json.load(f)
-        new_keys = {key(e) for e in entries}
-        table["entries"] = [e for e in old["entries"] if key(e) not in new_keys] + entries
+        # A retuned entry takes its old one's place (a table's diff shows what changed); new shapes follow.
+        retuned = {key(e): e for e in entries}
+        kept = [retuned.pop(key(e), e) for e in old["entries"]]
+        table["entries"] = kept + [e for e in entries if key(e) in retuned]
         table["merged_from"] = {k: old.get(k) for k in ("date", "torch", "triton", "seconds")}
     return table
 

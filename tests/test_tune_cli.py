@@ -57,6 +57,18 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
         tune.main(DRY + ["--skip-tuned", "--out", out])
 
 
+def test_dry_run_merge_retunes_entries_in_place(tmp_path):
+    """--merge without --skip-tuned: a retuned shape's entries take their old places (the table's diff is
+    what changed, not a reshuffle), and a shape new to the table follows them."""
+    out = str(tmp_path / "table.json")
+    first = tune.main(DRY + ["--tokens", "16", "--kinds", "pair", "--out", out])
+    second = tune.main(DRY + ["--tokens", "1", "16", "--kinds", "pair", "--merge", "--out", out])
+    order = [(e["kind"], e["tokens"]) for e in second["entries"]]
+    assert order[:len(first["entries"])] == [(e["kind"], e["tokens"]) for e in first["entries"]]
+    assert {t for _, t in order[len(first["entries"]):]} == {1}, order
+    assert all(t == 16 for _, t in order[:len(first["entries"])])
+
+
 def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
     """--kinds stacked --merge --skip-tuned on a table of pair entries: only the stacked entries are added."""
     out = str(tmp_path / "table.json")
