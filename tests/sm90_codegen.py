@@ -10,6 +10,7 @@ shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §
     PYTHONPATH=. python tests/sm90_codegen.py --table     # every kernel's loads, registers, spills
 """
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -45,6 +46,17 @@ def recorded(launcher):
         launcher_type.__call__ = original
 
 
+def launch_constexprs(kernel, constexprs):
+    """The constexpr values a launch of ``kernel`` with these keyword arguments compiles with: the given
+    ones, and the kernel's defaults for the rest (ASTSource leaves a constexpr it is not given as None:
+    before session 21 every expand case here compiled with ACCUMULATE None, the store mode, not add_lora_'s
+    accumulating expand)."""
+    params = inspect.signature(kernel.fn).parameters   # kernel.fn: the Python function (also interpreted)
+    values = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    values.update({k: v for k, v in constexprs.items() if k in params})
+    return values
+
+
 def compile_sm90(kernel, tensors, ints, constexprs):
     """Triton's compile of ``kernel`` for sm_90 with the given launch arguments (as FastLauncher takes
     them), specialised as Triton's launcher would on the GPU."""
@@ -70,8 +82,7 @@ def compile_sm90(kernel, tensors, ints, constexprs):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     for name in names[len(tensors) + len(ints):]:
         signature[name] = "constexpr"
-        if name in constexprs:
-            consts[name] = constexprs[name]
+    consts.update(launch_constexprs(kernel, constexprs))
     return triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
@@ -162,6 +173,10 @@ def cases():
     def expand_planes(p=p):
         launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg)
     yield "expand_rank_loop_planes_r320", launch.EXPAND, expand_planes
+
+    def expand_store_planes(p=p):   # lora_linear's write-first path: y = the delta, the GEMM adds onto it
+        launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg, accumulate=False)
+    yield "expand_rank_loop_planes_store_r320", launch.EXPAND, expand_store_planes
 
     # Under PDL: add_lora_'s expand (y and B loaded before its wait) and the stacked path's (behind the GEMM,
     # which writes y and h: only metadata, token ids and the scale before the wait), both code paths.

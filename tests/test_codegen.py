@@ -36,7 +36,7 @@ def codegen():
 
 
 CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_planes_r320",
-         "expand_rank_loop_planes_r320", "expand_pdl_r16",
+         "expand_rank_loop_planes_r320", "expand_rank_loop_planes_store_r320", "expand_pdl_r16",
          "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
          "grad_x_r64", "segment_outer_r64"]
 
@@ -57,7 +57,8 @@ def test_no_narrow_cp_async(codegen, case):
     assert not narrow, codegen[case]
 
 
-@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320"])
+@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320",
+                                  "expand_rank_loop_planes_store_r320"])
 def test_rank_loop_streams_its_operands(codegen, case):
     assert codegen[case]["loads"].get("cp.async 16 B", 0) > 0, codegen[case]
 
@@ -76,8 +77,8 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
         assert before["ld.global 4 B"] == reference["ld.global 4 B"] + 1, (before, reference)
 
 
-@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320", "grad_x_r64",
-                                  "segment_outer_r64"])
+@pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320",
+                                  "expand_rank_loop_planes_store_r320", "grad_x_r64", "segment_outer_r64"])
 def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
     """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
     of them did, and the rank loop's wrote wrong values on the H200 in some runs). The rank loop's last,
@@ -116,3 +117,13 @@ def test_no_constexpr_has_a_string_default():
              if isinstance(p.default, str)]
     assert dict(jit_functions()), "no @triton.jit functions found"
     assert not found, found
+
+
+def test_codegen_compiles_with_the_kernels_defaults():
+    """A constexpr the launch leaves to its default compiles with that default (as a launch does), not None."""
+    sys.path.insert(0, HERE)
+    import sm90_codegen
+    from lora_ops import launch
+    values = sm90_codegen.launch_constexprs(launch.EXPAND.kernel, {"BLOCK_M": 64, "num_warps": 4})
+    assert values["ACCUMULATE"] is True and values["H_PLANES"] == 0 and values["M_LOOP"] == 1
+    assert values["BLOCK_M"] == 64 and "num_warps" not in values
