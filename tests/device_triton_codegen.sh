@@ -1,8 +1,10 @@
 #!/bin/bash
-# Compile every kernel family for sm_90 under the device's Triton (the H200 image: 3.6.0), on this machine,
-# no GPU: CI's Triton (3.9) accepts code that 3.6 refuses (docs/DESIGN.md §6, "CI's Triton is not the
-# device's"; session 21 found every expand broken on the H200 that way). Run it before a device call that
-# carries a kernel change:
+# Compile for sm_90 under the device's Triton (the H200 image: 3.6.0), on this machine, no GPU: the codegen
+# cases (tests/sm90_codegen.py) and one launch of every code path the table and the heuristic can take
+# (tests/sm90_compile_every_config.py, ~7 min on 2 cores; ALL=1: every distinct launch, ~30 min). CI's
+# Triton (3.9) accepts code that 3.6 refuses (docs/DESIGN.md §6, "CI's Triton is not the device's";
+# session 21 found every expand broken on the H200 that way). Run it before a device call that carries a
+# kernel change:
 #
 #     bash tests/device_triton_codegen.sh            # TRITON_VERSION=3.6.0, venv in .venv-triton-device/
 #
@@ -18,3 +20,4 @@ if ! "$VENV/bin/python" -c "import triton, sys; sys.exit(triton.__version__ != '
 fi
 "$VENV/bin/python" -c "import triton, torch; print('triton', triton.__version__, 'torch', torch.__version__)"
 PYTHONPATH=$PWD "$VENV/bin/python" tests/sm90_codegen.py --table
+PYTHONPATH=$PWD "$VENV/bin/python" tests/sm90_compile_every_config.py ${ALL:+--all}

@@ -57,13 +57,11 @@ def launch_constexprs(kernel, constexprs):
     return values
 
 
-def compile_sm90(kernel, tensors, ints, constexprs):
-    """Triton's compile of ``kernel`` for sm_90 with the given launch arguments (as FastLauncher takes
-    them), specialised as Triton's launcher would on the GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_args(kernel, tensors, ints, constexprs):
+    """(signature, constants, attributes, options) of ``kernel``'s compile for the given launch arguments
+    (as FastLauncher takes them), specialised as Triton's launcher would on the GPU: pointer dtypes and
+    16-byte alignment, integers equal to 1 as constants and those divisible by 16 as such (except the
+    kernel's do_not_specialize parameters). Plain data: it keys and pickles."""
     names = kernel.arg_names
     skip = {p.name for p in kernel.params if p.do_not_specialize}
     signature, attrs, consts = {}, {}, {}
@@ -83,8 +81,22 @@ def compile_sm90(kernel, tensors, ints, constexprs):
     for name in names[len(tensors) + len(ints):]:
         signature[name] = "constexpr"
     consts.update(launch_constexprs(kernel, constexprs))
+    return signature, consts, attrs, options
+
+
+def compile_from_args(kernel, signature, consts, attrs, options):
+    """Triton's compile of ``kernel`` for sm_90 (:func:`compile_args` gives the rest)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     return triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=options)
+
+
+def compile_sm90(kernel, tensors, ints, constexprs):
+    """Triton's compile of ``kernel`` for sm_90 with the given launch arguments (as FastLauncher takes
+    them), specialised as Triton's launcher would on the GPU."""
+    return compile_from_args(kernel, *compile_args(kernel, tensors, ints, constexprs))
 
 
 def _ptxas():

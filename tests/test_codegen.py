@@ -127,3 +127,21 @@ def test_codegen_compiles_with_the_kernels_defaults():
     values = sm90_codegen.launch_constexprs(launch.EXPAND.kernel, {"BLOCK_M": 64, "num_warps": 4})
     assert values["ACCUMULATE"] is True and values["H_PLANES"] == 0 and values["M_LOOP"] == 1
     assert values["BLOCK_M"] == 64 and "num_warps" not in values
+
+
+def test_every_config_check_records_every_kernel_and_path():
+    """tests/sm90_compile_every_config.py (run under the device's Triton before a device call) records the
+    table's and the heuristic's launches of every kernel, with PDL on and off, none failing to record
+    (compiling them all takes minutes: not here)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_compile_every_config.py"), "--record-only"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["failures"] == []
+    assert seen["kernels"] == ["expand_kernel", "fused_add_lora_kernel", "lora_grad_x_kernel", "segment_outer_kernel",
+                               "shrink_kernel"]
+    # labels of each path's first launch: the heuristic's, the table's (Llama-3-8B's entries first) and the backward
+    assert {"backward", "heuristic", "llama3-8b"} <= set(seen["labels"]) and seen["pdl"] == ["Fals", "True"]
