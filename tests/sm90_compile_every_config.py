@@ -1,14 +1,15 @@
-"""Compile for sm_90, without a GPU, every distinct launch the shipped configs and the heuristic make.
+"""Compile for sm_90, without a GPU, one launch of every code path the shipped configs and the heuristic take.
 
-tests/sm90_codegen.py compiles a dozen chosen cases and reports their code; this compiles all the launches
-a GPU run could ask for, under whatever Triton is installed, and reports the ones that fail. Its use: the
+tests/sm90_codegen.py compiles a dozen chosen cases and reports their code; this compiles the launches a GPU
+run could ask for (one per code path, :func:`path_key`; all with --all), under whatever Triton is installed,
+and reports the ones that fail. Its use: the
 device's Triton (3.6) refuses code that CI's (3.9) compiles (docs/DESIGN.md §6), so a change that passes CI
 can still break every launch on the H200; run it under the device's Triton before a device call
 (tests/device_triton_codegen.sh does).
 
 Launches are recorded, not run (every FastLauncher records instead of launching), on CPU tensors of the
 real layer shapes with few tokens; the compile specialisation is the one Triton's launcher would give
-(sm90_codegen.compile_args), so equal keys are compiled once. What is recorded:
+(sm90_codegen.compile_args). What is recorded:
 - every entry of the shipped H200 table (bf16): add_lora_'s pair (shrink entry + expand entry, h as the
   expand takes it), the one-launch kernel where an entry names one, the stacked path's expand, the store
   mode's; each with PDL on and off, and the pair also with set_fast_bf16;
