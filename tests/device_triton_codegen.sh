@@ -1,7 +1,7 @@
 #!/bin/bash
 # Compile for sm_90 under the device's Triton (the H200 image: 3.6.0), on this machine, no GPU: the codegen
 # cases (tests/sm90_codegen.py) and one launch of every code path the table and the heuristic can take
-# (tests/sm90_compile_every_config.py, ~7 min on 2 cores; ALL=1: every distinct launch, ~30 min). CI's
+# (tests/sm90_compile_every_config.py, ~7 min on 2 cores; ALL=1: every distinct launch, ~15 min). CI's
 # Triton (3.9) accepts code that 3.6 refuses (docs/DESIGN.md §6, "CI's Triton is not the device's";
 # session 21 found every expand broken on the H200 that way). Run it before a device call that carries a
 # kernel change:

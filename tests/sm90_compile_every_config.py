@@ -18,7 +18,7 @@ real layer shapes with few tokens; the compile specialisation is the one Triton'
 - the backward kernels (grad_x, segment_outer) at those ranks and dtypes.
 
     PYTHONPATH=. python tests/sm90_compile_every_config.py            # one launch per code path (path_key)
-    PYTHONPATH=. python tests/sm90_compile_every_config.py --all      # every distinct launch (~1650: 30 min
+    PYTHONPATH=. python tests/sm90_compile_every_config.py --all      # every distinct launch (~1650: 15 min
                                                                       # on 2 cores; for a table change)
     PYTHONPATH=. python tests/sm90_compile_every_config.py --subset   # the heuristic's bf16 launches only
 """
