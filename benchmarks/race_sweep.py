@@ -80,11 +80,6 @@ def paths(p, i):
     return out
 
 
-def off_values(out, exact, rms, eps):
-    """How many values of ``out`` are off ``exact`` (float64) beyond the tuner's bound, NaN counted."""
-    return int(tuning.off_mask(out, exact, rms, eps).sum())
-
-
 def grad_row(p, i):
     """lora_forward's backward REPEATS times: (runs with a gradient off, most values off, bits same)."""
     import lora_ops
@@ -102,7 +97,8 @@ def grad_row(p, i):
             t.grad = None
         lora_ops.lora_forward(i.y, *leaves, p.scale, p.rank, batch=p.meta, slice_widths=p.widths).backward(dy)
         grads = [t.grad.clone() for t in leaves]
-        wrong.append(sum(off_values(o, e, r, torch.finfo(p.dtype).eps) for o, e, r in zip(grads, exact, rms)))
+        wrong.append(sum(int(tuning.off_mask(o, e, r, torch.finfo(p.dtype).eps).sum())
+                         for o, e, r in zip(grads, exact, rms)))
         outs.append(grads)
     same = all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))
     return sum(w > 0 for w in wrong), max(wrong), same
@@ -112,17 +108,15 @@ def sweep_row(layer, r, M):
     p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(r), M), DTYPE, DEV)
     i = p.inputs(0)
     exact = problems.reference_delta(p, i)
-    rms = exact.pow(2).mean().sqrt()
-    eps = torch.finfo(DTYPE).eps
     y0 = i.y.clone()
     lines = []
     for name, build in paths(p, i).items():
         outs, wrong = [], []
         for _ in range(REPEATS):
             call = build()
-            before = i.y.double()
+            before = i.y.clone()
             call()
-            wrong.append(off_values(i.y, before + exact, rms, eps))
+            wrong.append(problems.values_off(i.y, before, exact))
             outs.append(i.y.clone())
             i.y.copy_(y0)
         same = all(torch.equal(o, outs[0]) for o in outs[1:])

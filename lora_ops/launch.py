@@ -119,7 +119,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     L, S, R, _ = lora_a.shape
     grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
-    planes = h.shape[0] if h.dtype != torch.float32 else 0
+    planes = planes_in(h)
     # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
     h_strides = (*h.stride()[-3:], h.stride(0) if planes else 0)
     if partials_out:
@@ -150,7 +150,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     without a delta zeroed (every row the metadata names is written; kernels.expand, ACCUMULATE)."""
     M = y.shape[0]
     R = lora_b.shape[2]
-    planes = h.shape[0] if h.dtype != torch.float32 else 0   # h as 16-bit terms (h_planes)
+    planes = planes_in(h)
     num_parts = h.shape[0] if h.dim() == 4 and not planes else 1
     part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
     if num_parts > 1 and not takes_partials(cfg, R):
@@ -414,10 +414,16 @@ def shrink_buffer_spec(M, S, R, scfg, ecfg, dtype=torch.float32):
     return Scratch((parts, M, S, R), torch.float32)
 
 
+def planes_in(h):
+    """How many 16-bit planes of h's terms ``h`` holds (:func:`h_planes`; a tensor, or its
+    :func:`shrink_buffer_spec`): 0 for float32 h."""
+    return h.shape[0] if h.dtype != torch.float32 else 0
+
+
 def holds_partials(h):
     """Whether add_lora_'s h (a tensor, or its :func:`shrink_buffer_spec`) takes the shrink's split-K
     partial sums."""
-    return h.dtype == torch.float32 and h.shape[0] > 1
+    return not planes_in(h) and h.shape[0] > 1
 
 
 def shrink_buffer(x, lora_a, scfg, ecfg):

@@ -26,24 +26,40 @@ PTXAS_NAMES = ("ptxas-blackwell", "ptxas")  # the first that accepts Triton's PT
 
 
 @contextmanager
-def recorded(launcher):
-    """Within the block, calls of ``launcher`` (a FastLauncher) are recorded, not run: yields the list of
-    (tensors, ints, constexprs) each call passed."""
+def recorded(launcher=None):
+    """Within the block, calls of ``launcher`` (a FastLauncher; None: every one) are recorded, not run:
+    yields the list of (launcher, tensors, ints, constexprs) each call passed. Other launchers run."""
+    from lora_ops.triton_launch import FastLauncher
     calls = []
-    launcher_type = type(launcher)
-    original = launcher_type.__call__
+    original = FastLauncher.__call__
 
     def record(self, grid, tensors, ints, **constexprs):
-        if self is launcher:
-            calls.append((tuple(tensors), tuple(ints), dict(constexprs)))
+        if launcher is None or self is launcher:
+            calls.append((self, tuple(tensors), tuple(ints), dict(constexprs)))
         else:
             original(self, grid, tensors, ints, **constexprs)
 
-    launcher_type.__call__ = record
+    FastLauncher.__call__ = record
     try:
         yield calls
     finally:
-        launcher_type.__call__ = original
+        FastLauncher.__call__ = original
+
+
+def jit_functions():
+    """Every @triton.jit function of lora_ops.kernels, as ("module.name", function): a JITFunction, or an
+    InterpretedFunction under TRITON_INTERPRET=1 (``.fn``: the Python function either way)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import lora_ops.kernels as kernels
+    for module_info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"lora_ops.kernels.{module_info.name}")
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.KernelInterface) and fn.fn.__module__ == module.__name__:
+                yield f"{module_info.name}.{name}", fn
 
 
 def launch_constexprs(kernel, constexprs):
@@ -246,7 +262,7 @@ def main(argv):
     for name, launcher, run in cases():
         with recorded(launcher) as calls:
             run()
-        results[name] = summary(compile_sm90(launcher.kernel, *calls[0]))
+        results[name] = summary(compile_sm90(launcher.kernel, *calls[0][1:]))
     if "--table" in argv:
         for name, r in results.items():
             loads = ", ".join(f"{k} x{n}" for k, n in r["loads"].items())

@@ -23,6 +23,7 @@ real layer shapes with few tokens; the compile specialisation is the one Triton'
     PYTHONPATH=. python tests/sm90_compile_every_config.py --subset   # the heuristic's bf16 launches only
 """
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -40,23 +41,6 @@ TOKENS = 64             # the problems' token count: M is never specialised on, 
 HEURISTIC_TOKENS = (1, 16, 64, 256, 1024, 4096)
 HEURISTIC_RANKS = (16, 64, 100, 320)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@contextlib.contextmanager
-def recording():
-    """Within the block no FastLauncher launches: each call is appended to the yielded list as
-    (kernel name, compile_args)."""
-    from lora_ops import triton_launch
-    calls = []
-    original = triton_launch.FastLauncher.__call__
-
-    def record(self, grid, tensors, ints, **constexprs):
-        calls.append((self.kernel.__name__, sm90_codegen.compile_args(self.kernel, tensors, ints, constexprs)))
-    triton_launch.FastLauncher.__call__ = record
-    try:
-        yield calls
-    finally:
-        triton_launch.FastLauncher.__call__ = original
 
 
 @contextlib.contextmanager
@@ -179,6 +163,13 @@ def path_key(name, args):
     return repr((name, sorted(v for v in signature.values() if v.startswith("*")), sorted(flags.items())))
 
 
+def remember(found, calls, label, every_launch):
+    """Add the recorded ``calls`` (sm90_codegen.recorded's) to ``found`` under their key, first label kept."""
+    for launcher, tensors, ints, constexprs in calls:
+        name, args = launcher.kernel.__name__, sm90_codegen.compile_args(launcher.kernel, tensors, ints, constexprs)
+        found.setdefault(repr((name, args)) if every_launch else path_key(name, args), (name, args, label))
+
+
 def record_everything(subset, every_launch=False):
     """{key: (kernel name, compile args, first label)} and the recording's failures; the key is the whole
     compile specialisation with ``every_launch``, else :func:`path_key`."""
@@ -190,26 +181,23 @@ def record_everything(subset, every_launch=False):
         p = problems.get(K, widths, R, dtype)
         for pdl in (False, True):
             for fast in ((False, True) if kind == "shrink" and dtype == torch.bfloat16 else (False,)):
-                with recording() as calls, switches(pdl, fast):
+                with sm90_codegen.recorded() as calls, switches(pdl, fast):
                     try:
                         run_kind(kind, p, cfg, expand_cfg)
                     except Exception as e:   # noqa: BLE001 - reported, the rest still compiles
                         failures.append((f"{label} pdl={pdl} fast={fast}: recording", repr(e)))
-                for name, args in calls:
-                    key = repr((name, args)) if every_launch else path_key(name, args)
-                    found.setdefault(key, (name, args, f"{label} pdl={pdl} fast={fast}"))
+                remember(found, calls, f"{label} pdl={pdl} fast={fast}", every_launch)
     if not subset:
-        with recording() as calls:
+        with sm90_codegen.recorded() as calls:
             grad_launches(DTYPES, problems)
-        for name, args in calls:
-            found.setdefault(repr((name, args)) if every_launch else path_key(name, args), (name, args, "backward"))
+        remember(found, calls, "backward", every_launch)
     return found, failures
 
 
+@functools.lru_cache(maxsize=None)
 def _kernels():
-    from lora_ops.kernels import expand, fused, grad, shrink
-    return {k.__name__: k for m in (expand, fused, grad, shrink) for k in vars(m).values()
-            if hasattr(k, "arg_names") and hasattr(k, "params")}
+    """The kernels by name, once per worker process."""
+    return {fn.__name__: fn for _, fn in sm90_codegen.jit_functions()}
 
 
 def _compile_one(item):

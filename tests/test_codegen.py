@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import sm90_codegen
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -91,38 +93,21 @@ def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
         assert a.get("registers", 0) == 0, a
 
 
-def jit_functions():
-    """Every @triton.jit function of lora_ops.kernels, as (name, JITFunction)."""
-    import importlib
-    import pkgutil
-
-    import triton
-
-    import lora_ops.kernels as kernels
-    for module_info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"lora_ops.kernels.{module_info.name}")
-        for name, fn in vars(module).items():
-            # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1; fn.fn: the Python function
-            if isinstance(fn, triton.runtime.KernelInterface) and fn.fn.__module__ == module.__name__:
-                yield f"{module_info.name}.{name}", fn
-
-
 def test_no_constexpr_has_a_string_default():
     """The device's Triton (3.6) hands a called @triton.jit function's string default in as a plain str and
     fails to compile it ("'str' object has no attribute 'type'"); Triton 3.9, which CI runs, wraps it. Session
     21 (2026-12-04) found every expand kernel broken on the H200 this way: kernels.work._mma's default
     "tf32". Callers pass every string constexpr."""
     import inspect
-    found = [(name, p.name) for name, fn in jit_functions() for p in inspect.signature(fn.fn).parameters.values()
+    functions = dict(sm90_codegen.jit_functions())
+    found = [(name, p.name) for name, fn in functions.items() for p in inspect.signature(fn.fn).parameters.values()
              if isinstance(p.default, str)]
-    assert dict(jit_functions()), "no @triton.jit functions found"
+    assert functions, "no @triton.jit functions found"
     assert not found, found
 
 
 def test_codegen_compiles_with_the_kernels_defaults():
     """A constexpr the launch leaves to its default compiles with that default (as a launch does), not None."""
-    sys.path.insert(0, HERE)
-    import sm90_codegen
     from lora_ops import launch
     values = sm90_codegen.launch_constexprs(launch.EXPAND.kernel, {"BLOCK_M": 64, "num_warps": 4})
     assert values["ACCUMULATE"] is True and values["H_PLANES"] == 0 and values["M_LOOP"] == 1

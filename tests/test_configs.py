@@ -441,7 +441,8 @@ def test_tuner_check_rejects_runs_that_differ(kind, monkeypatch, capsys):
             if len(runs) % 2 == 0:
                 out = p["h_shrink"] if kind == "shrink" else p["stacked_out"] if kind == "stacked" else p["y"]
                 used = (p["slots"] >= 0).nonzero()[0, 0]
-                out[used].view(-1)[0] = torch.nextafter(out[used].view(-1)[0], torch.tensor(math.inf, device=out.device))
+                first = out[used].view(-1)
+                first[0] = torch.nextafter(first[0], torch.tensor(math.inf, device=out.device))
         return go
     monkeypatch.setattr(tuning, "RUNNERS", {**tuning.RUNNERS, kind: racing})
     assert "a race" in tuning.check_candidate(kind, p, cfg, ecfg)
