@@ -28,7 +28,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def time_tree(tree, tag, out_dir, tokens, device, ranks=(16, 64), models=("llama3-8b",)):
+def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("llama3-8b",)):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.abspath(tree))   # this tree's lora_ops and csrc_meta, before any other
     import torch
@@ -47,7 +47,7 @@ def time_tree(tree, tag, out_dir, tokens, device, ranks=(16, 64), models=("llama
     for M in tokens:
         for model, layer in layers:
             for rank in ranks:
-                p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), torch.bfloat16, device)
+                p = problems.Problem.for_case(shapes.Case(layer, shapes.rank_spec(rank), M), torch.bfloat16, device)
                 sets = {0: p.inputs(0)}
 
                 def inputs(k, p=p, sets=sets):
@@ -109,7 +109,8 @@ def main(argv=None):
     t.add_argument("out_dir")
     t.add_argument("--tokens", default="1,16,64,256,1024")
     t.add_argument("--device", default="cuda")
-    t.add_argument("--ranks", default="16,64", help="uniform slot ranks (default 16,64: the core grid's)")
+    t.add_argument("--ranks", default="16,64", help="slot ranks, shapes.rank_spec's forms (default 16,64: the "
+                                                     "core grid's; mix; 100/128/320/320: one per slot)")
     t.add_argument("--models", default="llama3-8b", help="llama3-8b and/or phi4-mini (comma-separated)")
     c = sub.add_parser("compare", help="each tag's fastest pass per shape against the base tag's")
     c.add_argument("out_dir")
@@ -118,7 +119,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cmd == "time":
         return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device,
-                         tuple(int(r) for r in args.ranks.split(",")), tuple(args.models.split(",")))
+                         tuple(args.ranks.split(",")), tuple(args.models.split(",")))
     compare(args.out_dir, args.base_tag, args.tags)
     return 0
 

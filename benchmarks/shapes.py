@@ -59,6 +59,15 @@ def uniform(rank):
 # A capacity-128 stack holding adapters of four ranks: each should cost its own rank, not 128.
 MIXED = RankSpec("mix", (8, 16, 64, 128), 128)
 
+def rank_spec(text):
+    """A RankSpec from the command line: "64" (every slot at 64), "mix" (:data:`MIXED`), or one rank per slot
+    as "100/128/320/320" (the stack's capacity: the largest)."""
+    if text == MIXED.label:
+        return MIXED
+    ranks = tuple(int(r) for r in text.split("/"))
+    return uniform(ranks[0]) if len(ranks) == 1 else RankSpec(text, ranks, max(ranks))
+
+
 GRIDS = {
     "core": ((LLAMA3_8B, (uniform(16), uniform(64))),),
     "highrank": ((LLAMA3_8B, (uniform(128), uniform(256), uniform(320))),
