@@ -144,7 +144,9 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
 
 def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True,
                   pdl=False, accumulate=True):
-    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order.
+    """y[:, slices] += h @ B^T per slice; h [M, S, R] float32, or [P, M, S, R] partial sums added in order,
+    or [planes, M, S, R] bf16 terms as :func:`launch_shrink` stores them (zeros between each slot's rank and
+    the rank rounded up to ``heuristics.rank_align(R)``, which the rank loop reads).
     Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``: only right after a ``pdl`` shrink
     (see :func:`pdl_options`). ``accumulate=False``: y = the delta instead, y never read, rows of tokens
     without a delta zeroed (every row the metadata names is written; kernels.expand, ACCUMULATE)."""

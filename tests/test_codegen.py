@@ -83,13 +83,15 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
                                   "expand_rank_loop_planes_store_r320", "grad_x_r64", "segment_outer_r64"])
 def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
     """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
-    of them did, and the rank loop's wrote wrong values on the H200 in some runs). The rank loop's last,
-    partial rank block (masked operands, run once after the loop, not pipelined) still does: there the
-    register operands are as many as the loop's shared ones."""
+    of them did, and the rank loop's wrote wrong values on the H200 in some runs). The float32 rank loop's
+    last, partial rank block (masked operands, run once after the loop, not pipelined) still does: there
+    the register operands are as many as the loop's shared ones. The planes' last block does not (the
+    shrink stored zeros past the rank, so it multiplies them as loaded: session 22)."""
     a = codegen[case]["wgmma_a"]
-    if case.startswith("expand_rank_loop"):
+    if case == "expand_rank_loop_r320":
         assert a.get("shared", 0) > 0 and a.get("registers", 0) <= a["shared"], a
     else:
+        assert a.get("shared", 0) > 0 or not case.startswith("expand"), a
         assert a.get("registers", 0) == 0, a
 
 

@@ -55,7 +55,8 @@ def expand_kernel(
     h and B rows load in vectors.
     H_PRECISION: how the fp32 h meets B on the tensor cores (kernels.work.split_f32).
     H_PLANES (the rank loop only): h is [H_PLANES, M, S, R] in B's dtype, the bf16 terms of h as the shrink
-    stores them (launch.h_planes), plane p stride_hp * p further (num_parts = 1).
+    stores them (launch.h_planes), plane p stride_hp * p further (num_parts = 1), holding zeros between
+    each slot's rank and the rank rounded up to RANK_ALIGN (the last rank block multiplies them as loaded).
     ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
     write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
@@ -241,13 +242,17 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_b
         r_in = rs < rank_ceil(rank, RANK_ALIGN)
         ht = tl.load(h_rows + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
         bt = tl.load(b_cols + rs[:, None] * stride_br, mask=r_in[:, None] & n_ok[None, :], other=0.0)
-        ht = tl.where(r_ok[None, :], ht, 0.0)
         bt = tl.where(r_ok[:, None], bt, 0.0)
-        if H_NATIVE:
+        if H_PLANES > 0:
+            # The shrink stored zeros between the rank and rank_ceil, so the planes multiply as loaded: a
+            # tl.where on them made this last block's MMA read its left operand from registers.
             acc = tl.dot(ht, bt, acc)
             if H_PLANES == 2:
-                lo = tl.load(h_rows + stride_hp + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0)
-                acc = tl.dot(tl.where(r_ok[None, :], lo, 0.0), bt, acc)
+                acc = tl.dot(tl.load(h_rows + stride_hp + rs[None, :] * stride_hr, mask=r_in[None, :], other=0.0),
+                             bt, acc)
+        elif H_NATIVE:
+            acc = tl.dot(tl.where(r_ok[None, :], ht, 0.0), bt, acc)
         else:
+            ht = tl.where(r_ok[None, :], ht, 0.0)
             acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
     return acc
