@@ -2,7 +2,8 @@
 Llama-3-8B rows they walk within a time budget, and the run's environment for their JSON.
 
 Environment: DEV (default cuda; cpu, with TRITON_INTERPRET=1, runs tiny shapes as a logic check), BUDGET
-(seconds), MS (token counts) and RANKS (comma-separated), each lab giving its defaults.
+(seconds), MS (token counts) and RANKS (comma-separated), each lab giving its defaults; LAYERS (names,
+e.g. qkv,gate_up; default all four).
 """
 import os
 import time
@@ -15,7 +16,9 @@ import shapes
 DEV = os.environ.get("DEV", "cuda")
 TINY = DEV != "cuda"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
-LAYERS = shapes.LLAMA3_8B if not TINY else [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B]
+_KEEP = os.environ.get("LAYERS", "").split(",")
+LAYERS = [layer if not TINY else shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B
+          if _KEEP == [""] or layer.name in _KEEP]
 T0 = time.time()
 
 
