@@ -199,6 +199,9 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     if cfg.m_loop > 1 and (cfg.n_loop > 1 or not one_block):
         raise ValueError(f"expand config {cfg}: m_loop > 1 needs n_loop 1 and the rank ({R}) within block_r")
     grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m * cfg.m_loop))
+    if expand_tokens_first(one_block, sum(slice_widths), R, lora_b.element_size(), grid[0]):
+        grid = grid[::-1]
+        extra = dict(extra, TOKENS_FIRST=True)
     return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
         (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride()),
@@ -251,6 +254,24 @@ def part_chunk(expand_cfg):
     per_part = max(1, expand_cfg.block_m * expand_cfg.block_r // (32 * expand_cfg.num_warps))
     fits = max(1, PART_CHUNK_VALUES_PER_THREAD // per_part)
     return min(MAX_PART_CHUNK, 1 << (fits.bit_length() - 1))  # the largest power of two that fits
+
+
+# The rank-loop expand's grid takes its token tiles first where one slot's B is at least this large
+# (kernels.expand, TOKENS_FIRST). H200, session 22 (ab_trees at 1024 / 4096 tokens, tokens first for every
+# rank loop): gate_up at ranks 256-320 (Llama's B 14-18 MiB a slot, Phi-4-mini's 8-10) took 0.95-0.99 of the
+# time (Llama r320 at 4096 tokens 403 -> 389 us), Llama gate_up r128 (7 MiB) 0.99-1.00; the other layers
+# (B 4 MiB or less) moved within +-1.5%, the worst +3.6% (Phi-4-mini qkv r320 at 1024): there the column
+# blocks stay first.
+TOKENS_FIRST_MIN_B_BYTES = 6 << 20
+
+
+def expand_tokens_first(one_block, out_features, max_rank, element_size, chunks):
+    """Whether the expand's grid is (token tiles, column chunks) rather than (column chunks, token tiles):
+    for the rank loop where one slot's B [N, R] holds TOKENS_FIRST_MIN_B_BYTES or more, so the programs
+    running together share its column blocks instead of each wave streaming all of it for one or two
+    token tiles. The chunks then go on grid axis 1, which CUDA caps at 65535."""
+    return (not one_block and chunks <= 65535
+            and out_features * max_rank * element_size >= TOKENS_FIRST_MIN_B_BYTES)
 
 
 def takes_partials(expand_cfg, max_rank):

@@ -309,6 +309,50 @@ def test_expand_token_loop_covers_every_tile(triton_backend, M, path):
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
 
 
+RANK_LOOP_PATHS = [path for path, (cfg, R, _) in EXPAND_PATH_CONFIGS.items() if not launch.takes_partials(cfg, R)]
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "store"])
+@pytest.mark.parametrize("path", RANK_LOOP_PATHS, ids=str)
+def test_expand_tokens_first_grid_matches_columns_first(triton_backend, monkeypatch, path, accumulate):
+    """The rank loop's grid with its token tiles first (launch.expand_tokens_first: where one slot's B is
+    large) computes every tile as the columns-first grid does: the same bits in every row, the store mode
+    writing every row (y starts as NaN there)."""
+    dtype = torch.float32
+    # 150 tokens: more token tiles than column chunks, so a grid read the wrong way round misses tiles.
+    cfg, R, _, case, y_in, parts, ref, _ = expand_path_problem(path, dtype, triton_backend.device, seed=7, M=150)
+    out = {}
+    for first in (False, True):
+        monkeypatch.setattr(launch, "TOKENS_FIRST_MIN_B_BYTES", 0 if first else 1 << 62)
+        y = y_in.clone() if accumulate else torch.full_like(y_in, math.nan)
+        lc = launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg,
+                                  accumulate=accumulate, run=False)
+        assert lc.constexprs.get("TOKENS_FIRST", False) is first
+        columns = launch.slice_layout(case.slice_widths, cfg.block_n * cfg.n_loop)[1][-1]
+        assert lc.grid[1 if first else 0] == columns, (lc.grid, columns)
+        lc()
+        out[first] = y
+    assert torch.equal(bits(out[True]), bits(out[False]))
+    if accumulate:
+        assert_delta_close(out[True], y_in, ref, dtype)
+        assert_rows_bit_identical(out[True], y_in, case.no_adapter_rows(), "slot -1")
+    else:
+        assert not torch.isnan(out[True]).any()
+        assert_delta_close(out[True], torch.zeros_like(y_in), ref, dtype)
+
+
+def test_expand_tokens_first_rule():
+    """Token tiles first only for the rank loop, where one slot's B [N, R] holds the threshold or more, and
+    where the column chunks fit CUDA's grid axis 1."""
+    big = launch.TOKENS_FIRST_MIN_B_BYTES
+    assert launch.expand_tokens_first(False, 28672, 320, 2, 112)            # Llama gate_up r320, bf16
+    assert not launch.expand_tokens_first(True, 28672, 320, 2, 112)         # one rank block
+    assert not launch.expand_tokens_first(False, 6144, 320, 2, 24)          # Llama qkv r320: 3.75 MiB
+    assert launch.expand_tokens_first(False, big // 2, 1, 2, 65535)
+    assert not launch.expand_tokens_first(False, big // 2, 1, 2, 65536)     # grid axis 1's limit
+    assert not launch.expand_tokens_first(False, big // 2 - 1, 1, 2, 10)
+
+
 @pytest.mark.parametrize("cfg,R", [(ExpandConfig(16, 16, 16, 4, 2, 2, 2), 16),
                                    (ExpandConfig(16, 16, 16, 4, 2, 1, 2), 40)], ids=["with_column_blocks", "rank_loop"])
 def test_expand_token_loop_needs_one_column_block_and_rank_block(triton_backend, cfg, R):

@@ -18,6 +18,7 @@ def expand_kernel(
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = True, M_LOOP: tl.constexpr = 1, H_PLANES: tl.constexpr = 0,
+    TOKENS_FIRST: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -39,7 +40,8 @@ def expand_kernel(
     scale_ptr is not read. h is read in its own dtype and widened to float32.
     SLICE_COLS: S + 1 column offsets of the output slices in y and B (0, n_0, n_0 + n_1, ..., N);
     SLICE_CHUNKS: S + 1 offsets of each slice's first chunk (prefix sums of cdiv(n_i, N_LOOP * BLOCK_N)).
-    Grid: (total chunks, token-tile bound).
+    Grid: (total chunks, token-tile bound), or with TOKENS_FIRST (token-tile bound, total chunks): the
+    programs that run together then share column blocks of B (launch.expand_tokens_first says where).
     ONE_RANK_BLOCK (R <= BLOCK_R): the tile's h is loaded and split once, then the program streams its
     N_LOOP column blocks of B and y, prefetching the next block of y while it adds into this one: y is the
     bulk of the bytes, and one program per (tile, block) left too few loads in flight to reach bandwidth.
@@ -70,8 +72,14 @@ def expand_kernel(
     right behind the stacked GEMM, which writes y and h) only the metadata, token ids and scale are
     loaded before the wait.
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    if TOKENS_FIRST:
+        # Grid (token tiles, chunks): the programs running together share a column block of B and read it
+        # from memory once, rather than each wave streaming all of B for one or two token tiles.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
     if pid_n >= SLICE_CHUNKS[len(SLICE_CHUNKS) - 1]:
         return
     slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
