@@ -59,6 +59,7 @@ def uniform(rank):
 # A capacity-128 stack holding adapters of four ranks: each should cost its own rank, not 128.
 MIXED = RankSpec("mix", (8, 16, 64, 128), 128)
 
+
 def rank_spec(text):
     """A RankSpec from the command line: "64" (every slot at 64), "mix" (:data:`MIXED`), or one rank per slot
     as "100/128/320/320" (the stack's capacity: the largest)."""
