@@ -64,6 +64,9 @@ def _slice_layout(slice_widths, block_n):
     return tuple(cols), tuple(blocks)
 
 
+MAX_GRID_YZ = 65535    # CUDA's limit on a grid's second and third axes
+
+
 class Launch(NamedTuple):
     """One kernel launch, everything bound: ``launch()`` runs it. The launchers below build these, so a
     plan (lora_ops.plan) can keep what a call derives from shapes and replay it with other tensors."""
@@ -77,7 +80,14 @@ class Launch(NamedTuple):
         self.launcher(self.grid, self.tensors, self.ints, **self.constexprs)
 
     def run_if(self, run):
-        """Run it if ``run``; return it either way (what the launchers below end with)."""
+        """Run it if ``run``; return it either way (what the launchers below end with). A grid past CUDA's
+        limits (65535 programs on axes 1 and 2; axis 1 holds the token tiles but where the expand takes
+        them first) is a clear error here, not a failed launch."""
+        too_many = [n for n in self.grid[1:] if n > MAX_GRID_YZ]
+        if too_many:
+            raise ValueError(f"x: too many tokens for one call: {self.launcher.kernel.__name__}'s grid {self.grid} "
+                             f"has {too_many[0]} programs on an axis that holds at most {MAX_GRID_YZ} (axis 1 "
+                             f"counts the token tiles); split the batch")
         if run:
             self()
         return self
@@ -270,7 +280,7 @@ def expand_tokens_first(one_block, out_features, max_rank, element_size, chunks)
     for the rank loop where one slot's B [N, R] holds TOKENS_FIRST_MIN_B_BYTES or more, so the programs
     running together share its column blocks instead of each wave streaming all of it for one or two
     token tiles. The chunks then go on grid axis 1, which CUDA caps at 65535."""
-    return (not one_block and chunks <= 65535
+    return (not one_block and chunks <= MAX_GRID_YZ
             and out_features * max_rank * element_size >= TOKENS_FIRST_MIN_B_BYTES)
 
 

@@ -316,3 +316,26 @@ def test_interpreter_too_old_for_numpy_names_the_fix(monkeypatch):
                           batch=case.meta, slice_widths=case.slice_widths)
     monkeypatch.setattr(numpy, "__version__", "1.26.4")
     assert triton_launch.interpreter_problem() is None
+
+
+def test_too_many_token_tiles_raise_before_any_launch(monkeypatch):
+    """CUDA holds at most 65535 programs on a grid's second and third axes, and the token tiles sit on the
+    second (several million tokens in one call): a clear error when the launch is built, before anything
+    runs. The expand's rank loop with its token tiles first (large B) puts them on the first axis instead."""
+    from lora_ops import launch
+    from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig
+    case = make_case(40, 8, 12, 2, 1, 8, dtype=torch.float32, device="cpu", seed=3)
+    h = torch.zeros(1, 40, 1, 8)
+    expand_cfg = ExpandConfig(16, 16, 4, 4, 2)     # rank 8 past block_r 4: the rank loop
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 2)  # 40 tokens in tiles of 16 make 3 + 2 slots' tiles
+    with pytest.raises(ValueError, match="^x: too many tokens for one call: shrink_kernel's grid"):
+        launch.launch_shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta, h, ShrinkConfig(16, 8, 8, 1, 4, 2),
+                             run=False)
+    monkeypatch.setattr(launch, "TOKENS_FIRST_MIN_B_BYTES", 1 << 62)
+    with pytest.raises(ValueError, match="^x: too many tokens for one call: expand_kernel's grid"):
+        launch.launch_expand(case.new_y("zero"), h, case.lora_b, case.slice_widths, case.rank, *case.meta,
+                             expand_cfg, run=False)
+    monkeypatch.setattr(launch, "TOKENS_FIRST_MIN_B_BYTES", 0)
+    lc = launch.launch_expand(case.new_y("zero"), h, case.lora_b, case.slice_widths, case.rank, *case.meta,
+                              expand_cfg, run=False)
+    assert lc.constexprs["TOKENS_FIRST"] and lc.grid[0] > 2 >= lc.grid[1], lc.grid
