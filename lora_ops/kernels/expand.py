@@ -62,9 +62,10 @@ def expand_kernel(
     ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
     write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
-    of y that the metadata names is written; the grid's token axis holds L + 1 groups. Its reads of y are
-    masked off (no traffic) rather than removed: the accumulating path then compiles exactly as before
-    (removing them moved add_lora_'s first y load behind its PDL wait, tests/test_codegen.py).
+    of y that the metadata names is written; the grid's token axis holds L + 1 groups. The mode compiles
+    no y load (each sits under a constexpr ``if ACCUMULATE``, so the accumulating path compiles to the
+    same code as without the mode). Until session 23 they were masked off instead: loads that never fired
+    still cost the store mode 5-20% of its time (H200, ranks 16-320; DESIGN §4).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
@@ -106,8 +107,8 @@ def expand_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    h_rows, y_rows, read_y = expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset, stride_hm,
-                                              stride_hs, stride_hl, stride_ym, SCALE_BY_SLOT, ACCUMULATE)
+    h_rows, y_rows = expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs, stride_hl,
+                                      stride_ym, SCALE_BY_SLOT)
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
 
     if ONE_RANK_BLOCK and M_LOOP > 1:
@@ -126,26 +127,28 @@ def expand_kernel(
             if i > 0:
                 tok, valid = load_tile_tokens(sorted_ids_ptr, row0 + i * BLOCK_M, rows_left - i * BLOCK_M, capacity,
                                               M, BLOCK_M)
-                h_rows, y_rows, read_y = expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset,
-                                                          stride_hm, stride_hs, stride_hl, stride_ym, SCALE_BY_SLOT,
-                                                          ACCUMULATE)
+                h_rows, y_rows = expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs,
+                                                  stride_hl, stride_ym, SCALE_BY_SLOT)
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
-            y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
+            if ACCUMULATE:
+                y_old = tl.load(y_ptrs, mask=valid[:, None] & n_ok[None, :], other=0.0)
             h_hi, h_lo = load_h_parts(h_rows + offs_r[None, :] * stride_hr, valid[:, None] & r_in[None, :], r_ok,
                                       num_parts, tl.cast(stride_hp, tl.int64), PART_CHUNK, H_PRECISION)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
                             False)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty),
-                     mask=valid[:, None] & n_ok[None, :])
+            if ACCUMULATE:
+                acc = y_old.to(tl.float32) + acc
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
     elif ONE_RANK_BLOCK:
         if PDL and SCALE_BY_SLOT:
             gdc_wait()   # y and h are the stacked GEMM's
         # y is the bulk of the bytes: the first block's load is in flight while h is read.
         n_ok = offs_n < col_hi
-        y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=read_y[:, None] & n_ok[None, :],
-                         other=0.0)
+        if ACCUMULATE:
+            y_next = tl.load(y_rows + offs_n[None, :].to(tl.int64) * stride_yn, mask=valid[:, None] & n_ok[None, :],
+                             other=0.0)
         r_ok = offs_r < rank
         r_in = offs_r < rank_ceil(rank, RANK_ALIGN)  # vector loads; r_ok zeroes the rest after the load
         h_mask = valid[:, None] & r_in[None, :]
@@ -156,7 +159,8 @@ def expand_kernel(
                                   H_PRECISION)
         b_rows = b_slot + offs_r[:, None] * stride_br
         for j in range(N_LOOP):
-            y_old = y_next
+            if ACCUMULATE:
+                y_old = y_next
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
             bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_in[:, None] & n_ok[None, :],
@@ -164,13 +168,16 @@ def expand_kernel(
             bt = tl.where(r_ok[:, None], bt, 0.0)
             next_n = offs_n + BLOCK_N
             next_ok = (next_n < col_hi) & (j + 1 < N_LOOP)
-            y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
-                             mask=read_y[:, None] & next_ok[None, :], other=0.0)
+            if ACCUMULATE:
+                y_next = tl.load(y_rows + next_n[None, :].to(tl.int64) * stride_yn,
+                                 mask=valid[:, None] & next_ok[None, :], other=0.0)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
                             False)
             if SCALE_BY_SLOT:
                 acc = acc * slot_scale
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            if ACCUMULATE:
+                acc = y_old.to(tl.float32) + acc
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             offs_n = next_n
             n_ok = next_ok
     else:
@@ -189,8 +196,9 @@ def expand_kernel(
                 acc = acc * slot_scale
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
-            y_old = tl.load(y_ptrs, mask=read_y[:, None] & n_ok[None, :], other=0.0)
-            tl.store(y_ptrs, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+            if ACCUMULATE:
+                acc = tl.load(y_ptrs, mask=valid[:, None] & n_ok[None, :], other=0.0).to(tl.float32) + acc
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             offs_n += BLOCK_N
 
 

@@ -96,20 +96,16 @@ def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.c
 
 
 @triton.jit
-def expand_tile_rows(h_ptr, y_ptr, tok, valid, slot, slice_id, h_offset, stride_hm, stride_hs, stride_hl, stride_ym,
-                     SCALE_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """The expand's row pointers for a token tile: (h rows of its slice, y rows, the rows whose y is read).
+def expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs, stride_hl, stride_ym,
+                     SCALE_BY_SLOT: tl.constexpr):
+    """The expand's row pointers for a token tile: (h rows of its slice, y rows).
 
     With SCALE_BY_SLOT, h holds every slot's h (the stacked GEMM's) and the tile's slot's block starts
-    h_offset + slot * stride_hl further. In the store mode (not ACCUMULATE) no y is read: the reads stay,
-    masked off (tok < 0 never holds), so the accumulating path compiles as without the mode."""
+    h_offset + slot * stride_hl further."""
     h_rows = h_ptr + tok[:, None] * stride_hm + slice_id * stride_hs
     if SCALE_BY_SLOT:
         h_rows += h_offset + slot.to(tl.int64) * stride_hl
-    read_y = valid
-    if not ACCUMULATE:
-        read_y = valid & (tok < 0)
-    return h_rows, y_ptr + tok[:, None] * stride_ym, read_y
+    return h_rows, y_ptr + tok[:, None] * stride_ym
 
 
 @triton.jit
