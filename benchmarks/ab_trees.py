@@ -1,4 +1,5 @@
-"""A/B of lora_ops source trees: add_lora_ on the core grid's shapes, one process per tree and pass.
+"""A/B of lora_ops source trees: add_lora_ (or lora_linear's write-first delta) on the grid's shapes, one process
+per tree and pass.
 
 Two versions of the kernels cannot share a process (one package name), and two benchmark runs differ by
 a few % on the device (host, clocks). So each tree times every shape in a process of its own, the trees
@@ -12,10 +13,12 @@ within 1-2%). Every shape is checked against float64 before it is timed (the ben
     done
     python benchmarks/ab_trees.py compare "$OUT/ab" base new
 
-Timing: the benchmark's (CUDA-graph replay medians, cold L2, inputs rotated). --tokens picks the token
+Timing: the benchmark's (CUDA-graph replay medians, cold L2, inputs rotated). --path write_first times the
+delta lora_linear writes first at large batches (launch._write_lora: the shrink, then the expand's store mode
+into a fresh y; checked by adding it to y), at every shape given, whatever its size. --tokens picks the token
 counts (default 1,16,64,256,1024), --ranks and --models the shapes (default Llama-3-8B at ranks 16 and 64;
 e.g. --ranks 128,256,320 --models llama3-8b,phi4-mini for the high-rank grid's); --device cpu with
-TRITON_INTERPRET=1 checks the logic on tiny shapes.
+TRITON_INTERPRET=1 checks the logic on tiny shapes (bf16 in the interpreter patched as the tests patch it).
 """
 import argparse
 import collections
@@ -28,7 +31,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("llama3-8b",)):
+def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("llama3-8b",), path="add_lora_"):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.abspath(tree))   # this tree's lora_ops and csrc_meta, before any other
     import torch
@@ -55,9 +58,10 @@ def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("l
                         sets[k] = p.inputs(k)
                     return sets[k]
                 ref = problems.reference_delta(p, sets[0])
-                check = problems.check_delta(p, sets[0], problems.ours(p, sets[0]), ref,
-                                             problems.TOLERANCE[torch.bfloat16])
-                us = timer.measure(lambda k, p=p: problems.ours(p, inputs(k)), p.set_bytes(), False)[0]
+                run = problems.ours if path == "add_lora_" else write_first_adding
+                check = problems.check_delta(p, sets[0], run(p, sets[0]), ref, problems.TOLERANCE[torch.bfloat16])
+                run = problems.ours if path == "add_lora_" else write_first
+                us = timer.measure(lambda k, p=p, run=run: run(p, inputs(k)), p.set_bytes(), False)[0]
                 name = layer.name if models == ("llama3-8b",) else f"{model}:{layer.name}"
                 rows[f"{name} r{rank} M={M}"] = dict(us=us, ok=check.ok, err=check.err)
                 del sets, ref
@@ -71,6 +75,24 @@ def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("l
     bad = [k for k, r in rows.items() if not r["ok"]]
     print(f"{tag} pass {n}: {len(rows)} shapes, " + (f"CHECK FAILED at {bad}" if bad else "all pass"), flush=True)
     return 1 if bad else 0
+
+
+def write_first(problem, inp):
+    """lora_linear's write-first delta (launch._write_lora) into a fresh output, as the layer runs it."""
+    import torch
+    from lora_ops import launch
+    out = torch.empty_like(inp.y)
+    args = (out, inp.x, inp.lora_a, inp.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
+    return lambda: launch._write_lora(*args)
+
+
+def write_first_adding(problem, inp):
+    """:func:`write_first`, then its output added into inp.y (check_delta's form: y += delta)."""
+    import torch
+    from lora_ops import launch
+    out = torch.full_like(inp.y, float("nan"))   # every row the metadata names must be written
+    args = (out, inp.x, inp.lora_a, inp.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
+    return lambda: (launch._write_lora(*args), inp.y.add_(out))
 
 
 def fastest(out_dir, tag):
@@ -112,14 +134,22 @@ def main(argv=None):
     t.add_argument("--ranks", default="16,64", help="slot ranks, shapes.rank_spec's forms (default 16,64: the "
                                                      "core grid's; mix; 100/128/320/320: one per slot)")
     t.add_argument("--models", default="llama3-8b", help="llama3-8b and/or phi4-mini (comma-separated)")
+    t.add_argument("--path", default="add_lora_", choices=("add_lora_", "write_first"))
     c = sub.add_parser("compare", help="each tag's fastest pass per shape against the base tag's")
     c.add_argument("out_dir")
     c.add_argument("base_tag")
     c.add_argument("tags", nargs="+")
     args = ap.parse_args(argv)
+    if args.cmd == "time" and args.device != "cuda":
+        # The interpreter's own bf16 arithmetic is wrong (tests/interp_bf16.py): the logic check runs it patched.
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        import interp_bf16
+        with interp_bf16.patched():
+            return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")],
+                             args.device, tuple(args.ranks.split(",")), tuple(args.models.split(",")), args.path)
     if args.cmd == "time":
         return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device,
-                         tuple(args.ranks.split(",")), tuple(args.models.split(",")))
+                         tuple(args.ranks.split(",")), tuple(args.models.split(",")), args.path)
     compare(args.out_dir, args.base_tag, args.tags)
     return 0
 
