@@ -354,7 +354,10 @@ def _table(args, out, gpu, entries, compile_s, t0):
         retuned = {key(e): e for e in entries}
         kept = [retuned.pop(key(e), e) for e in old["entries"]]
         table["entries"] = kept + [e for e in entries if key(e) in retuned]
-        table["merged_from"] = {k: old.get(k) for k in ("date", "torch", "triton", "seconds")}
+        # The runs merged into it, oldest first: "seconds" is this run's alone, the history keeps the others'.
+        history = old.get("merged_from") or []
+        history = [history] if isinstance(history, dict) else list(history)   # tables before session 23: one
+        table["merged_from"] = history + [{k: old.get(k) for k in ("date", "torch", "triton", "seconds")}]
     return table
 
 

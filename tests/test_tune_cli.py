@@ -67,6 +67,10 @@ def test_dry_run_merge_retunes_entries_in_place(tmp_path):
     assert order[:len(first["entries"])] == [(e["kind"], e["tokens"]) for e in first["entries"]]
     assert {t for _, t in order[len(first["entries"]):]} == {1}, order
     assert all(t == 16 for _, t in order[:len(first["entries"])])
+    # Each merge records the table it merged into, oldest first: the first run's time is not lost.
+    third = tune.main(DRY + ["--tokens", "1", "--kinds", "pair", "--merge", "--out", out])
+    assert [m["seconds"] for m in third["merged_from"]] == [first["seconds"], second["seconds"]]
+    assert "merged_from" not in first and len(second["merged_from"]) == 1 and len(third["merged_from"]) == 2
 
 
 def test_dry_run_stacked_kind_alone_fills_a_pair_table(tmp_path):
