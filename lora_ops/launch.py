@@ -79,15 +79,16 @@ class Launch(NamedTuple):
     def __call__(self):
         self.launcher(self.grid, self.tensors, self.ints, **self.constexprs)
 
-    def run_if(self, run):
+    def run_if(self, run, too_large="x: too many tokens for one call", axes="axis 1 counts the token tiles",
+               remedy="split the batch"):
         """Run it if ``run``; return it either way (what the launchers below end with). A grid past CUDA's
-        limits (65535 programs on axes 1 and 2; axis 1 holds the token tiles but where the expand takes
-        them first) is a clear error here, not a failed launch."""
+        limits (65535 programs on axes 1 and 2) is a clear error here, not a failed launch: ``too_large``
+        names the argument and what is too large, ``axes`` what the grid's axes count (by default the
+        token tiles on axis 1, as in every kernel but the tokens-first expand and segment_outer)."""
         too_many = [n for n in self.grid[1:] if n > MAX_GRID_YZ]
         if too_many:
-            raise ValueError(f"x: too many tokens for one call: {self.launcher.kernel.__name__}'s grid {self.grid} "
-                             f"has {too_many[0]} programs on an axis that holds at most {MAX_GRID_YZ} (axis 1 "
-                             f"counts the token tiles); split the batch")
+            raise ValueError(f"{too_large}: {self.launcher.kernel.__name__}'s grid {self.grid} has {too_many[0]} "
+                             f"programs on an axis that holds at most {MAX_GRID_YZ} ({axes}); {remedy}")
         if run:
             self()
         return self

@@ -86,7 +86,8 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
         dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(P),
              PRECISION=f32_operand_precision(v.dtype),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    ).run_if(run)
+    ).run_if(run, "rank: too many slots for one launch", "axis 1 counts u's rank blocks, axis 2 the slots",
+             "use at most 65535 slots")
 
 
 # Both ops go through their shape key's plan (lora_ops.plan), their output allocated as the plan's scratch.

@@ -339,3 +339,19 @@ def test_too_many_token_tiles_raise_before_any_launch(monkeypatch):
     lc = launch.launch_expand(case.new_y("zero"), h, case.lora_b, case.slice_widths, case.rank, *case.meta,
                               expand_cfg, run=False)
     assert lc.constexprs["TOKENS_FIRST"] and lc.grid[0] > 2 >= lc.grid[1], lc.grid
+
+
+def test_segment_outer_grid_limit_names_the_slots(monkeypatch):
+    """The backward's segment_outer puts u's rank blocks on grid axis 1 and the slots on axis 2, not the
+    token tiles (its tokens are a loop): past CUDA's limit its error names the slots, not "too many tokens"."""
+    from lora_ops import launch, launch_grad
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 2)
+    M, P, Q, L = 20, 8, 16, 3
+    case = make_case(M, 8, 12, L, 1, P, dtype=torch.float32, device="cpu", seed=4)
+    cfg = launch_grad.segment_outer_config(P, Q, L)
+    u, v = torch.randn(M, P), torch.randn(M, Q)
+    with pytest.raises(ValueError, match="^rank: too many slots for one launch: segment_outer_kernel's grid "
+                                         r"\(\d+, 1, 3\) .*axis 1 counts u's rank blocks, axis 2 the slots"):
+        launch_grad.launch_segment_outer(torch.empty(L, P, Q), u, v, case.rank, *case.meta, cfg, run=False)
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 3)
+    launch_grad.launch_segment_outer(torch.empty(L, P, Q), u, v, case.rank, *case.meta, cfg, run=False)
