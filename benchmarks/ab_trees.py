@@ -22,6 +22,7 @@ TRITON_INTERPRET=1 checks the logic on tiny shapes (bf16 in the interpreter patc
 """
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import math
@@ -58,10 +59,10 @@ def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("l
                         sets[k] = p.inputs(k)
                     return sets[k]
                 ref = problems.reference_delta(p, sets[0])
-                run = problems.ours if path == "add_lora_" else write_first_adding
-                check = problems.check_delta(p, sets[0], run(p, sets[0]), ref, problems.TOLERANCE[torch.bfloat16])
-                run = problems.ours if path == "add_lora_" else write_first
-                us = timer.measure(lambda k, p=p, run=run: run(p, inputs(k)), p.set_bytes(), False)[0]
+                checked, timed = (problems.ours, problems.ours) if path == "add_lora_" else (write_first_adding,
+                                                                                           write_first)
+                check = problems.check_delta(p, sets[0], checked(p, sets[0]), ref, problems.TOLERANCE[torch.bfloat16])
+                us = timer.measure(lambda k, p=p: timed(p, inputs(k)), p.set_bytes(), False)[0]
                 name = layer.name if models == ("llama3-8b",) else f"{model}:{layer.name}"
                 rows[f"{name} r{rank} M={M}"] = dict(us=us, ok=check.ok, err=check.err)
                 del sets, ref
@@ -77,11 +78,12 @@ def time_tree(tree, tag, out_dir, tokens, device, ranks=("16", "64"), models=("l
     return 1 if bad else 0
 
 
-def write_first(problem, inp):
-    """lora_linear's write-first delta (launch._write_lora) into a fresh output, as the layer runs it."""
+def write_first(problem, inp, out=None):
+    """lora_linear's write-first delta (launch._write_lora) into ``out`` (default: a fresh output, as the
+    layer runs it)."""
     import torch
     from lora_ops import launch
-    out = torch.empty_like(inp.y)
+    out = torch.empty_like(inp.y) if out is None else out
     args = (out, inp.x, inp.lora_a, inp.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
     return lambda: launch._write_lora(*args)
 
@@ -89,10 +91,9 @@ def write_first(problem, inp):
 def write_first_adding(problem, inp):
     """:func:`write_first`, then its output added into inp.y (check_delta's form: y += delta)."""
     import torch
-    from lora_ops import launch
     out = torch.full_like(inp.y, float("nan"))   # every row the metadata names must be written
-    args = (out, inp.x, inp.lora_a, inp.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
-    return lambda: (launch._write_lora(*args), inp.y.add_(out))
+    write = write_first(problem, inp, out)
+    return lambda: (write(), inp.y.add_(out))
 
 
 def fastest(out_dir, tag):
@@ -122,6 +123,13 @@ def compare(out_dir, base_tag, tags):
         print(f"{k:22s} {us:9.2f} " + " ".join(f"{runs[t][k][0]:9.2f}" for t in tags))
 
 
+def bf16_patched():
+    """The interpreter's own bf16 arithmetic is wrong (tests/interp_bf16.py): the CPU logic check runs patched."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    import interp_bf16
+    return interp_bf16.patched()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -140,16 +148,10 @@ def main(argv=None):
     c.add_argument("base_tag")
     c.add_argument("tags", nargs="+")
     args = ap.parse_args(argv)
-    if args.cmd == "time" and args.device != "cuda":
-        # The interpreter's own bf16 arithmetic is wrong (tests/interp_bf16.py): the logic check runs it patched.
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        import interp_bf16
-        with interp_bf16.patched():
+    if args.cmd == "time":
+        with contextlib.nullcontext() if args.device == "cuda" else bf16_patched():
             return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")],
                              args.device, tuple(args.ranks.split(",")), tuple(args.models.split(",")), args.path)
-    if args.cmd == "time":
-        return time_tree(args.tree, args.tag, args.out_dir, [int(m) for m in args.tokens.split(",")], args.device,
-                         tuple(args.ranks.split(",")), tuple(args.models.split(",")), args.path)
     compare(args.out_dir, args.base_tag, args.tags)
     return 0
 
