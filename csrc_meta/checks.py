@@ -22,6 +22,8 @@ INDEX_DTYPE = torch.int32
 # checks (which guard them with care). On the eager hot path this is the difference between ~5 and
 # ~20 µs of host time per call on the H200 host.
 _QUICK_ERRORS = (AttributeError, TypeError, ValueError)
+# The kernels read the per-slot tensors (scale, rank) and the batch metadata with unit stride.
+_UNIT = (1,)
 
 
 def _on(dev, *tensors):
@@ -36,15 +38,17 @@ def _meta_ok(num_slots, num_tokens, sorted_token_ids, slot_starts, slot_counts):
     return (sorted_token_ids.dtype is i32 and slot_starts.dtype is i32 and slot_counts.dtype is i32
             and sorted_token_ids.dim() == 1 and type(sorted_token_ids.shape[0]) is int
             and sorted_token_ids.shape[0] >= num_tokens
-            and slot_starts.shape == (num_slots + 1,) and slot_counts.shape == (num_slots + 1,))
+            and slot_starts.shape == (num_slots + 1,) and slot_counts.shape == (num_slots + 1,)
+            and sorted_token_ids.stride() == _UNIT and slot_starts.stride() == _UNIT
+            and slot_counts.stride() == _UNIT)
 
 
 def _slot_args_ok(L, S, R, N, M, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     """The per-slot arguments and the batch metadata of a stack of L slots, S slices of N outputs in all, max
     rank R, for M tokens (the quick checks' shared part)."""
     return (L >= 1 and S >= 1 and R >= 1
-            and scale.dtype is torch.float32 and scale.shape == (L,)
-            and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
+            and scale.dtype is torch.float32 and scale.shape == (L,) and scale.stride() == _UNIT
+            and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
             and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
             and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts))
 
@@ -112,8 +116,8 @@ def _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_count
         if not (type(M) is int and type(K) is int):
             return False
         return (dt in FLOAT_DTYPES and lora_a.dtype is dt and K_a == K and L >= 1 and S >= 1 and R >= 1
-                and scale.dtype is torch.float32 and scale.shape == (L,)
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
+                and scale.dtype is torch.float32 and scale.shape == (L,) and scale.stride() == _UNIT
+                and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
                 and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dev, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
@@ -127,7 +131,7 @@ def _lora_grad_x_ok(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts
         if type(M) is not int:
             return False
         return (dh.dtype is torch.float32 and lora_a.dtype in FLOAT_DTYPES and S_a == S and R_a == R
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,)
+                and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
                 and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dh.device, lora_a, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
@@ -141,7 +145,7 @@ def _segment_outer_ok(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         if type(M) is not int:
             return False
         return (u.dtype is torch.float32 and v.dtype in FLOAT_DTYPES and M_v == M
-                and rank.dtype is INDEX_DTYPE and rank.dim() == 1
+                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
                 and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(u.device, v, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
@@ -168,6 +172,15 @@ def check_index(name, t, dims=1, dtype=INDEX_DTYPE):
         _fail(ValueError, f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
     if t.dtype != dtype:
         _fail(TypeError, f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if dims == 1:
+        check_unit_stride(name, t)
+
+
+def check_unit_stride(name, t):
+    """A 1-D tensor the kernels index with unit stride (per-slot values, batch metadata)."""
+    if not guard_or_true(t.shape[0] <= 1) and t.stride(0) != 1:
+        _fail(ValueError, f"{name}: expected a contiguous 1-D tensor (the kernels read it with unit stride), "
+                          f"got stride {t.stride(0)}; pass {name}.contiguous()")
 
 
 def check_same_device(ref_name, ref, **others):
@@ -198,6 +211,7 @@ def check_slot_params(lora_a, scale, rank):
                          f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
     if scale.shape[0] != L:
         _fail(ValueError, f"scale: expected {L} entries (one per slot of lora_a), got {scale.shape[0]}")
+    check_unit_stride("scale", scale)
     if rank.shape[0] != L:
         _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_a), got {rank.shape[0]}")
 
