@@ -5,8 +5,11 @@ called back to back without CUDA graphs; wall time per call once the GPU work is
 host is the bottleneck. Rows, each the median of --rounds rounds of --calls calls:
 
   F.linear                 the base layer alone
-  LoRALinear               the layer as users call it (dispatcher skipped, fast launches)
+  LoRALinear               the layer as users call it (bound eager calls, dispatcher skipped, fast launches)
   ... stack_a              the same layer with apply_lora(stack_a=True): one GEMM over [W; A], the expand
+                           (what it adds is against F.linear over the stack, its own base GEMM)
+  ... without bound calls  the op's own path on every call: checks, path, plan key (before session 24's
+                           lora_ops.eager); each LoRALinear row below it turns one more thing off from there
   ... via torch.ops        the same through the torch dispatcher (what lora_ops did before ops.call)
   ... Triton's launch path the same with lora_ops.triton_launch's shortcut off
   ... both                 neither shortcut (the baseline before 2026-12-02's change)
@@ -33,7 +36,7 @@ import lora_ops  # noqa: E402
 import report  # noqa: E402
 from bench_decode import host_us_per_call  # noqa: E402
 from csrc_meta import checks  # noqa: E402
-from lora_ops import configs, launch, ops, plan, triton_launch  # noqa: E402
+from lora_ops import configs, eager, launch, ops, plan, triton_launch  # noqa: E402
 
 
 # Calls per enqueue-time sample: at most 3 launches each, far below the ~1000 launches CUDA queues before a
@@ -108,6 +111,7 @@ def main(argv=None):
     layer, x = build(args, device, dtype)
     stacked_layer, _ = build(args, device, dtype, stack_a=not args.tiny)   # the tiny stack is too wide to stack
     y = layer.base(x)
+    stacked_weight = stacked_layer._stacked[0] if stacked_layer._stacked is not None else stacked_layer.base.weight
     op_args = (y, x, layer.lora_a, layer.lora_b, layer.scale, layer.rank, list(layer.slice_widths),
                *layer.context.meta)
     M, K = x.shape
@@ -125,8 +129,9 @@ def main(argv=None):
 
     real_workspace_bytes = plan.WORKSPACE_BYTES
 
-    def state(fast=True, dispatcher=False, plans=True, direct=True, workspace=True):
+    def state(fast=True, dispatcher=False, plans=True, direct=True, workspace=True, bound=True):
         triton_launch.set_fast_launch(fast)
+        eager.set_enabled(bound)      # off: every LoRALinear call takes the op's path (checks, plan key)
         # off: every replay allocates its scratch (lora_ops.plan's workspace holds none)
         plan.WORKSPACE_BYTES = real_workspace_bytes if workspace else 0
         ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
@@ -138,13 +143,16 @@ def main(argv=None):
     variants = {
         "F.linear": ({}, lambda: F.linear(x, layer.base.weight)),
         "LoRALinear": ({}, lambda: layer(x)),
+        "LoRALinear without bound calls": (dict(bound=False), lambda: layer(x)),
+        "F.linear over the stack (stack_a's GEMM)": ({}, lambda: F.linear(x, stacked_weight)),
         "LoRALinear, stack_a (lora_linear_stacked)": ({}, lambda: stacked_layer(x)),
-        "LoRALinear without launch plans": (dict(plans=False), lambda: layer(x)),
-        "LoRALinear, scratch allocated every call (no workspace)": (dict(workspace=False), lambda: layer(x)),
-        "LoRALinear, plans replayed through Triton's CudaLauncher": (dict(direct=False), lambda: layer(x)),
-        "LoRALinear via torch.ops": (dict(dispatcher=True), lambda: layer(x)),
-        "LoRALinear, Triton's launch path": (dict(fast=False), lambda: layer(x)),
-        "LoRALinear via torch.ops, Triton's launch path (before)": (dict(fast=False, dispatcher=True), lambda: layer(x)),
+        "LoRALinear, stack_a, without bound calls": (dict(bound=False), lambda: stacked_layer(x)),
+        "LoRALinear without launch plans": (dict(plans=False, bound=False), lambda: layer(x)),
+        "LoRALinear, scratch allocated every call (no workspace)": (dict(workspace=False, bound=False), lambda: layer(x)),
+        "LoRALinear, plans replayed through Triton's CudaLauncher": (dict(direct=False, bound=False), lambda: layer(x)),
+        "LoRALinear via torch.ops": (dict(dispatcher=True, bound=False), lambda: layer(x)),
+        "LoRALinear, Triton's launch path": (dict(fast=False, bound=False), lambda: layer(x)),
+        "LoRALinear via torch.ops, Triton's launch path (before)": (dict(fast=False, dispatcher=True, bound=False), lambda: layer(x)),
         "op add_lora_ (torch.ops)": ({}, lambda: torch.ops.lora_ops.add_lora_(*op_args)),
         "checks only": ({}, lambda: checks.check_add_lora(*op_args)),
         "config lookups (3)": ({}, lambda: (configs.fused_config(M, K, N, S, R, L, device, dtype),
@@ -177,12 +185,15 @@ def main(argv=None):
     profile = profile_calls(layer, x, args.calls) if args.profile else None
     added = rows["LoRALinear"] - rows["F.linear"]
     host_added = host_rows["LoRALinear"] - host_rows["F.linear"]
+    stack_base = "F.linear over the stack (stack_a's GEMM)"
+    host_added_stacked = host_rows["LoRALinear, stack_a (lora_linear_stacked)"] - host_rows[stack_base]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "triton": getattr(__import__("triton"), "__version__", None), "tokens": M, "rank": args.rank,
               "in_features": K, "out_features": N, "rows_us": {k: round(v, 2) for k, v in rows.items()},
               "enqueue_us": {k: round(v, 2) for k, v in host_rows.items()},
-              "lora_added_us": round(added, 2), "lora_added_enqueue_us": round(host_added, 2)}
+              "lora_added_us": round(added, 2), "lora_added_enqueue_us": round(host_added, 2),
+              "stack_a_added_enqueue_us": round(host_added_stacked, 2)}
     lines = [f"# Eager host time per call ({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, "
              f"{result['date']})", "",
              f"qkv-shaped LoRALinear K {K} -> N {N} ({S} slices), rank {args.rank}, 4 adapters, M = {M}, {dtype}; "
@@ -192,7 +203,8 @@ def main(argv=None):
              "", "| call | wall µs | host µs |", "|---|---|---|"]
     lines += [f"| {k} | {v:.1f} | {host_rows[k]:.1f} |" for k, v in rows.items()]
     lines += ["", f"LoRA adds {host_added:.1f} µs of host time per layer call (LoRALinear - F.linear, enqueue "
-              f"column); {added:.1f} µs of wall time."]
+              f"column); {added:.1f} µs of wall time. With stack_a: {host_added_stacked:.1f} µs of host time over "
+              f"F.linear over the stack."]
     text = "\n".join(lines)
     print(text)
     stem = report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"),

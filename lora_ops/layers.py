@@ -30,9 +30,9 @@ import weakref
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lora_ops import adapters, configs, ops, training
+from lora_ops import eager as eager_ops
 from lora_ops.batch import LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
@@ -215,12 +215,6 @@ def _unpack_request(i, request):
     return name, n
 
 
-def _plain_linear(module):
-    """A bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM in place of its forward."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not _global_forward_hooks and not _global_forward_pre_hooks)
-
-
 class LoRALinear(nn.Module):
     """An ``nn.Linear`` plus the LoRA delta of each token's adapter slot, in one op call.
 
@@ -266,6 +260,7 @@ class LoRALinear(nn.Module):
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
         self._stack_ptrs = None         # set by _stack
         self.stacked_max_tokens = 0     # set by _stack
+        self._eager = eager_ops.EagerCalls()   # bound eager calls (lora_ops.eager)
         if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
             self._stack()
 
@@ -323,8 +318,12 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         context = self.context
-        if not torch.compiler.is_compiling():     # Python-side checks stay out of compiled graphs
+        eager = not torch.compiler.is_compiling()
+        if eager:                 # Python-side checks and bound calls stay out of compiled graphs
             context.check_input(x2d)
+            out = self._eager.replay(self, x2d)
+            if out is not None:
+                return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         dropout = self.training and context.dropout_p is not None
         # From the module's dicts, not nn.Module.__getattr__: a Python call per read, ~1 µs of eager host
         # time each. Through the attributes where something moved them (a parametrization).
@@ -335,7 +334,7 @@ class LoRALinear(nn.Module):
             lora_a, lora_b, scale, rank = self.lora_a, self.lora_b, self.scale, self.rank
         args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
         base = self._modules["base"]
-        if not dropout and _plain_linear(base):
+        if not dropout and eager_ops.plain_linear(base):
             weight, bias = base._parameters["weight"], base._parameters["bias"]
             if (self._stacked is not None and x2d.shape[0] <= self.stacked_max_tokens
                     and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
@@ -344,13 +343,19 @@ class LoRALinear(nn.Module):
                     and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
                 stacked, stacked_bias = self._stacked
-                out = ops.call("lora_linear_stacked", x2d, stacked, stacked_bias, lora_b, scale, rank,
-                               self.slice_widths, *context.meta)[:, :weight.shape[0]]
+                op_args = (x2d, stacked, stacked_bias, lora_b, scale, rank, self.slice_widths, *context.meta)
+                full = ops.call("lora_linear_stacked", *op_args)
+                out = full[:, :weight.shape[0]]
+                if eager and not ops.needs_dispatcher(op_args):
+                    self._eager.bind(self, x2d, weight, bias, full, stacked=True)
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
             # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
             # (A bare nn.Linear keeps its weight and bias in its dict.)
-            out = ops.call("lora_linear", x2d, weight, bias, *args)
+            op_args = (x2d, weight, bias, *args)
+            out = ops.call("lora_linear", *op_args)
+            if eager and not ops.needs_dispatcher(op_args):
+                self._eager.bind(self, x2d, weight, bias, out, stacked=False)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
@@ -398,6 +403,7 @@ class LoRALinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.
         scale = self.scale
+        self._eager.clear()     # the bound calls hold the old tensors
         super()._apply(fn, *args, **kwargs)
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(device=self.scale.device)

@@ -37,6 +37,7 @@ from lora_ops import configs, triton_launch
 MAX_PLANS = 4096      # the key holds the token count: bound the table as FastLauncher does
 _PLANS = {}
 _enabled = [True]
+_epoch = [0]          # bumped whenever plans are dropped: what holds a Plan outside the table checks it
 # Per stream (a few per process), kept for the process's life: never freed while a launch may use it. Scratch
 # of up to this many bytes per call comes from it (add_lora_'s h at decode: 24 KiB for Llama qkv, rank 16, 64
 # tokens, 8 split-K parts); torch.empty cost 5.3 µs of host time a call on the H200 host (session 18), a
@@ -49,7 +50,7 @@ _WORKSPACES = {}      # (device index, raw stream) -> uint8 tensor of WORKSPACE_
 def set_enabled(on):
     """Keep and replay plans (default), or resolve every call's launches afresh (benchmarks compare)."""
     _enabled[0] = bool(on)
-    _PLANS.clear()
+    clear()
 
 
 def launch_device(x):
@@ -77,6 +78,12 @@ def lookup(plan_key):
 
 def clear():
     _PLANS.clear()
+    _epoch[0] += 1
+
+
+def epoch():
+    """How many times the plans were dropped (lora_ops.eager keeps plans and compares it)."""
+    return _epoch[0]
 
 
 def _aligned(pointers):
@@ -195,7 +202,7 @@ def remember(plan_key, launches, tensors, scratch, buffers, scratch_out=True):
         go = launch.launcher.bound(launch.grid, launch.tensors, launch.ints, launch.constexprs)
         steps.append(_Step(launch._replace(tensors=None), operator.itemgetter(*where), go))
     if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
+        clear()
     workspace = None if scratch_out else workspace_layout(scratch)
     plan = _PLANS[plan_key] = Plan(steps, tuple(scratch), launch_device(tensors[0]), workspace)
     return plan

@@ -1,0 +1,240 @@
+"""lora_ops.eager: LoRALinear's bound eager calls.
+
+A layer's second plain eager call with an input signature replays the plan its first call took, skipping
+the op's checks and plan key. Checked here: on every path (accumulate, write-first, stack_a) the bound
+call gives the op's output bit for bit and the float64 reference within tolerance, with fresh data per
+call and the allocator's free memory poisoned; and each guard, when what it watches changes, sends the
+call back down the op's own path (which then errors where the op errors, or binds again).
+"""
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE, TOLERANCE, rel_err
+from lora_ops import configs, launch, ops, plan
+from lora_ops.layers import LoRAContext, LoRALinear
+
+K, WIDTHS, L, R = 32, (24, 8, 16), 3, 8
+N = sum(WIDTHS)
+RANKS = (8, 3, 0)
+
+
+@pytest.fixture
+def triton_cpu():
+    """The Triton kernels for CPU tensors (the interpreter; on a GPU run the tensors are CUDA's anyway)."""
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend("triton")
+    plan.clear()
+    yield
+    plan.clear()
+    ops.set_cpu_backend(previous)
+
+
+def make_layer(seed, bias=False, stack_a=False, M=10):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = LoRAContext(L, 64, device=DEVICE)
+    base = nn.Linear(K, N, bias=bias).to(DEVICE)
+    layer = LoRALinear(base, ctx, R, WIDTHS)
+    if stack_a:
+        layer._stack()
+        layer.stacked_max_tokens = 64
+    for slot, r in enumerate(RANKS):
+        slices = [(torch.randn(r, K, generator=gen), torch.randn(w, r, generator=gen) * 0.5) for w in WIDTHS]
+        layer.write_slot(slot, [(a.to(DEVICE), b.to(DEVICE)) for a, b in slices], 0.5 + slot, r)
+    set_slots(layer, M, seed)
+    return layer
+
+
+def set_slots(layer, M, seed):
+    slots = torch.randint(-1, L, (M,), generator=torch.Generator().manual_seed(seed + 100), dtype=torch.int32)
+    layer.context.set_token_slots(slots)
+    return slots
+
+
+def reference(layer, x):
+    """float64: the base layer plus each token's slot's scaled (x A^T) B^T per slice, at the slot's rank."""
+    x64 = x.double().cpu()
+    y = x64 @ layer.base.weight.detach().double().cpu().T
+    if layer.base.bias is not None:
+        y += layer.base.bias.detach().double().cpu()
+    slots = layer.context.token_slots[:x.shape[0]].cpu()
+    a, b = layer.lora_a.detach().double().cpu(), layer.lora_b.detach().double().cpu()
+    offsets = layer.slice_offsets
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        r = int(layer.rank[s])
+        for i in range(len(WIDTHS)):
+            lo, hi = offsets[i], offsets[i + 1]
+            y[t, lo:hi] += float(layer.scale[s]) * (x64[t] @ a[s, i, :r].T) @ b[s, lo:hi, :r].T
+    return y
+
+
+def fresh_input(M, seed):
+    torch.full((1 << 16,), float("nan"), device=DEVICE)     # freed memory a skipped write would show
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def call(layer, x):
+    with torch.no_grad():
+        return layer(x)
+
+
+def op_output(layer, x):
+    """The same call down the op's own path (no bound calls)."""
+    bound = dict(layer._eager._calls)
+    layer._eager.clear()
+    out = call(layer, x)
+    layer._eager._calls = bound
+    return out
+
+
+PATHS = {"accumulate": dict(), "accumulate_bias": dict(bias=True), "write_first": dict(write_first=True),
+         "stack_a": dict(stack_a=True)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bound_calls_give_the_ops_output(triton_cpu, monkeypatch, path):
+    opts = dict(PATHS[path])
+    if opts.pop("write_first", False):
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    layer = make_layer(1, **opts)
+    for M in (10, 7):
+        set_slots(layer, M, M)
+        call(layer, fresh_input(M, 0))                  # binds this signature
+        for seed in (1, 2):
+            x = fresh_input(M, seed)
+            replays = layer._eager.replays
+            out = call(layer, x)
+            assert layer._eager.replays == replays + 1, (M, seed)
+            assert torch.equal(out, op_output(layer, x)), (M, seed)
+            assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32], (M, seed)
+    assert len(layer._eager._calls) == 2      # one per input signature
+
+
+def test_the_torch_cpu_kernels_bind_nothing():
+    if DEVICE == "cuda":
+        pytest.skip("CPU tensors only")
+    layer = make_layer(2)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    call(layer, x)
+    assert layer._eager.replays == 0 and not layer._eager._calls
+
+
+def replays_after(layer, x, change):
+    """(replays of the call after ``change()``, its output): the signature bound first."""
+    call(layer, x)
+    change()
+    before = layer._eager.replays
+    out = call(layer, x)
+    return layer._eager.replays - before, out
+
+
+def test_a_replaced_parameter_takes_the_op_path_and_binds_again(triton_cpu):
+    layer = make_layer(3)
+    x = fresh_input(10, 0)
+    new_b = torch.randn(layer.lora_b.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    n, out = replays_after(layer, x, lambda: setattr(layer, "lora_b", nn.Parameter(new_b, requires_grad=False)))
+    assert n == 0 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    n, _ = replays_after(layer, x, lambda: None)
+    assert n == 1
+
+
+@pytest.mark.parametrize("name,swap,message", [
+    ("lora_a", lambda t: t[:, :, :R - 1], "lora_b: expected shape [L, N, R]"),   # same address, fewer rows
+    ("lora_b", lambda t: t[:, :N - 8], "lora_b: expected shape [L, N, R]"),
+    ("scale", lambda t: t.repeat_interleave(2)[::2], "scale: expected a contiguous 1-D tensor"),
+    ("rank", lambda t: t[:L - 1], "rank: expected 3 entries"),
+], ids=["lora_a", "lora_b", "scale", "rank"])
+def test_data_swapped_under_a_parameter_reaches_the_ops_checks(triton_cpu, name, swap, message):
+    layer = make_layer(4)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    tensor = getattr(layer, name)
+    tensor.data = swap(tensor.data)       # the same Parameter / buffer object, another shape or stride
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        call(layer, x)
+
+
+def test_a_weight_swapped_to_other_rows_is_caught_after_the_gemm(triton_cpu):
+    layer = make_layer(5)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    layer.base.weight.data = layer.base.weight.data[:N - 8]
+    with pytest.raises(ValueError, match="lora_b: expected shape"):
+        call(layer, x)
+
+
+@pytest.mark.parametrize("change", ["configs", "plans", "base_hook", "train_with_dropout"])
+def test_state_changes_take_the_op_path(triton_cpu, change):
+    layer = make_layer(6)
+    x = fresh_input(10, 0)
+    hooked = []
+
+    def do():
+        if change == "configs":
+            configs.reset()
+        elif change == "plans":
+            plan.clear()
+        elif change == "base_hook":
+            layer.base.register_forward_hook(lambda *a: hooked.append(1))
+        else:
+            layer.train()
+            layer.context.dropout_p = torch.zeros(L + 1, device=DEVICE)
+    n, out = replays_after(layer, x, do)
+    assert n == 0
+    assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    if change == "base_hook":
+        assert hooked == [1]
+
+
+def test_autograd_takes_the_op_path(triton_cpu):
+    layer = make_layer(7)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    xg = x.clone().requires_grad_()
+    before = layer._eager.replays
+    out = layer(xg)
+    assert layer._eager.replays == before and out.grad_fn is not None
+    out.sum().backward()
+    assert xg.grad is not None
+
+
+def test_stack_a_replaced_weight_drops_to_lora_linear(triton_cpu):
+    layer = make_layer(8, stack_a=True)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    call(layer, x)
+    assert layer._eager.replays == 1
+    layer.base.weight = nn.Parameter(layer.base.weight.detach().clone(), requires_grad=False)
+    out = call(layer, x)
+    assert layer._eager.replays == 1
+    assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    assert out.stride() == (N, 1)        # lora_linear's own output, not the stack's column view
+
+
+def test_copies_start_without_bound_calls(triton_cpu):
+    layer = make_layer(9)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    twin = copy.deepcopy(layer)
+    assert not twin._eager._calls and layer._eager._calls
+    with torch.no_grad():
+        twin.lora_b.mul_(2)
+    assert rel_err(call(twin, x), reference(twin, x)) <= TOLERANCE[torch.float32]
+    assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def test_stack_a_weight_data_swapped_drops_to_lora_linear(triton_cpu):
+    layer = make_layer(10, stack_a=True)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    layer.base.weight.data = layer.base.weight.data * 2     # the same Parameter, no longer the stack's view
+    out = call(layer, x)
+    assert layer._eager.replays == 0 and out.stride() == (N, 1)
+    assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
