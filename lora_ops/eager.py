@@ -148,16 +148,14 @@ class EagerCalls:
         scale, rank = buffers.get("scale"), buffers.get("rank")
         if lora_a is None or lora_b is None or scale is None or rank is None or launch._overlaps(x):
             return
-        ids = context.meta.sorted_token_ids
+        meta = context.meta
         widths = layer.slice_widths
         if stacked:
-            path = "stacked"
-            key = plan.op_key("lora_linear_stacked", (out, lora_b), tuple(widths), ids.shape[0])
+            path, key = "stacked", launch.stacked_plan_key(out, lora_b, scale, rank, widths, *meta)
+        elif launch.writes_first(x, out.shape[1], bias):
+            path, key = "write", launch.write_plan_key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         else:
-            path = "write" if launch.writes_first(x, out.shape[1], bias) else "add"
-            key = plan.key(out, x, lora_a, lora_b, widths, ids)
-            if path == "write":
-                key = ("write", *key)
+            path, key = "add", plan.key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         found = plan.lookup(key)
         if found is None:
             return

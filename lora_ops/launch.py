@@ -104,6 +104,12 @@ class Scratch(NamedTuple):
         return (torch.zeros if self.zero else torch.empty)(self.shape, dtype=self.dtype, device=device)
 
 
+def meta_strides(rank, sorted_token_ids, slot_starts, slot_counts):
+    """The kernels' stride_rank, stride_ids, stride_starts, stride_counts (1-D tensors; stride 1, the usual
+    value, is specialised by Triton)."""
+    return rank.stride(0), sorted_token_ids.stride(0), slot_starts.stride(0), slot_counts.stride(0)
+
+
 def shrink_sum_scratch(M, S, R, grid, cfg):
     """The buffers a split-K shrink that sums its own splits needs: per-split partial sums, and one zeroed
     arrival counter per (column block, token tile). Empty when the shrink needs none."""
@@ -145,7 +151,8 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     return Launch(
         SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
-         *x.stride(), *lora_a.stride(), *h_strides, *part_strides),
+         *x.stride(), *lora_a.stride(), *h_strides, *part_strides,
+         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
              DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R),
@@ -215,7 +222,8 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
         extra = dict(extra, TOKENS_FIRST=True)
     return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
-        (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride()),
+        (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride(),
+         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
              ONE_RANK_BLOCK=one_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
@@ -301,7 +309,8 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
     return Launch(
         FUSED, grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
-        (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride()),
+        (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride(),
+         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(SLICE_COLS=cols, SLICE_BLOCKS=blocks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],
@@ -316,7 +325,8 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     L, S, R, _ = lora_a.shape
     if M == 0:
         return x.new_zeros((M, S, R), dtype=torch.float32)
-    return plan.run(plan.op_key("shrink", (x, lora_a), sorted_token_ids.shape[0]),
+    return plan.run(plan.op_key("shrink", (x, lora_a), sorted_token_ids.shape[0],
+                                plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
                     (x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts),
                     lambda: shrink_launches(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts))[0]
 
@@ -343,7 +353,8 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
         cfg = configs.expand_config(M, N, len(slice_widths), lora_b.shape[2], lora_b.shape[0], y.device, y.dtype)
         return [launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
                               run=False)], (), ()
-    plan.run(plan.op_key("expand_", (y, h, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
+    plan.run(plan.op_key("expand_", (y, h, lora_b), tuple(slice_widths), sorted_token_ids.shape[0],
+                         plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
              (y, h, lora_b, rank, sorted_token_ids, slot_starts, slot_counts), build)
 
 
@@ -357,7 +368,7 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
     """add_lora_ after its checks, through the plan of its shape key (lora_ops.plan)."""
     if x.shape[0] == 0:
         return
-    plan.run(plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids),
+    plan.run(plan.key(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts),
              (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
              lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                                        slot_starts, slot_counts), scratch_out=False)
@@ -366,10 +377,16 @@ def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
 def _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     """y = the LoRA delta (every row the metadata names written, zeros where a token has none): the shrink,
     then the expand in its store mode, through a plan of their own (lora_linear's write-first path)."""
-    plan.run(("write", *plan.key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids)),
+    plan.run(write_plan_key(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                            slot_counts),
              (y, x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts),
              lambda: add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                                        slot_starts, slot_counts, accumulate=False), scratch_out=False)
+
+
+def write_plan_key(*args):
+    """The plan key of _write_lora on add_lora_'s arguments ``args`` (lora_ops.eager looks it up)."""
+    return ("write", *plan.key(*args))
 
 
 def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
@@ -548,9 +565,15 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
         cfg = configs.stacked_config(M, N, len(slice_widths), R, L, x.shape[1], x.device, x.dtype)
         return [launch_expand_stacked(out, N, lora_b, slice_widths, rank, scale, sorted_token_ids, slot_starts,
                                       slot_counts, cfg, run=False, pdl=stacked_uses_pdl(x))], (), ()
-    plan.run(plan.op_key("lora_linear_stacked", (out, lora_b), tuple(slice_widths), sorted_token_ids.shape[0]),
+    plan.run(stacked_plan_key(out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts),
              (out, lora_b, rank, scale, sorted_token_ids, slot_starts, slot_counts), build)
     return out
+
+
+def stacked_plan_key(out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """The plan key of lora_linear_stacked's expand on its output ``out`` (lora_ops.eager looks it up)."""
+    return plan.op_key("lora_linear_stacked", (out, lora_b), tuple(slice_widths), sorted_token_ids.shape[0],
+                       plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts))
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,

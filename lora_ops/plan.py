@@ -58,11 +58,18 @@ def launch_device(x):
     return triton_launch._current_device() if x.is_cuda else -1
 
 
-def key(y, x, lora_a, lora_b, slice_widths, sorted_token_ids):
+def key(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     """Everything add_lora_'s launches derive from (given that its checks passed on these arguments)."""
     return (x.shape, x.stride(), y.shape[1], y.stride(), lora_a.shape, lora_a.stride(), lora_b.stride(),
-            tuple(slice_widths), sorted_token_ids.shape[0], x.dtype, launch_device(x), configs.generation(),
-            triton_launch.switches())
+            tuple(slice_widths), sorted_token_ids.shape[0],
+            strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts), x.dtype, launch_device(x),
+            configs.generation(), triton_launch.switches())
+
+
+def strides_1d(*tensors):
+    """The strides of 1-D tensors (per-slot values, batch metadata): a key's part for them, their dtypes and
+    lengths being fixed by the checks."""
+    return tuple([t.stride(0) for t in tensors])
 
 
 def op_key(name, shaped, *values):

@@ -163,19 +163,6 @@ BAD = [
     Bad("sorted_token_ids_shorter_than_M", "sorted_token_ids", lambda a, d: a["sorted_token_ids"][:M - 1],
         ValueError, "sorted_token_ids: holds 3 entries, fewer than the 4 tokens of x; build the batch metadata "
                     "with max_tokens >= 4"),
-    # strides: the kernels read the per-slot values and the metadata with unit stride (every other
-    # element of a twice-as-long tensor: right shape, dtype and device, wrong stride)
-    Bad("scale_strided", "scale", lambda a, d: a["scale"].repeat_interleave(2)[::2], ValueError,
-        "scale: expected a contiguous 1-D tensor (the kernels read it with unit stride), got stride 2"),
-    Bad("rank_strided", "rank", lambda a, d: a["rank"].repeat_interleave(2)[::2], ValueError,
-        "rank: expected a contiguous 1-D tensor (the kernels read it with unit stride), got stride 2"),
-    Bad("sorted_token_ids_strided", "sorted_token_ids",
-        lambda a, d: a["sorted_token_ids"].repeat_interleave(2)[::2], ValueError,
-        "sorted_token_ids: expected a contiguous 1-D tensor (the kernels read it with unit stride), got stride 2"),
-    Bad("slot_starts_strided", "slot_starts", lambda a, d: a["slot_starts"].repeat_interleave(3)[::3], ValueError,
-        "slot_starts: expected a contiguous 1-D tensor (the kernels read it with unit stride), got stride 3"),
-    Bad("slot_counts_strided", "slot_counts", lambda a, d: a["slot_counts"].repeat_interleave(2)[::2], ValueError,
-        "slot_counts: expected a contiguous 1-D tensor (the kernels read it with unit stride), got stride 2"),
     Bad("sorted_token_ids_2d", "sorted_token_ids", lambda a, d: a["sorted_token_ids"][None], ValueError,
         "sorted_token_ids: expected a 1-D tensor, got shape (1, 4)"),
 ]

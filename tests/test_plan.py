@@ -51,7 +51,8 @@ def call(case, y=None, x=None):
 
 
 def the_plan(case, y):
-    return plan.lookup(plan.key(y, case.x, case.lora_a, case.lora_b, case.slice_widths, case.meta.sorted_token_ids))
+    return plan.lookup(plan.key(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths,
+                                *case.meta))
 
 
 @pytest.mark.parametrize("path_configs", list(PATHS), indirect=True)

@@ -13,6 +13,7 @@ def expand_kernel(
     stride_hp, stride_hm, stride_hl, stride_hs, stride_hr,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
+    stride_scale, stride_rank, stride_ids, stride_starts, stride_counts,
     SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_LOOP: tl.constexpr,
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
@@ -32,7 +33,8 @@ def expand_kernel(
     y [M, N] (fp16/bf16/fp32), read and written once per element; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), num_slots L, max_rank R, capacity of sorted_ids.
-    Strides: every dimension of h (stride_hp between parts), B and y, in elements.
+    Strides: every dimension of h (stride_hp between parts), B and y, and of the 1-D scale, rank,
+    sorted_ids, slot_starts and slot_counts (stride_scale .. stride_counts), in elements.
     h_offset, stride_hl, scale_ptr, SCALE_BY_SLOT: h may hold every slot's h unscaled, as the stacked GEMM
     writes it (launch.launch_expand_stacked: columns N.. of F.linear(x, [W; A]), in y's dtype): then the
     tile's slot's block starts at h_ptr + h_offset + slot * stride_hl, and the product is multiplied by
@@ -86,12 +88,13 @@ def expand_kernel(
     slice_id, col0, col_hi = find_slice_chunk(pid_n, SLICE_COLS, SLICE_CHUNKS, N_LOOP * BLOCK_N)
     # A program's token rows: M_LOOP tiles of BLOCK_M (M_LOOP = 1: one tile).
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M * M_LOOP, SLOTS_POW2, not ACCUMULATE)
+                                                  max_rank, capacity, BLOCK_M * M_LOOP, SLOTS_POW2, not ACCUMULATE,
+                                                  stride_counts, stride_starts, stride_rank)
     if rank == 0:
         if not ACCUMULATE:   # tokens without a delta: their rows of y are zero
             for i in tl.static_range(M_LOOP):
                 tok, valid = load_tile_tokens(sorted_ids_ptr, row0 + i * BLOCK_M, rows_left - i * BLOCK_M, capacity,
-                                              M, BLOCK_M)
+                                              M, BLOCK_M, stride_ids)
                 offs_n = col0 + tl.arange(0, BLOCK_N)
                 for j in range(N_LOOP):
                     n_ok = offs_n < col_hi
@@ -102,8 +105,8 @@ def expand_kernel(
         return
     slot_scale = 1.0
     if SCALE_BY_SLOT:
-        slot_scale = tl.load(scale_ptr + slot)
-    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+        slot_scale = tl.load(scale_ptr + slot * stride_scale)
+    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -126,7 +129,7 @@ def expand_kernel(
         for i in tl.static_range(M_LOOP):
             if i > 0:
                 tok, valid = load_tile_tokens(sorted_ids_ptr, row0 + i * BLOCK_M, rows_left - i * BLOCK_M, capacity,
-                                              M, BLOCK_M)
+                                              M, BLOCK_M, stride_ids)
                 h_rows, y_rows = expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs,
                                                   stride_hl, stride_ym, SCALE_BY_SLOT)
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn

@@ -21,6 +21,7 @@ def fused_add_lora_kernel(
     stride_al, stride_as, stride_ar, stride_ak,
     stride_bl, stride_bn, stride_br,
     stride_ym, stride_yn,
+    stride_scale, stride_rank, stride_ids, stride_starts, stride_counts,
     SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr, H_PRECISION: tl.constexpr,
@@ -32,7 +33,8 @@ def fused_add_lora_kernel(
     int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), K features, num_slots L, max_rank R (ranks clamped to [0, R]),
     capacity of sorted_ids.
-    Strides: every dimension of x, A, B and y, in elements.
+    Strides: every dimension of x, A, B and y, and of the 1-D scale, rank, sorted_ids, slot_starts and
+    slot_counts (stride_scale .. stride_counts), in elements.
     SLICE_COLS / SLICE_BLOCKS: the output slices' column offsets and first column blocks, S + 1 each
     (kernels.work.find_slice_block).
     Grid: (total column blocks, token-tile bound). For each BLOCK_R block of the slot's rank, the program
@@ -49,16 +51,17 @@ def fused_add_lora_kernel(
         return
     slice_id, offs_n, n_ok = find_slice_block(pid_n, SLICE_COLS, SLICE_BLOCKS, BLOCK_N)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2)
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
+                                                  stride_starts, stride_rank)
     if rank == 0:
         return
-    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
     # y is the bulk of the bytes: issue its load first so it is in flight during the K loop.
     y_ptrs = y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn
     mask = valid[:, None] & n_ok[None, :]
     y_old = tl.load(y_ptrs, mask=mask, other=0.0)
-    scale = tl.load(scale_ptr + slot)
+    scale = tl.load(scale_ptr + slot * stride_scale)
 
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)

@@ -13,6 +13,7 @@ def lora_grad_x_kernel(
     stride_hm, stride_hs, stride_hr,
     stride_al, stride_as, stride_ar, stride_ak,
     stride_xm, stride_xk,
+    stride_rank, stride_ids, stride_starts, stride_counts,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
 ):
@@ -23,7 +24,8 @@ def lora_grad_x_kernel(
     of tokens without an adapter keep what the caller put there (zeros); rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), K features, num_slots L, max_rank R, capacity of sorted_ids.
-    Strides: every dimension of dh, A and dx, in elements.
+    Strides: every dimension of dh, A and dx, and of the 1-D rank, sorted_ids, slot_starts and slot_counts
+    (stride_rank .. stride_counts), in elements.
     NUM_SLICES: S; the slices are summed in the fp32 accumulator, so dx is rounded once.
     Grid: (cdiv(K, BLOCK_N), token-tile bound); the rank loop stops at the slot's own rank.
     H_PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
@@ -32,10 +34,11 @@ def lora_grad_x_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2)
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
+                                                  stride_starts, stride_rank)
     if rank == 0:
         return
-    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < K
@@ -71,6 +74,7 @@ def segment_outer_kernel(
     stride_um, stride_up,
     stride_vm, stride_vq,
     stride_ol, stride_op, stride_oq,
+    stride_rank, stride_ids, stride_starts, stride_counts,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, RANK_ALIGN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -82,7 +86,8 @@ def segment_outer_kernel(
     or rank get zeros; rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1]
     int32 (lora_ops.batch; only the first L slots are read, the 'no adapter' bucket never is).
     Sizes: M tokens (not specialised), P, Q, capacity of sorted_ids. Strides: every dimension of u, v and
-    out, in elements (views with any strides, stride 0 included).
+    out (views with any strides, stride 0 included), and of the 1-D rank, sorted_ids, slot_starts and
+    slot_counts (stride_rank .. stride_counts), in elements.
     Grid: (cdiv(Q, BLOCK_Q), cdiv(P, BLOCK_P), L); each program walks its slot's tokens in BLOCK_T chunks,
     accumulating in float32 (no atomics: every output block has one owner, so results are deterministic).
     PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing P (kernels.work.rank_ceil: u's
@@ -91,9 +96,9 @@ def segment_outer_kernel(
     pid_q = tl.program_id(0)
     pid_p = tl.program_id(1)
     slot = tl.program_id(2)
-    rank = tl.minimum(tl.maximum(tl.load(rank_ptr + slot), 0), P)
-    count = tl.minimum(tl.maximum(tl.load(slot_counts_ptr + slot), 0), capacity)
-    start = tl.minimum(tl.maximum(tl.load(slot_starts_ptr + slot), 0), capacity)
+    rank = tl.minimum(tl.maximum(tl.load(rank_ptr + slot * stride_rank), 0), P)
+    count = tl.minimum(tl.maximum(tl.load(slot_counts_ptr + slot * stride_counts), 0), capacity)
+    start = tl.minimum(tl.maximum(tl.load(slot_starts_ptr + slot * stride_starts), 0), capacity)
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -109,7 +114,7 @@ def segment_outer_kernel(
     for t0 in range(0, n_tokens, BLOCK_T):
         rows = start + t0 + offs_t
         valid = (t0 + offs_t < count) & (rows < capacity)
-        tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
+        tok = tl.load(sorted_ids_ptr + rows * stride_ids, mask=valid, other=0)
         valid = valid & (tok >= 0) & (tok < M)
         tok = tok.to(tl.int64)
         ut = tl.load(u_ptr + tok[:, None] * stride_um + offs_p[None, :] * stride_up,

@@ -14,6 +14,7 @@ def shrink_kernel(
     stride_al, stride_as, stride_ar, stride_ak,
     stride_hm, stride_hs, stride_hr, stride_hp,
     stride_pk, stride_pm, stride_ps, stride_pr,
+    stride_scale, stride_rank, stride_ids, stride_starts, stride_counts,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, H_PLANES: tl.constexpr = 0, RANK_ALIGN: tl.constexpr = 1,
@@ -29,7 +30,8 @@ def shrink_kernel(
     Sizes: M tokens (not specialised: one compile serves every batch size), K features, num_slices S,
     num_slots L, max_rank R, capacity of sorted_ids, split_k: K is cut into split_k ranges (grid axis 2;
     a run-time value, so changing it does not recompile).
-    Strides: every dimension of x, A and h, in elements.
+    Strides: every dimension of x, A and h, and of the 1-D scale, rank, sorted_ids, slot_starts and
+    slot_counts (stride_scale .. stride_counts), in elements.
     Grid: (cdiv(S, SLICE_GROUP) * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block
     starts at or past the slot's rank return at once: padded rank blocks are never multiplied.
     Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were.
@@ -59,12 +61,13 @@ def shrink_kernel(
     r0 = (pid_sr % r_blocks) * BLOCK_R
 
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2)
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
+                                                  stride_starts, stride_rank)
     if r0 >= rank:
         return
     # Issued now, not after the K loop: there it was one more dependent round trip before the store.
-    slot_scale = tl.load(scale_ptr + slot)
-    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M)
+    slot_scale = tl.load(scale_ptr + slot * stride_scale)
+    tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
     cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
     col_slice = g0 + cols // BLOCK_R

@@ -15,10 +15,13 @@ except ImportError:   # a Triton without grid dependency control: launchers neve
 
 @triton.jit
 def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
-                   BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr, WITH_NONE: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr, WITH_NONE: tl.constexpr = False,
+                   stride_counts=1, stride_starts=1, stride_rank=1):
     """Map token-tile program ``pid`` to (slot, first row in sorted_token_ids, rows left, rank).
 
-    slot_counts_ptr / slot_starts_ptr: int32 [num_slots + 1]; rank_ptr: int32 [num_slots].
+    slot_counts_ptr / slot_starts_ptr: int32 [num_slots + 1]; rank_ptr: int32 [num_slots]; each at its
+    stride (stride_counts, stride_starts, stride_rank; 1, the usual value, is specialised by Triton, and
+    the checks keep every offset within int32).
     num_slots: L; max_rank: R (ranks are clamped to [0, R]); capacity: length of sorted_token_ids
     (counts and starts are clamped to it, so corrupt metadata cannot send a read out of bounds).
     BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L (>= L + 1 with WITH_NONE).
@@ -33,9 +36,9 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
         groups = ls <= num_slots
     # Counts, ranks and starts in one round trip: at decode sizes a kernel is a chain of dependent memory
     # round trips (metadata, token ids, operands), and the start loaded after the slot was known was one more.
-    cnt = tl.load(slot_counts_ptr + ls, mask=groups, other=0)
-    rk = tl.load(rank_ptr + ls, mask=in_range, other=0)
-    starts = tl.load(slot_starts_ptr + ls, mask=groups, other=0)
+    cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=groups, other=0)
+    rk = tl.load(rank_ptr + ls * stride_rank, mask=in_range, other=0)
+    starts = tl.load(slot_starts_ptr + ls * stride_starts, mask=groups, other=0)
     cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
     rk = tl.minimum(tl.maximum(rk, 0), max_rank)
     tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
@@ -82,15 +85,16 @@ def find_slice_block(pid_n, SLICE_COLS: tl.constexpr, SLICE_BLOCKS: tl.constexpr
 
 
 @triton.jit
-def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.constexpr):
-    """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M)).
+def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.constexpr, stride_ids=1):
+    """Token ids [BLOCK_M] of a tile and their validity (in the tile, in the buffer, in [0, M)); sorted_ids
+    at stride ``stride_ids``.
 
     Invalid entries get token 0 (M >= 1 whenever a kernel runs), so a load that skips the row mask stays
     in bounds."""
     offs = tl.arange(0, BLOCK_M)
     rows = row0 + offs
     valid = (offs < rows_left) & (rows < capacity)
-    tok = tl.load(sorted_ids_ptr + rows, mask=valid, other=0)
+    tok = tl.load(sorted_ids_ptr + rows * stride_ids, mask=valid, other=0)
     valid = valid & (tok >= 0) & (tok < M)
     return tl.where(valid, tok, 0).to(tl.int64), valid
 

@@ -1,0 +1,149 @@
+"""The 1-D per-slot tensors (scale, rank) and the batch metadata (sorted_token_ids, slot_starts, slot_counts)
+at any stride: every kernel takes their strides, so each op gives, bit for bit, what it gives on contiguous
+copies of the same values, on every path (one launch, shrink + expand, split-K, write-first, stack_a's
+expand, the backward's kernels). The contiguous call runs first, so a plan keyed without the strides would
+be replayed on the strided tensors and read the wrong entries. Outputs start poisoned (NaN)."""
+import pytest
+import torch
+
+from conftest import DEVICE, TOLERANCE, make_case, rel_err
+from csrc_meta import checks
+from lora_ops import configs, launch, launch_grad, ops, plan
+from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+
+R = 16
+PATHS = {
+    "fused": (FusedConfig(16, 32, 16, 32, 4, 1), None, None),
+    "split": (None, ShrinkConfig(16, 16, 32, 1, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
+    "split_k_partials": (None, ShrinkConfig(16, 16, 16, 2, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
+    "split_k_summed": (None, ShrinkConfig(16, 8, 16, 3, 4, 1), ExpandConfig(16, 32, 8, 4, 1)),
+}
+
+
+@pytest.fixture
+def triton_cpu():
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend("triton")
+    plan.clear()
+    yield
+    plan.clear()
+    ops.set_cpu_backend(previous)
+
+
+def strided(t, step):
+    """A copy of the 1-D ``t`` at stride ``step`` (every step-th element of a longer tensor; 0: a broadcast
+    of one value, for a tensor whose entries are all equal)."""
+    if step == 0:
+        return t[:1].expand(t.shape[0])
+    wide = torch.full((t.shape[0] * step,), -7, dtype=t.dtype, device=t.device)   # garbage between entries
+    wide[::step] = t
+    return wide[::step]
+
+
+def case_and_args(seed, M=21, K=40, N=36, L=3, S=2):
+    case = make_case(M, K, N, num_slots=L, num_slices=S, max_rank=R, device=DEVICE, seed=seed, ranks=[R, 5, 11])
+    contiguous = (case.scale, case.rank, *case.meta)
+    steps = (2, 3, 2, 3, 2)
+    return case, contiguous, tuple(strided(t, step) for t, step in zip(contiguous, steps))
+
+
+def poisoned(shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_add_lora_takes_strided_metadata(triton_cpu, monkeypatch, path):
+    fcfg, scfg, ecfg = PATHS[path]
+    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: fcfg)
+    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
+    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ecfg)
+    case, contiguous, strided_args = case_and_args(1)
+    outs = []
+    for scale, rank, *meta in (contiguous, strided_args):
+        y = case.new_y("zero")
+        torch.ops.lora_ops.add_lora_(y, case.x, case.lora_a, case.lora_b, scale, rank, case.slice_widths, *meta)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], case.delta_reference()) <= TOLERANCE[torch.float32]
+
+
+def test_every_op_takes_strided_metadata(triton_cpu):
+    case, contiguous, strided_args = case_and_args(2)
+    M, K, N, L, S, _ = case.shape
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(M, S, R, generator=gen).to(DEVICE)
+    v = torch.randn(M, N, generator=gen).to(DEVICE)
+    weight = torch.randn(N, K, generator=gen).to(DEVICE)
+
+    def ops_on(scale, rank, *meta):
+        y = poisoned((M, N))
+        y.copy_(v)
+        torch.ops.lora_ops.expand_(y, h, case.lora_b, case.slice_widths, rank, *meta)
+        return {
+            "shrink": torch.ops.lora_ops.shrink(case.x, case.lora_a, scale, rank, *meta),
+            "expand_": y,
+            "lora_linear": torch.ops.lora_ops.lora_linear(case.x, weight, None, case.lora_a, case.lora_b, scale,
+                                                          rank, case.slice_widths, *meta),
+            "lora_grad_x": launch_grad.lora_grad_x(h, case.lora_a, rank, *meta),
+            "segment_outer": launch_grad.segment_outer(h[:, 1], v, rank, *meta),
+        }
+    ours, reference = ops_on(*strided_args), ops_on(*contiguous)
+    # The second round replays the contiguous call's plans: the strided call's must be its own.
+    ours, reference = ops_on(*strided_args), ops_on(*contiguous)
+    for name in ours:
+        assert not ours[name].isnan().any(), name
+        assert torch.equal(ours[name], reference[name]), name
+
+
+def test_write_first_and_stacked_take_strided_metadata(triton_cpu, monkeypatch):
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    case, contiguous, strided_args = case_and_args(4)
+    M, K, N, L, S, _ = case.shape
+    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    stacked = torch.cat([weight, case.lora_a.reshape(L * S * R, K)])
+    for scale, rank, *meta in (contiguous, strided_args):
+        torch.full((1 << 16,), float("nan"), device=DEVICE)
+        written = torch.ops.lora_ops.lora_linear(case.x, weight, None, case.lora_a, case.lora_b, scale, rank,
+                                                 case.slice_widths, *meta)
+        stack_out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, scale, rank,
+                                                           case.slice_widths, *meta)
+        if scale is contiguous[0]:
+            first = (written, stack_out)
+    assert torch.equal(written, first[0]) and torch.equal(stack_out, first[1])
+    assert not written.isnan().any()
+
+
+def test_a_broadcast_scale_is_read_at_stride_zero(triton_cpu):
+    case, contiguous, _ = case_and_args(6)
+    scale = strided(case.scale, 0)
+    outs = []
+    for s in (scale.contiguous(), scale):
+        y = case.new_y("zero")
+        torch.ops.lora_ops.add_lora_(y, case.x, case.lora_a, case.lora_b, s, case.rank, case.slice_widths,
+                                     *case.meta)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_the_grad_kernels_see_strided_metadata_through_autograd(triton_cpu):
+    case, contiguous, strided_args = case_and_args(7)
+    grads = []
+    for scale, rank, *meta in (contiguous, strided_args):
+        x = case.x.clone().requires_grad_()
+        a = case.lora_a.clone().requires_grad_()
+        b = case.lora_b.clone().requires_grad_()
+        y = torch.ops.lora_ops.add_lora(case.new_y("zero"), x, a, b, scale, rank, case.slice_widths, *meta)
+        y.backward(torch.ones_like(y))
+        grads.append((x.grad, a.grad, b.grad))
+    for ours, ref in zip(grads[1], grads[0]):
+        assert torch.equal(ours, ref)
+
+
+def test_an_offset_past_int32_is_refused():
+    # A meta tensor has no storage, so it can hold a stride no real allocation of this size could.
+    far = torch.empty_strided((3,), (2 ** 30,), dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="^slot_counts: its last element lies 2147483648 elements past its first"):
+        checks.check_index_extent("slot_counts", far)
+    checks.check_index_extent("slot_counts", torch.empty_strided((2,), (2 ** 31 - 1,), dtype=torch.int32,
+                                                                 device="meta"))
