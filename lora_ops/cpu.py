@@ -3,10 +3,24 @@
 They read the same batch metadata as the Triton kernels (tokens grouped by slot), so models run on
 CPU and on machines without Triton. On the CPU, reading the counts on the host costs no sync.
 Products run in float32 (float64 stays float64 nowhere: inputs are fp16/bf16/fp32) and each output
-element is rounded once. Like the Triton kernels, they record no autograd graph (torch.no_grad): autograd
-belongs to the op, whichever backend runs it.
+element is rounded once, under torch.autocast too. Like the Triton kernels, they record no autograd graph
+(torch.no_grad): autograd belongs to the op, whichever backend runs it.
 """
+import functools
+
 import torch
+
+from lora_ops.precision import base_linear, no_autocast
+
+
+def cpu_kernel(fn):
+    """A CPU kernel: no autograd graph (autograd belongs to the op) and its own precision (float32
+    products, one rounding) whatever an ambient torch.autocast says."""
+    @functools.wraps(fn)
+    def kernel(*args):
+        with torch.no_grad(), no_autocast("cpu"):
+            return fn(*args)
+    return kernel
 
 
 def _slot_runs(num_slots, rank, sorted_token_ids, slot_starts, slot_counts, num_tokens):
@@ -22,7 +36,7 @@ def _slot_runs(num_slots, rank, sorted_token_ids, slot_starts, slot_counts, num_
         yield slot, ids[(ids >= 0) & (ids < num_tokens)], r
 
 
-@torch.no_grad()
+@cpu_kernel
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     M = x.shape[0]
     L, S, R, K = lora_a.shape
@@ -34,7 +48,7 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
     return h
 
 
-@torch.no_grad()
+@cpu_kernel
 def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     M = y.shape[0]
     L, N, R = lora_b.shape
@@ -43,7 +57,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
         y[ids] = _expanded(y[ids], h[ids, :, :r], lora_b[slot, :, :r], slice_widths)
 
 
-@torch.no_grad()
+@cpu_kernel
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     M = x.shape[0]
     L, S, R, K = lora_a.shape
@@ -54,20 +68,20 @@ def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
         y[ids] = _expanded(y[ids], h, lora_b[slot, :, :r], slice_widths)
 
 
-@torch.no_grad()
+@cpu_kernel
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                 slot_counts):
-    y = torch.nn.functional.linear(x, weight, bias)
+    y = base_linear(x, weight, bias)
     add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
     return y
 
 
-@torch.no_grad()
+@cpu_kernel
 def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                         slot_starts, slot_counts):
     L, N, R = lora_b.shape
     S = len(slice_widths)
-    out = torch.nn.functional.linear(x, stacked_weight, stacked_bias)
+    out = base_linear(x, stacked_weight, stacked_bias)
     h = out[:, N:N + L * S * R].view(-1, L, S, R)   # every slot's h, unscaled, in x's dtype (rounded once)
     y = out[:, :N]
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, out.shape[0]):

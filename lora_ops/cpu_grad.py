@@ -1,14 +1,14 @@
 """CPU kernels of the backward ops: vectorised torch, one matrix product per used slot (as lora_ops.cpu).
 
-Products run in float32 and each output element is rounded once to the weights' dtype. No autograd
-graph is recorded (the op owns autograd, whichever backend runs it).
+Products run in float32 (under torch.autocast too) and each output element is rounded once to the weights'
+dtype. No autograd graph is recorded (the op owns autograd, whichever backend runs it).
 """
 import torch
 
-from lora_ops.cpu import _slot_runs
+from lora_ops.cpu import _slot_runs, cpu_kernel
 
 
-@torch.no_grad()
+@cpu_kernel
 def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     """dx [M, K]: sum over slices of dh[t, i, :rank] @ A[s_t, i, :rank]; zero rows for tokens without one."""
     M, S, R = dh.shape
@@ -22,7 +22,7 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     return dx
 
 
-@torch.no_grad()
+@cpu_kernel
 def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     """out [L, P, Q]: out[l, :rank] = u[slot l's tokens, :rank]^T v[slot l's tokens]; zeros elsewhere."""
     M, P = u.shape

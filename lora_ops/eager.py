@@ -28,10 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from lora_ops import configs, launch, ops, plan, triton_launch
+from lora_ops import configs, ops, plan, triton_launch
 
 MAX_SIGNATURES = 64     # per layer: input signatures seen (token counts, mostly); cleared when full
 _enabled = [True]
+_LAUNCH = []     # lora_ops.launch, imported by the first bind: it imports Triton, which a CPU-only install lacks
+
+
+def _launch():
+    if not _LAUNCH:
+        from lora_ops import launch
+        _LAUNCH.append(launch)
+    return _LAUNCH[0]
 
 
 def set_enabled(on):
@@ -107,10 +115,11 @@ class EagerCalls:
                                         or lora_b.requires_grad or scale.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return None
+        launch = _LAUNCH[0]     # a bound call exists, so bind imported it
         # (Written out: a helper call per tensor costs more than the reads.)
         if ((lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
              scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) != bound.shapes
-                or (configs.generation(), triton_launch.switches(), plan.epoch()) != bound.state
+                or _state() != bound.state
                 or plan.launch_device(x) != bound.device or launch._overlaps(x)):
             return None
         meta = context.meta
@@ -120,18 +129,18 @@ class EagerCalls:
                 return None
             stacked, stacked_bias = layer._stacked
             out = F.linear(x, stacked, stacked_bias)
-            if (out.shape, out.stride()) != bound.out_shape:
+            if (out.shape, out.stride(), out.dtype) != bound.out_shape:
                 return None
             bound.plan.run((out, lora_b, rank, scale, *meta))
             self.replays += 1
             return out[:, :weight.shape[0]]
         if path == "write":
-            y = x.new_empty(bound.out_shape[0])
+            y = x.new_empty(bound.out_shape[0])     # (x's dtype: as lora_linear's)
             bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
             self.replays += 1
             return y.addmm_(x, weight.t())
         y = F.linear(x, weight, bias)
-        if (y.shape, y.stride()) != bound.out_shape:
+        if (y.shape, y.stride(), y.dtype) != bound.out_shape:
             return None
         bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
         self.replays += 1
@@ -143,6 +152,7 @@ class EagerCalls:
         signature where the op has a plan. Costs a plan key on the calls it runs after."""
         if not _enabled[0] or not (x.is_cuda or ops.get_cpu_backend() == "triton"):
             return              # (the CPU kernels keep no plans)
+        launch = _launch()
         params, buffers, context = layer._parameters, layer._buffers, layer.context
         lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
         scale, rank = buffers.get("scale"), buffers.get("rank")
@@ -163,5 +173,5 @@ class EagerCalls:
             self._calls.clear()
         objects = (weight, bias, lora_a, lora_b, scale, rank, context.meta, widths, layer._stacked)
         shapes = (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
-        out_shape = (out.shape, out.stride())
+        out_shape = (out.shape, out.stride(), out.dtype)
         self._calls[_shaped(x)] = _Bound(path, found, objects, shapes, out_shape, plan.launch_device(x))

@@ -9,10 +9,10 @@ import os
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from csrc_meta import checks
 from lora_ops import configs, plan
+from lora_ops.precision import base_addmm_, base_linear
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
@@ -555,7 +555,7 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
     columns. Returns [M, N + L·S·R]; the layer's output is its first N columns."""
     checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
                                      sorted_token_ids, slot_starts, slot_counts)
-    out = F.linear(x, stacked_weight, stacked_bias)
+    out = base_linear(x, stacked_weight, stacked_bias)
     M = x.shape[0]
     if M == 0:
         return out
@@ -590,10 +590,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     if writes_first(x, N, bias):
         y = x.new_empty(M, N)
         _write_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
-        return y.addmm_(x, weight.t())
+        return base_addmm_(y, x, weight)
     # The cheap test first: by default (no overlap) _add_lora resolves the path itself, once.
     if not _overlaps(x) or M == 0 or configs.fused_config(M, K, N, S, R, L, x.device, x.dtype) is not None:
-        y = F.linear(x, weight, bias)
+        y = base_linear(x, weight, bias)
         _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
         return y
     scfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype, out_features=N)
@@ -606,7 +606,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sort
     with torch.cuda.stream(side):
         launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, scfg,
                       partials_out=holds_partials(h))
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias)
     main.wait_stream(side)
     launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, ecfg)
     return y

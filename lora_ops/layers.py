@@ -33,6 +33,7 @@ from torch import nn
 
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
+from lora_ops.precision import autocast_cast, autocast_dtype
 from lora_ops.batch import LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
@@ -319,9 +320,10 @@ class LoRALinear(nn.Module):
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         context = self.context
         eager = not torch.compiler.is_compiling()
+        cast_to = autocast_dtype(x2d)
         if eager:                 # Python-side checks and bound calls stay out of compiled graphs
             context.check_input(x2d)
-            out = self._eager.replay(self, x2d)
+            out = self._eager.replay(self, x2d) if cast_to is None else None
             if out is not None:
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         dropout = self.training and context.dropout_p is not None
@@ -332,11 +334,18 @@ class LoRALinear(nn.Module):
             lora_a, lora_b, scale, rank = params["lora_a"], params["lora_b"], buffers["scale"], buffers["rank"]
         except KeyError:
             lora_a, lora_b, scale, rank = self.lora_a, self.lora_b, self.scale, self.rank
-        args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
         base = self._modules["base"]
+        if cast_to is not None:
+            # Under torch.autocast the layer computes as nn.Linear would there: its floating inputs cast to
+            # autocast's dtype (differentiably: gradients reach the parameters in their own dtype). The ops
+            # then run in that dtype; the stack, in the parameters' dtype, is not used.
+            lora_a, lora_b = autocast_cast(lora_a, cast_to), autocast_cast(lora_b, cast_to)
+        args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
         if not dropout and eager_ops.plain_linear(base):
             weight, bias = base._parameters["weight"], base._parameters["bias"]
-            if (self._stacked is not None and x2d.shape[0] <= self.stacked_max_tokens
+            if cast_to is not None:
+                x2d, weight, bias = (autocast_cast(t, cast_to) for t in (x2d, weight, bias))
+            if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
                     and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
                                                           or lora_a.requires_grad or lora_b.requires_grad
                                                           or (bias is not None and bias.requires_grad)))
@@ -354,7 +363,7 @@ class LoRALinear(nn.Module):
             # (A bare nn.Linear keeps its weight and bias in its dict.)
             op_args = (x2d, weight, bias, *args)
             out = ops.call("lora_linear", *op_args)
-            if eager and not ops.needs_dispatcher(op_args):
+            if eager and cast_to is None and not ops.needs_dispatcher(op_args):
                 self._eager.bind(self, x2d, weight, bias, out, stacked=False)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)
@@ -363,6 +372,9 @@ class LoRALinear(nn.Module):
         if dropout:
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
             x_lora = training.slot_dropout(x2d, context.dropout_p, context.token_slots)
+        if cast_to is not None:       # the base layer ran under autocast: the delta goes in its output's dtype
+            x_lora = autocast_cast(x_lora, y.dtype)
+            args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
         if torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.

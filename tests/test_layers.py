@@ -289,3 +289,26 @@ def test_public_exports():
     for name in ("LoRALinear", "LoRAContext", "apply_lora", "load_peft_adapter", "load_adapter_tensors",
                  "unload_adapter"):
         assert name in lora_ops.__all__ and hasattr(lora_ops, name)
+
+
+def test_lora_ops_works_on_a_cpu_install_without_triton():
+    """The main example's install has no Triton (README): importing lora_ops, building layers and calling
+    them on CPU tensors must not import it (a session-24 module imported the launchers at import time)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys; sys.modules['triton'] = None\n"     # `import triton` now raises ImportError
+        "import torch, lora_ops\n"
+        "from torch import nn\n"
+        "ctx = lora_ops.LoRAContext(2, 8)\n"
+        "layer = lora_ops.LoRALinear(nn.Linear(16, 24), ctx, 4)\n"
+        "ctx.set_token_slots(torch.tensor([0, -1, 1, 0], dtype=torch.int32))\n"
+        "x = torch.randn(4, 16)\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(layer(x), layer(x))\n"
+        "assert 'lora_ops.launch' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LORA_OPS_CPU_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,52 @@
+"""What torch.autocast does to lora_ops: nothing to the ops, the casts of nn.Linear to LoRALinear.
+
+The ops compute in their inputs' dtype whatever an ambient autocast says, as their fake kernels state; so
+their base GEMM (and the write-first path's addmm_) runs with autocast off, and so does every CPU kernel
+(lora_ops.cpu: its float32 products would be recast too). LoRALinear, under autocast, casts its floating
+inputs as autocast casts an nn.Linear's, then calls the ops in that dtype (DESIGN §5).
+"""
+import contextlib
+
+import torch
+
+
+def autocast_on(device_type):
+    """Whether torch.autocast is on for ``device_type`` (never for one it does not know, such as meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def no_autocast(device_type):
+    """A context in which torch.autocast recasts nothing on ``device_type`` (a null one where it is off)."""
+    if autocast_on(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def base_linear(x, weight, bias):
+    """The lora_linear ops' base GEMM (both backends), in the inputs' dtype."""
+    with no_autocast(x.device.type):
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+def base_addmm_(y, x, weight):
+    """y += x @ weight^T in place (lora_linear's write-first path), in the inputs' dtype."""
+    with no_autocast(x.device.type):
+        return y.addmm_(x, weight.t())
+
+
+def autocast_dtype(x):
+    """The dtype torch.autocast casts a linear layer's floating inputs to on ``x``'s device, or None where
+    autocast is off there."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if autocast_on(device_type) else None
+
+
+def autocast_cast(t, dtype):
+    """``t`` (a tensor or None) as autocast casts an input of a linear layer: floating point, float64 aside,
+    to ``dtype`` (differentiably)."""
+    if t is None or t.dtype == dtype or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
