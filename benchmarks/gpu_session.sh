@@ -25,6 +25,10 @@
 #                                              # there), race_sweep.py on the high-rank grid (every path run 4
 #                                              # times: values and bits), and one small real tune with the
 #                                              # check on, its stderr kept (~5 min)
+#     bash benchmarks/gpu_session.sh host      # session 24's host-path changes (bound eager calls, metadata
+#                                              # strides, autocast): their GPU tests, host_overhead at 64 and
+#                                              # 1 token, host_python (this host's Python speed against the CPU
+#                                              # machine's), the decode step with stack_a (~8 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -52,6 +56,14 @@ if [ "$MODE" = quick ]; then
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
+elif [ "$MODE" = host ]; then
+    step tests 240 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_eager.py tests/test_strided_meta.py tests/test_autocast.py tests/test_plan.py tests/test_layers.py \
+        tests/test_errors.py tests/test_stacked.py tests/test_fast_launch.py tests/test_model_compile.py
+    step host64 100 python benchmarks/host_overhead.py --out "$R/m64"
+    step host1 100 python benchmarks/host_overhead.py --tokens 1 --out "$R/m1"
+    step python 60 python benchmarks/host_python.py --out "$R"
+    step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}

@@ -163,6 +163,41 @@ def triton_backend(backend):
 
 
 @pytest.fixture
+def triton_kernels():
+    """The Triton side only, for the test: CPU tensors to the Triton kernels (the interpreter; CUDA tensors
+    go there anyway), and no launch plans kept before or after. Yields the Triton backend."""
+    from lora_ops import plan
+    previous = ops.get_cpu_backend()
+    ops.set_cpu_backend("triton")
+    plan.clear()
+    yield next(b for b in BACKENDS if b.name == "triton")
+    plan.clear()
+    ops.set_cpu_backend(previous)
+
+
+def add_lora_paths(rank):
+    """add_lora_'s paths at max rank ``rank`` (even), as forced configs: name -> (fused config or None, shrink
+    config, expand config). One launch; two; two with split-K partial sums; two where the shrink sums its
+    own splits (the expand's rank loop, block_r below the rank, takes h summed)."""
+    from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+    return {
+        "fused": (FusedConfig(16, 32, rank, 32, 4, 1), None, None),
+        "split": (None, ShrinkConfig(16, rank, 32, 1, 4, 1), ExpandConfig(16, 32, rank, 4, 1)),
+        "split_k_partials": (None, ShrinkConfig(16, rank, 16, 2, 4, 1), ExpandConfig(16, 32, rank, 4, 1)),
+        "split_k_summed": (None, ShrinkConfig(16, rank // 2, 16, 3, 4, 1), ExpandConfig(16, 32, rank // 2, 4, 1)),
+    }
+
+
+def force_add_lora_path(monkeypatch, path):
+    """Make add_lora_ take ``path`` (an entry of :func:`add_lora_paths`) for the test."""
+    from lora_ops import configs
+    fcfg, scfg, ecfg = path
+    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: fcfg)
+    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
+    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ecfg)
+
+
+@pytest.fixture
 def bf16_interpreter():
     """Redo the Triton interpreter's bf16 arithmetic in float32 (tests/interp_bf16.py) for this test.
 

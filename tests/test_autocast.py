@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from conftest import DEVICE
-from lora_ops import launch, ops, plan
+from lora_ops import launch
 from lora_ops.layers import LoRAContext, LoRALinear
 
 K, WIDTHS, L, R, M = 32, (24, 8), 3, 8, 10
@@ -126,17 +126,7 @@ def test_the_ops_compute_in_their_inputs_dtype_under_autocast(backend, monkeypat
     assert under.dtype == torch.float32 and torch.equal(under, plain)
 
 
-@pytest.fixture
-def triton_cpu():
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    plan.clear()
-    yield
-    plan.clear()
-    ops.set_cpu_backend(previous)
-
-
-def test_bound_calls_step_aside_under_autocast(triton_cpu, bf16_interpreter):
+def test_bound_calls_step_aside_under_autocast(triton_kernels, bf16_interpreter):
     layer, x = make_layer(torch.device(DEVICE))
     with torch.no_grad():
         first = layer(x)                  # binds

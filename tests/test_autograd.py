@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import lora_ops
-from conftest import BACKENDS, DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
-from lora_ops import launch_grad, ops
+from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
+from lora_ops import launch_grad
 from lora_ops.reference import lora_forward_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
@@ -237,21 +237,11 @@ def test_metadata_refilled_before_backward_raises(backend):
 
 # -- the backward ops on their own ---------------------------------------------------------------------
 
-@pytest.fixture
-def triton_backend():
-    """The Triton side only (interpreter on CPU, or CUDA): the torch CPU kernels allocate zeros themselves."""
-    triton = next(b for b in BACKENDS if b.name == "triton")
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    yield triton
-    ops.set_cpu_backend(previous)
-
-
 @pytest.mark.parametrize("wide", [False, True], ids=["heuristic", "wide_q_config"])
-def test_segment_outer_kernel_writes_every_output_element(triton_backend, wide):
+def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
     """The Triton launcher's output is never zero-filled: poison it with NaN and check all of it. Also with
     the config the heuristic gives wide outputs (launch_grad.WIDE_Q: 32-token steps)."""
-    backend = triton_backend
+    backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=19)
     M, K, _, L, _, R = case.shape
     u, v = signed((M, R), case, torch.float32), signed((M, K), case)
@@ -263,9 +253,9 @@ def test_segment_outer_kernel_writes_every_output_element(triton_backend, wide):
     assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]
 
 
-def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_backend):
+def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels):
     """Poisoned dx: the rows of adapted tokens are written, the others (zeros in the op) never touched."""
-    backend = triton_backend
+    backend = triton_kernels
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
     M, K, _, L, S, R = case.shape
     dh = signed((M, S, R), case, torch.float32)

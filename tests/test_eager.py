@@ -14,23 +14,12 @@ import torch
 from torch import nn
 
 from conftest import DEVICE, TOLERANCE, rel_err
-from lora_ops import configs, launch, ops, plan
+from lora_ops import configs, launch, plan
 from lora_ops.layers import LoRAContext, LoRALinear
 
 K, WIDTHS, L, R = 32, (24, 8, 16), 3, 8
 N = sum(WIDTHS)
 RANKS = (8, 3, 0)
-
-
-@pytest.fixture
-def triton_cpu():
-    """The Triton kernels for CPU tensors (the interpreter; on a GPU run the tensors are CUDA's anyway)."""
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    plan.clear()
-    yield
-    plan.clear()
-    ops.set_cpu_backend(previous)
 
 
 def make_layer(seed, bias=False, stack_a=False, M=10):
@@ -97,7 +86,7 @@ PATHS = {"accumulate": dict(), "accumulate_bias": dict(bias=True), "write_first"
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_bound_calls_give_the_ops_output(triton_cpu, monkeypatch, path):
+def test_bound_calls_give_the_ops_output(triton_kernels, monkeypatch, path):
     opts = dict(PATHS[path])
     if opts.pop("write_first", False):
         monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
@@ -135,7 +124,7 @@ def replays_after(layer, x, change):
     return layer._eager.replays - before, out
 
 
-def test_a_replaced_parameter_takes_the_op_path_and_binds_again(triton_cpu):
+def test_a_replaced_parameter_takes_the_op_path_and_binds_again(triton_kernels):
     layer = make_layer(3)
     x = fresh_input(10, 0)
     new_b = torch.randn(layer.lora_b.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
@@ -150,7 +139,7 @@ def test_a_replaced_parameter_takes_the_op_path_and_binds_again(triton_cpu):
     ("lora_b", lambda t: t[:, :N - 8], "lora_b: expected shape [L, N, R]"),
     ("rank", lambda t: t[:L - 1], "rank: expected 3 entries"),
 ], ids=["lora_a", "lora_b", "rank"])
-def test_data_swapped_under_a_parameter_reaches_the_ops_checks(triton_cpu, name, swap, message):
+def test_data_swapped_under_a_parameter_reaches_the_ops_checks(triton_kernels, name, swap, message):
     layer = make_layer(4)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -161,7 +150,7 @@ def test_data_swapped_under_a_parameter_reaches_the_ops_checks(triton_cpu, name,
 
 
 @pytest.mark.parametrize("name", ["scale", "rank"])
-def test_data_swapped_to_another_stride_takes_the_op_path(triton_cpu, name):
+def test_data_swapped_to_another_stride_takes_the_op_path(triton_kernels, name):
     layer = make_layer(4)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -176,7 +165,7 @@ def test_data_swapped_to_another_stride_takes_the_op_path(triton_cpu, name):
     assert torch.equal(call(layer, x), out) and layer._eager.replays == before + 1
 
 
-def test_a_weight_swapped_to_other_rows_is_caught_after_the_gemm(triton_cpu):
+def test_a_weight_swapped_to_other_rows_is_caught_after_the_gemm(triton_kernels):
     layer = make_layer(5)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -186,7 +175,7 @@ def test_a_weight_swapped_to_other_rows_is_caught_after_the_gemm(triton_cpu):
 
 
 @pytest.mark.parametrize("change", ["configs", "plans", "base_hook", "train_with_dropout"])
-def test_state_changes_take_the_op_path(triton_cpu, change):
+def test_state_changes_take_the_op_path(triton_kernels, change):
     layer = make_layer(6)
     x = fresh_input(10, 0)
     hooked = []
@@ -208,7 +197,7 @@ def test_state_changes_take_the_op_path(triton_cpu, change):
         assert hooked == [1]
 
 
-def test_autograd_takes_the_op_path(triton_cpu):
+def test_autograd_takes_the_op_path(triton_kernels):
     layer = make_layer(7)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -220,7 +209,7 @@ def test_autograd_takes_the_op_path(triton_cpu):
     assert xg.grad is not None
 
 
-def test_stack_a_replaced_weight_drops_to_lora_linear(triton_cpu):
+def test_stack_a_replaced_weight_drops_to_lora_linear(triton_kernels):
     layer = make_layer(8, stack_a=True)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -233,7 +222,7 @@ def test_stack_a_replaced_weight_drops_to_lora_linear(triton_cpu):
     assert out.stride() == (N, 1)        # lora_linear's own output, not the stack's column view
 
 
-def test_copies_start_without_bound_calls(triton_cpu):
+def test_copies_start_without_bound_calls(triton_kernels):
     layer = make_layer(9)
     x = fresh_input(10, 0)
     call(layer, x)
@@ -245,7 +234,7 @@ def test_copies_start_without_bound_calls(triton_cpu):
     assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
 
 
-def test_stack_a_weight_data_swapped_drops_to_lora_linear(triton_cpu):
+def test_stack_a_weight_data_swapped_drops_to_lora_linear(triton_kernels):
     layer = make_layer(10, stack_a=True)
     x = fresh_input(10, 0)
     call(layer, x)

@@ -9,37 +9,16 @@ on any machine: the addresses and integers it passes, and the fallback for a mis
 import pytest
 import torch
 
-from conftest import DEVICE, TOLERANCE, make_case, rel_err
-from lora_ops import configs, launch, ops, plan, triton_launch
-from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+from conftest import DEVICE, TOLERANCE, add_lora_paths, force_add_lora_path, make_case, rel_err
+from lora_ops import configs, launch, plan, triton_launch
 
 R = 32
-# path -> (fused config or None, shrink config, expand config); rank 32 everywhere
-PATHS = {
-    "fused": (FusedConfig(16, 32, 32, 32, 4, 1), None, None),
-    "split": (None, ShrinkConfig(16, 32, 32, 1, 4, 1), ExpandConfig(16, 32, 32, 4, 1)),
-    "split_k_partials": (None, ShrinkConfig(16, 32, 16, 2, 4, 1), ExpandConfig(16, 32, 32, 4, 1)),
-    # the expand's rank loop (R > its block_r) takes h summed: the shrink sums its splits with counters
-    "split_k_summed": (None, ShrinkConfig(16, 16, 16, 3, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
-}
-
-
-@pytest.fixture
-def triton_backend():
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    plan.clear()
-    yield
-    plan.clear()
-    ops.set_cpu_backend(previous)
+PATHS = add_lora_paths(R)
 
 
 @pytest.fixture
 def path_configs(monkeypatch, request):
-    fcfg, scfg, ecfg = PATHS[request.param]
-    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: fcfg)
-    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
-    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ecfg)
+    force_add_lora_path(monkeypatch, PATHS[request.param])
     return request.param
 
 
@@ -56,7 +35,7 @@ def the_plan(case, y):
 
 
 @pytest.mark.parametrize("path_configs", list(PATHS), indirect=True)
-def test_replays_match_the_reference(triton_backend, path_configs):
+def test_replays_match_the_reference(triton_kernels, path_configs):
     case = make_case(37, 48, 40, num_slots=3, num_slices=2, max_rank=R, device=DEVICE, seed=1,
                      ranks=[R, 5, 17])
     expected_scratch = {"fused": 0, "split": 1, "split_k_partials": 1, "split_k_summed": 3}[path_configs]
@@ -74,7 +53,7 @@ def test_replays_match_the_reference(triton_backend, path_configs):
     assert len(plan._PLANS) == 1
 
 
-def test_every_part_of_the_key_makes_its_own_plan(triton_backend):
+def test_every_part_of_the_key_makes_its_own_plan(triton_kernels):
     case = make_case(20, 32, 24, num_slots=2, num_slices=1, max_rank=8, device=DEVICE, seed=2, ranks=[8, 3])
     y = call(case)
     first = the_plan(case, y)
@@ -95,7 +74,7 @@ def test_every_part_of_the_key_makes_its_own_plan(triton_backend):
     assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32]
 
 
-def test_plans_switched_off_are_neither_kept_nor_used(triton_backend):
+def test_plans_switched_off_are_neither_kept_nor_used(triton_kernels):
     case = make_case(12, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=7)
     call(case)
     assert len(plan._PLANS) == 1
@@ -110,7 +89,7 @@ def test_plans_switched_off_are_neither_kept_nor_used(triton_backend):
     assert len(plan._PLANS) == 1
 
 
-def test_aliased_arguments_are_not_remembered(triton_backend):
+def test_aliased_arguments_are_not_remembered(triton_kernels):
     case = make_case(8, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=3)
     sorted_ids, starts, counts = case.meta
     y = case.new_y("zero")
@@ -120,7 +99,7 @@ def test_aliased_arguments_are_not_remembered(triton_backend):
     assert len(plan._PLANS) == 0
 
 
-def test_the_table_of_plans_is_bounded(triton_backend, monkeypatch):
+def test_the_table_of_plans_is_bounded(triton_kernels, monkeypatch):
     monkeypatch.setattr(plan, "MAX_PLANS", 2)
     for M in (3, 5, 7, 9):
         call(make_case(M, 16, 16, num_slots=2, num_slices=1, max_rank=4, device=DEVICE, seed=M))
@@ -153,7 +132,7 @@ def _op_calls(case, gen):
     ]
 
 
-def test_every_op_replays_its_plan(triton_backend):
+def test_every_op_replays_its_plan(triton_kernels):
     case = make_case(29, 40, 36, num_slots=3, num_slices=2, max_rank=16, device=DEVICE, seed=6, ranks=[16, 0, 7])
     for seed in range(3):   # the first round builds each op's plan, the others replay them with fresh data
         gen = torch.Generator().manual_seed(seed)
@@ -180,7 +159,7 @@ class FakeCompiled:
 
 
 @pytest.fixture
-def fake_compiled(monkeypatch, triton_backend):
+def fake_compiled(monkeypatch, triton_kernels):
     """Every launcher enabled, its first launch of a key recorded instead of run; C-launcher calls in
     ``runs``: (grid x 3, stream, function, metadata, None x 3, pointers..., ints...)."""
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 5)
@@ -361,7 +340,7 @@ def test_zeroed_scratch_is_allocated_every_call(fake_compiled, path_configs):
     assert [tuple(t.shape) for t in scratch] == [tuple(s.shape) for s in known.scratch]
 
 
-def test_ops_that_return_their_scratch_never_take_the_workspace(triton_backend, monkeypatch):
+def test_ops_that_return_their_scratch_never_take_the_workspace(triton_kernels, monkeypatch):
     monkeypatch.setattr(plan, "WORKSPACE_BYTES", 1 << 30)
     case = make_case(29, 40, 36, num_slots=3, num_slices=2, max_rank=16, device=DEVICE, seed=6)
     gen = torch.Generator().manual_seed(0)

@@ -6,28 +6,12 @@ be replayed on the strided tensors and read the wrong entries. Outputs start poi
 import pytest
 import torch
 
-from conftest import DEVICE, TOLERANCE, make_case, rel_err
+from conftest import DEVICE, TOLERANCE, add_lora_paths, force_add_lora_path, make_case, rel_err
 from csrc_meta import checks
-from lora_ops import configs, launch, launch_grad, ops, plan
-from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+from lora_ops import launch, launch_grad
 
 R = 16
-PATHS = {
-    "fused": (FusedConfig(16, 32, 16, 32, 4, 1), None, None),
-    "split": (None, ShrinkConfig(16, 16, 32, 1, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
-    "split_k_partials": (None, ShrinkConfig(16, 16, 16, 2, 4, 1), ExpandConfig(16, 32, 16, 4, 1)),
-    "split_k_summed": (None, ShrinkConfig(16, 8, 16, 3, 4, 1), ExpandConfig(16, 32, 8, 4, 1)),
-}
-
-
-@pytest.fixture
-def triton_cpu():
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    plan.clear()
-    yield
-    plan.clear()
-    ops.set_cpu_backend(previous)
+PATHS = add_lora_paths(R)
 
 
 def strided(t, step):
@@ -52,11 +36,8 @@ def poisoned(shape, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_add_lora_takes_strided_metadata(triton_cpu, monkeypatch, path):
-    fcfg, scfg, ecfg = PATHS[path]
-    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: fcfg)
-    monkeypatch.setattr(configs, "shrink_config", lambda *a, **k: scfg)
-    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ecfg)
+def test_add_lora_takes_strided_metadata(triton_kernels, monkeypatch, path):
+    force_add_lora_path(monkeypatch, PATHS[path])
     case, contiguous, strided_args = case_and_args(1)
     outs = []
     for scale, rank, *meta in (contiguous, strided_args):
@@ -67,7 +48,7 @@ def test_add_lora_takes_strided_metadata(triton_cpu, monkeypatch, path):
     assert rel_err(outs[1], case.delta_reference()) <= TOLERANCE[torch.float32]
 
 
-def test_every_op_takes_strided_metadata(triton_cpu):
+def test_every_op_takes_strided_metadata(triton_kernels):
     case, contiguous, strided_args = case_and_args(2)
     M, K, N, L, S, _ = case.shape
     gen = torch.Generator().manual_seed(3)
@@ -95,7 +76,7 @@ def test_every_op_takes_strided_metadata(triton_cpu):
         assert torch.equal(ours[name], reference[name]), name
 
 
-def test_write_first_and_stacked_take_strided_metadata(triton_cpu, monkeypatch):
+def test_write_first_and_stacked_take_strided_metadata(triton_kernels, monkeypatch):
     monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
     monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     case, contiguous, strided_args = case_and_args(4)
@@ -114,7 +95,7 @@ def test_write_first_and_stacked_take_strided_metadata(triton_cpu, monkeypatch):
     assert not written.isnan().any()
 
 
-def test_a_broadcast_scale_is_read_at_stride_zero(triton_cpu):
+def test_a_broadcast_scale_is_read_at_stride_zero(triton_kernels):
     case, contiguous, _ = case_and_args(6)
     scale = strided(case.scale, 0)
     outs = []
@@ -126,7 +107,7 @@ def test_a_broadcast_scale_is_read_at_stride_zero(triton_cpu):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_the_grad_kernels_see_strided_metadata_through_autograd(triton_cpu):
+def test_the_grad_kernels_see_strided_metadata_through_autograd(triton_kernels):
     case, contiguous, strided_args = case_and_args(7)
     grads = []
     for scale, rank, *meta in (contiguous, strided_args):
