@@ -10,8 +10,14 @@ import contextlib
 import torch
 
 
+# One C call for the usual case, autocast off everywhere (~0.1 µs; asking about a device takes ~0.4).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocast_on(device_type):
     """Whether torch.autocast is on for ``device_type`` (never for one it does not know, such as meta)."""
+    if not _any_autocast():
+        return False
     try:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:
@@ -27,8 +33,10 @@ def no_autocast(device_type):
 
 def base_linear(x, weight, bias):
     """The lora_linear ops' base GEMM (both backends), in the inputs' dtype."""
-    with no_autocast(x.device.type):
-        return torch.nn.functional.linear(x, weight, bias)
+    if autocast_on(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def base_addmm_(y, x, weight):
@@ -40,6 +48,8 @@ def base_addmm_(y, x, weight):
 def autocast_dtype(x):
     """The dtype torch.autocast casts a linear layer's floating inputs to on ``x``'s device, or None where
     autocast is off there."""
+    if not _any_autocast():
+        return None
     device_type = x.device.type
     return torch.get_autocast_dtype(device_type) if autocast_on(device_type) else None
 
