@@ -321,6 +321,8 @@ class LoRALinear(nn.Module):
         context = self.context
         eager = not torch.compiler.is_compiling()
         cast_to = autocast_dtype(x2d)
+        if cast_to is not None and self._in_dtype(x2d, cast_to):
+            cast_to = None        # autocast would cast nothing: the usual path (bound calls, the stack)
         if eager:                 # Python-side checks and bound calls stay out of compiled graphs
             context.check_input(x2d)
             out = self._eager.replay(self, x2d) if cast_to is None else None
@@ -381,6 +383,17 @@ class LoRALinear(nn.Module):
             return torch.ops.lora_ops.add_lora(y2d, x_lora, *args).view(y.shape)
         ops.call("add_lora_", y2d, x_lora, *args)
         return y
+
+    def _in_dtype(self, x, dtype):
+        """Whether x and every floating parameter the layer computes with are in ``dtype`` already (False
+        where one is not in the module's dicts: a parametrization moved it)."""
+        params, base_params = self._parameters, self._modules["base"]._parameters
+        if "bias" not in base_params:
+            return False
+        bias = base_params["bias"]
+        return (all(t is not None and t.dtype == dtype for t in (x, params.get("lora_a"), params.get("lora_b"),
+                                                                 base_params.get("weight")))
+                and (bias is None or bias.dtype == dtype))
 
     @torch.no_grad()
     def write_slot(self, slot, slices, scale, rank):

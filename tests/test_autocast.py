@@ -151,3 +151,14 @@ def test_a_compiled_model_under_autocast_has_no_graph_break():
         expected = twin(x.to(LOW))
     torch._dynamo.reset()
     assert counter.frame_count == 1 and out.dtype == LOW and torch.equal(out, expected)
+
+
+def test_a_layer_already_in_autocasts_dtype_keeps_its_bound_calls(triton_kernels, bf16_interpreter):
+    layer, x = make_layer(torch.device(DEVICE))
+    layer, x = layer.to(LOW), x.to(LOW)
+    with torch.no_grad():
+        first = layer(x)                  # binds
+        with torch.autocast(torch.device(DEVICE).type, dtype=LOW):
+            replays = layer._eager.replays
+            again = layer(x)
+    assert layer._eager.replays == replays + 1 and torch.equal(again, first)
