@@ -425,6 +425,12 @@ class LoRALinear(nn.Module):
         self.rank[slot] = 0
         self.slot_ranks[slot] = 0
 
+    def __setstate__(self, state):
+        # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.
+        super().__setstate__(state)
+        if "_eager" not in self.__dict__:
+            self._eager = eager_ops.EagerCalls()
+
     def _apply(self, fn, *args, **kwargs):
         # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.
         scale = self.scale

@@ -242,3 +242,17 @@ def test_stack_a_weight_data_swapped_drops_to_lora_linear(triton_kernels):
     out = call(layer, x)
     assert layer._eager.replays == 0 and out.stride() == (N, 1)
     assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def test_a_layer_pickled_without_bound_calls_loads_with_them(triton_kernels):
+    import pickle
+    layer = make_layer(11)
+    x = fresh_input(10, 0)
+    expected = call(layer, x)
+    state = layer.__getstate__()
+    del state["_eager"]                   # as a layer pickled before session 24 holds it
+    old = LoRALinear.__new__(LoRALinear)
+    old.__setstate__(state)
+    restored = pickle.loads(pickle.dumps(old))
+    assert torch.equal(call(restored, x), expected) and torch.equal(call(restored, x), expected)
+    assert restored._eager.replays == 1
