@@ -251,7 +251,8 @@ def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank):
     check_like("lora_b", lora_b, 3, "y", y)
     N = y.shape[1]
     if tuple(lora_b.shape) != (num_slots, N, max_rank):
-        _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], got {tuple(lora_b.shape)}")
+        _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], "
+                          f"got {tuple(lora_b.shape)}")
     widths = list(slice_widths)
     if len(widths) != num_slices:
         _fail(ValueError, f"slice_widths: expected {num_slices} widths (one per slice of lora_a), got {widths}")

@@ -191,9 +191,10 @@ def launch_expand_stacked(y_ext, out_features, lora_b, slice_widths, rank, scale
                           slot_counts, cfg, run=True, pdl=False):
     """The stacked path's expand (kernels.expand, SCALE_BY_SLOT): y_ext [M, N + L·S·R (+ padding)] is
     F.linear(x, [W; A]) with A [L, S, R, K] stacked under the base weight W [N, K]: columns [0, N) y,
-    columns N + (l·S + i)·R + r slot l's unscaled h for slice i (padding columns are not read). Adds scale[s_t] · h[t, s_t, i] @ B^T into
-    the y columns of each adapted token. Returns the :class:`Launch`, run unless ``run`` is False. ``pdl``:
-    launched with programmatic dependent launch right behind the GEMM (the kernel waits before reading y)."""
+    columns N + (l·S + i)·R + r slot l's unscaled h for slice i (padding columns are not read). Adds
+    scale[s_t] · h[t, s_t, i] @ B^T into the y columns of each adapted token. Returns the :class:`Launch`,
+    run unless ``run`` is False. ``pdl``: launched with programmatic dependent launch right behind the GEMM
+    (the kernel waits before reading y)."""
     L, _, R = lora_b.shape
     S = len(slice_widths)
     row, col = y_ext.stride()

@@ -228,10 +228,11 @@ class LoRALinear(nn.Module):
     ``[N + L·S·R, K]`` (plus the zero rows a tuned table asks for: :func:`lora_ops.configs.stack_pad_rows`;
     the bias, if any, of one as long, with zeros past N), so at up to
     ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid, measured per layer shape in
-    the GPU's tuned table, else by a rule; 0, and nothing stacked, where it never pays), without autograd or dropout, one GEMM gives the
-    output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink runs. h is then rounded to the
-    weights' dtype once, as PEFT rounds it. The base layer's parameters are replaced by the views (apply
-    before building an optimizer over them; a weight tied to another module stops being shared with it);
+    the GPU's tuned table, else by a rule; 0, and nothing stacked, where it never pays), without autograd or
+    dropout, one GEMM gives the output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink
+    runs. h is then rounded to the weights' dtype once, as PEFT rounds it. The base layer's parameters are
+    replaced by the views (apply before building an optimizer over them; a weight tied to another module
+    stops being shared with it);
     ``.to()`` and the other conversions re-stack. The output at those sizes is a column view of the wider
     GEMM result (row stride N + L·S·R).
     """

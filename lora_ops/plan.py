@@ -62,7 +62,7 @@ def key(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_
     """Everything add_lora_'s launches derive from (given that its checks passed on these arguments)."""
     return (x.shape, x.stride(), y.shape[1], y.stride(), lora_a.shape, lora_a.stride(), lora_b.stride(),
             tuple(slice_widths), sorted_token_ids.shape[0],
-            strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts), x.dtype, launch_device(x),
+            strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts), x.dtype, y.dtype, launch_device(x),
             configs.generation(), triton_launch.switches())
 
 

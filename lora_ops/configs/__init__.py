@@ -90,8 +90,8 @@ def load_table(gpu_name):
 
 
 # The expand's other modes, each with table entries of its own kind: the stacked path's
-# (launch.lora_linear_stacked) and the store mode of lora_linear's write-first path. Same kernel, same ExpandConfig; where a mode
-# has no entry, add_lora_'s expand config serves it.
+# (launch.lora_linear_stacked) and the store mode of lora_linear's write-first path. Same kernel, same
+# ExpandConfig; where a mode has no entry, add_lora_'s expand config serves it.
 EXPAND_MODES = ("stacked", "store")
 EXPAND_KINDS = ("expand", *EXPAND_MODES)
 _CONFIG_TYPES = {"shrink": ShrinkConfig, "fused": FusedConfig, **dict.fromkeys(EXPAND_KINDS, ExpandConfig)}
