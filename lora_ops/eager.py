@@ -53,13 +53,6 @@ def plain_linear(module):
             and not _global_forward_hooks and not _global_forward_pre_hooks)
 
 
-def _wrapped(x):
-    """Whether a call on ``x`` must go through the dispatcher for a reason other than autograd (outside
-    tracing; ops.needs_dispatcher has the full rule)."""
-    return (type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._are_functorch_transforms_active())
-
-
 def _shaped(t):
     return t.shape, t.stride(), t.dtype
 
@@ -96,7 +89,7 @@ class EagerCalls:
         """The layer's output for ``x`` [M, K] through a bound call, or None where none applies (the caller
         then takes the op's own path). ``layer.context.check_input(x)`` has passed; not while compiling."""
         bound = self._calls.get((x.shape, x.stride(), x.dtype))
-        if bound is None or not _enabled[0] or _wrapped(x):
+        if bound is None or not _enabled[0] or ops.wrapped(x):
             return None
         context = layer.context
         base = layer._modules["base"]

@@ -104,12 +104,6 @@ class Scratch(NamedTuple):
         return (torch.zeros if self.zero else torch.empty)(self.shape, dtype=self.dtype, device=device)
 
 
-def meta_strides(rank, sorted_token_ids, slot_starts, slot_counts):
-    """The kernels' stride_rank, stride_ids, stride_starts, stride_counts (1-D tensors; stride 1, the usual
-    value, is specialised by Triton)."""
-    return rank.stride(0), sorted_token_ids.stride(0), slot_starts.stride(0), slot_counts.stride(0)
-
-
 def shrink_sum_scratch(M, S, R, grid, cfg):
     """The buffers a split-K shrink that sums its own splits needs: per-split partial sums, and one zeroed
     arrival counter per (column block, token tile). Empty when the shrink needs none."""
@@ -152,7 +146,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         SHRINK, grid, (x, lora_a, h, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, S, L, R, sorted_token_ids.shape[0], cfg.split_k,
          *x.stride(), *lora_a.stride(), *h_strides, *part_strides,
-         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
              DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R),
@@ -224,7 +218,7 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     return Launch(
         EXPAND, grid, (h, lora_b, y, rank, sorted_token_ids, slot_starts, slot_counts, scale),
         (M, L, R, sorted_token_ids.shape[0], num_parts, h_offset, *h_strides, *lora_b.stride(), *y.stride(),
-         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
              ONE_RANK_BLOCK=one_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
@@ -311,7 +305,7 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     return Launch(
         FUSED, grid, (x, lora_a, lora_b, y, scale, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *x.stride(), *lora_a.stride(), *lora_b.stride(), *y.stride(),
-         scale.stride(0), *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(SLICE_COLS=cols, SLICE_BLOCKS=blocks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R), DOT_PRECISION=_DOT_PRECISION[x.dtype],

@@ -9,7 +9,7 @@ from csrc_meta import checks
 from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, feature_block, max_token_tiles,
                                          next_power_of_2, rank_align, rank_block, token_bucket)
 from lora_ops import plan
-from lora_ops.launch import Launch, Scratch, f32_operand_precision, meta_strides
+from lora_ops.launch import Launch, Scratch, f32_operand_precision
 from lora_ops.kernels import grad as grad_kernels
 from lora_ops.triton_launch import FastLauncher
 
@@ -66,7 +66,7 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     return Launch(
         GRAD_X, grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride(),
-         *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R),
              H_PRECISION=f32_operand_precision(lora_a.dtype),
@@ -84,7 +84,7 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
     return Launch(
         SEGMENT_OUTER, grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, P, Q, sorted_token_ids.shape[0], *u.stride(), *v.stride(), *out.stride(),
-         *meta_strides(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(P),
              PRECISION=f32_operand_precision(v.dtype),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),

@@ -88,14 +88,19 @@ def kernel_for(name, t):
     return KERNELS[name].get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None)
 
 
+def wrapped(first):
+    """Whether an op call whose first argument is ``first`` must go through torch.ops for a reason other
+    than autograd: tracing, a tensor subclass, a TorchDispatchMode or a functorch transform."""
+    return (torch.compiler.is_compiling() or type(first) is not torch.Tensor
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active())
+
+
 def needs_dispatcher(args):
     """Whether an op call on ``args`` must go through torch.ops: while tracing (torch.compile, export),
     for tensor subclasses (fake, functional, user subclasses; judged by the first argument), under a
     TorchDispatchMode (FlopCounterMode, debug modes) or a functorch transform (vmap, grad), and where
     autograd must see the call (grad mode on and some argument requires grad)."""
-    first = args[0]
-    if (torch.compiler.is_compiling() or type(first) is not torch.Tensor
-            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()):
+    if wrapped(args[0]):
         return True
     if torch.is_grad_enabled():
         for a in args:

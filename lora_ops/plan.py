@@ -67,8 +67,9 @@ def key(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_
 
 
 def strides_1d(*tensors):
-    """The strides of 1-D tensors (per-slot values, batch metadata): a key's part for them, their dtypes and
-    lengths being fixed by the checks."""
+    """The strides of 1-D tensors (per-slot values, batch metadata): the kernels' stride_scale .. stride_counts
+    arguments, and a key's part for them (their dtypes and lengths being fixed by the checks). Stride 1, the
+    usual value, is specialised by Triton."""
     return tuple([t.stride(0) for t in tensors])
 
 
