@@ -1,18 +1,20 @@
 """The Python side of a LoRALinear eager call, on any machine: CPU tensors, the Triton launchers' C launches
 stubbed out (no GPU, no interpreter), so what is timed is lora_ops' own host work per call: the module,
 the op's checks, path and plan key (or the bound call's guards, lora_ops.eager), the plan replay's
-addresses. The H200 host adds two C launches of ~6 µs each (one with stack_a) and runs Python ~1.5x
+addresses; for a training step also autograd's and the backward's. The H200 host adds the C launches (~6 µs
+each: two per inference call, one with stack_a, about a dozen per training step) and runs Python ~1.5x
 slower than this repository's CPU machine; benchmarks/host_overhead.py times the real thing there.
 
 Rows (µs per call, the median of --rounds rounds, each the best of 3 x --calls calls, variants
 interleaved): F.linear; LoRALinear with and without bound calls; the same with stack_a against F.linear
-over its stack. "adds" = the row minus its base GEMM.
+over its stack; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
+of nn.Linear and of LoRALinear, with its autograd run by ops.AUTOGRAD or by the dispatcher. "adds" = the
+row minus its base.
 
 Usage: python benchmarks/host_python.py [--rounds 9 --calls 2000 --out DIR]   (markdown + JSON with --out)
 """
 import argparse
 import datetime
-import operator
 import statistics
 import timeit
 
@@ -24,39 +26,24 @@ from repo_path import HERE  # noqa: F401  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
-from lora_ops import eager, launch, ops, plan, triton_launch  # noqa: E402
+from lora_ops import eager, launch, launch_grad, ops, triton_launch  # noqa: E402
 from lora_ops.layers import LoRALinear  # noqa: E402
 
 M, K, WIDTHS, L, R = 64, 64, (64, 16, 16), 4, 16
 
 
-class _StubStep:
-    """A plan step whose C launch does nothing (the replay still picks each call's addresses)."""
-
-    class _Launcher:
-        hits = 0
-
-    def __init__(self, count):
-        self.launch = type("Launch", (), {"launcher": self._Launcher()})()
-        self.pick = operator.itemgetter(*range(count))
-        self.go = lambda stream, pointers: None
-
-
 def stub_launches():
-    """Route CPU tensors to the Triton launchers and give every new plan key a plan of two stubbed
-    launches (the expand alone for stack_a), as the fast replay on a GPU would hold."""
+    """Route CPU tensors to the Triton launchers (every op's) and make each launch a no-op: the launchers'
+    own path (FastLauncher) and a plan's replay (the function ``bound`` returns) do everything but call
+    Triton's C launcher. Plans are built and replayed as on a GPU."""
     triton_launch._current_stream = lambda device: 0
     ops._cpu_backend = "triton"       # not set_cpu_backend: that asks for the interpreter
-    for name in ("lora_linear", "lora_linear_stacked", "add_lora_"):
-        ops.KERNELS[name]["cpu"] = getattr(launch, name)
-    real_run = plan.run
-
-    def run(plan_key, tensors, build, scratch_out=True):
-        if plan.lookup(plan_key) is None:
-            steps = [_StubStep(len(tensors))] * (1 if plan_key[0] == "lora_linear_stacked" else 2)
-            plan._PLANS[plan_key] = plan.Plan(steps, (), -1, workspace=None if scratch_out else (0,))
-        return real_run(plan_key, tensors, build, scratch_out)
-    plan.run = run
+    for name in ops.KERNELS:
+        module = launch_grad if hasattr(launch_grad, name) else launch
+        if hasattr(module, name):
+            ops.KERNELS[name]["cpu"] = getattr(module, name)
+    triton_launch.FastLauncher.__call__ = lambda self, grid, tensors, ints, **constexprs: None
+    triton_launch.FastLauncher.bound = lambda self, grid, tensors, ints, constexprs: lambda stream, pointers: None
 
 
 def make_layer(stack_a):
@@ -76,11 +63,23 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write host_python-cpu-<date>.md / .json here")
     args = ap.parse_args(argv)
     stub_launches()
-    layer, stacked = make_layer(False), make_layer(True)
+    layer, stacked, trained = make_layer(False), make_layer(True), make_layer(False)
+    for p in (trained.lora_a, trained.lora_b):
+        p.requires_grad_(True)
+    trained.base.weight.requires_grad_(False)
+    linear = nn.Linear(K, sum(WIDTHS), bias=False).requires_grad_(False)
     x = torch.randn(M, K)
+    x_grad = torch.randn(M, K, requires_grad=True)
+    grad_out = torch.randn(M, sum(WIDTHS))
 
     def bound(on):
         return lambda: eager.set_enabled(on)
+
+    def autograd_by_ops(on):
+        return lambda: ops.set_eager_autograd(on)
+
+    def train_step(module):
+        return lambda: module(x_grad).backward(grad_out)
     variants = {   # name: (setup, call, the row it adds to)
         "F.linear": (bound(True), lambda: F.linear(x, layer.base.weight), None),
         "LoRALinear": (bound(True), lambda: layer(x), "F.linear"),
@@ -88,25 +87,33 @@ def main(argv=None):
         "F.linear over the stack": (bound(True), lambda: F.linear(x, stacked._stacked[0]), None),
         "stack_a": (bound(True), lambda: stacked(x), "F.linear over the stack"),
         "stack_a without bound calls": (bound(False), lambda: stacked(x), "F.linear over the stack"),
+        "nn.Linear train step": (autograd_by_ops(True), train_step(linear), None),
+        "LoRALinear train step": (autograd_by_ops(True), train_step(trained), "nn.Linear train step"),
+        "LoRALinear train step, dispatcher's autograd": (autograd_by_ops(False), train_step(trained),
+                                                          "nn.Linear train step"),
     }
     times = {name: [] for name in variants}
-    with torch.no_grad():
-        try:
-            for _ in range(args.rounds):
-                for name, (setup, fn, _) in variants.items():
-                    setup()
+    training = {name for name in variants if "train step" in name}
+    try:
+        for _ in range(args.rounds):
+            for name, (setup, fn, _) in variants.items():
+                setup()
+                with torch.set_grad_enabled(name in training):
                     fn()
-                    times[name].append(min(timeit.repeat(fn, number=args.calls, repeat=3)) / args.calls * 1e6)
-        finally:
-            eager.set_enabled(True)
+                    calls = args.calls if name not in training else max(1, args.calls // 10)
+                    times[name].append(min(timeit.repeat(fn, number=calls, repeat=3)) / calls * 1e6)
+    finally:
+        eager.set_enabled(True)
+        ops.set_eager_autograd(True)
     assert layer._eager.replays > 0 and stacked._eager.replays > 0, "the bound calls never replayed"
     median = {name: statistics.median(v) for name, v in times.items()}
     adds = {name: median[name] - median[base] for name, (_, _, base) in variants.items() if base}
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# Python host work per LoRALinear call, C launches stubbed (cpu, torch {torch.__version__}, {date})",
              "", f"LoRALinear K {K} -> N {sum(WIDTHS)} ({len(WIDTHS)} slices), rank {R}, {L} slots, M = {M}, "
-             f"float32 CPU tensors under no_grad; µs per call, median of {args.rounds} interleaved rounds "
-             f"(each the best of 3 x {args.calls} calls).", "", "| call | µs | adds |", "|---|---|---|"]
+             f"float32 CPU tensors, under no_grad but for the training steps; µs per call, median of "
+             f"{args.rounds} interleaved rounds (each the best of 3 x {args.calls} calls, "
+             f"{max(1, args.calls // 10)} for a training step).", "", "| call | µs | adds |", "|---|---|---|"]
     lines += [f"| {name} | {median[name]:.2f} | {f'{adds[name]:.2f}' if name in adds else ''} |"
               for name in variants]
     text = "\n".join(lines)

@@ -76,4 +76,4 @@ def lora_forward(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=N
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
     x_lora = lora_dropout(x, dropout, training)
-    return torch.ops.lora_ops.add_lora(y, x_lora, lora_a, lora_b, scale, rank, widths, *meta)
+    return ops.call("add_lora", y, x_lora, lora_a, lora_b, scale, rank, widths, *meta)

@@ -381,7 +381,7 @@ class LoRALinear(nn.Module):
         if torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
-            return torch.ops.lora_ops.add_lora(y2d, x_lora, *args).view(y.shape)
+            return ops.call("add_lora", y2d, x_lora, *args).view(y.shape)
         ops.call("add_lora_", y2d, x_lora, *args)
         return y
 

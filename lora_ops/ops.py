@@ -1,5 +1,6 @@
 """Registration of the real kernels onto csrc_meta's ops: Triton on CUDA, vectorised torch on CPU; and
-:func:`call`, which runs an op on real tensors without the dispatcher's cost when nothing needs it.
+:func:`call`, which runs an op on real tensors without the dispatcher's cost when nothing needs it (with
+autograd too: :data:`AUTOGRAD`).
 
 The Triton launchers are imported on first use, so a machine without Triton runs the CPU kernels.
 ``set_cpu_backend("triton")`` (or ``LORA_OPS_CPU_BACKEND=triton``) routes CPU tensors to the Triton
@@ -51,6 +52,12 @@ def _check_interpreter():
 
 # op name -> {"cuda": kernel, "cpu": kernel}, the functions registered below
 KERNELS = {}
+# op name -> a torch.autograd.Function that runs the op's kernel and its registered autograd formula
+# (lora_ops.autograd fills it): what :func:`call` runs for an eager call that needs autograd and nothing
+# else of the dispatcher.
+AUTOGRAD = {}
+_eager_autograd = [True]
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
 MUTATES_FIRST = set()
 
@@ -99,14 +106,25 @@ def needs_dispatcher(args):
     """Whether an op call on ``args`` must go through torch.ops: while tracing (torch.compile, export),
     for tensor subclasses (fake, functional, user subclasses; judged by the first argument), under a
     TorchDispatchMode (FlopCounterMode, debug modes) or a functorch transform (vmap, grad), and where
-    autograd must see the call (grad mode on and some argument requires grad)."""
+    autograd must see the call (grad mode on and some argument requires grad; :func:`call` then runs the
+    op's :data:`AUTOGRAD` Function where it has one)."""
     if wrapped(args[0]):
         return True
-    if torch.is_grad_enabled():
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                return True
-    return False
+    return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+
+
+def set_eager_autograd(on):
+    """Run eager calls that need autograd through the op's own autograd.Function (default) or through the
+    dispatcher's autograd for the op (the same formula; benchmarks and tests compare)."""
+    _eager_autograd[0] = bool(on)
+
+
+def _plain(args):
+    """Whether every tensor in ``args`` is a plain tensor or nn.Parameter (no subclass anywhere)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TYPES:
+            return False
+    return True
 
 
 def call(name, *args):
@@ -114,11 +132,22 @@ def call(name, *args):
     nothing (see :func:`needs_dispatcher`): in eager mode the dispatcher costs ~25 µs of host time per
     call on the H200 host (benchmarks/host_overhead.py), about one whole Triton launch. The kernel is the
     one the dispatcher would run, with its checks; an in-place op bumps its output's version counter as
-    the dispatcher would."""
+    the dispatcher would.
+
+    A call that needs autograd (grad mode on, an argument requiring grad) runs the op's :data:`AUTOGRAD`
+    Function where it has one and every tensor argument is a plain tensor or nn.Parameter: the kernel and
+    the formula torch.library.register_autograd gave the dispatcher, without the dispatcher's autograd
+    wrapper (its redispatch and argument re-binding cost ~45 µs of host time per training step on this
+    repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
     kernel = kernel_for(name, first)
-    if kernel is None or needs_dispatcher(args):
+    if kernel is None or wrapped(first):
         return getattr(torch.ops.lora_ops, name)(*args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        function = AUTOGRAD.get(name)
+        if function is None or not _eager_autograd[0] or not _plain(args):
+            return getattr(torch.ops.lora_ops, name)(*args)
+        return function.apply(*args)
     out = kernel(*args)
     if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
         torch.autograd.graph.increment_version(first)

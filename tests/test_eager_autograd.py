@@ -1,0 +1,140 @@
+"""Eager calls that need autograd skip the dispatcher (lora_ops.ops.call, ops.AUTOGRAD): the op's kernel and
+the formula registered with torch.library.register_autograd, run by an autograd.Function of our own.
+
+Everything here compares that path with the dispatcher's (``ops.set_eager_autograd(False)``): outputs and
+every gradient bit for bit, on both CPU backends (the torch kernels, the Triton kernels under the
+interpreter). The float64 checks of the formula itself are tests/test_autograd.py's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lora_ops
+from conftest import make_case
+from lora_ops import ops
+from lora_ops.layers import LoRALinear
+
+CASE = dict(M=37, K=40, N=48, num_slots=4, num_slices=3, max_rank=16)
+
+
+@pytest.fixture
+def dispatcher_autograd():
+    """``use(on)``: eager calls that need autograd through the dispatcher (on) or ops.AUTOGRAD (off)."""
+    yield lambda on: ops.set_eager_autograd(not on)
+    ops.set_eager_autograd(True)
+
+
+def signed(shape, case):
+    return torch.randn(*shape, generator=case.gen).to(case.x.dtype)
+
+
+def layer_leaves(case, needs):
+    M, K, N = case.shape[:3]
+    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
+              "lora_a": case.lora_a, "lora_b": case.lora_b, "y": signed((M, N), case)}
+    return {name: t.detach().clone().requires_grad_(name in needs) for name, t in values.items()}
+
+
+def run(op, case, leaves, grad_out):
+    """(output, its grad_fn's class name, {leaf: grad}) of one forward + backward through ops.call."""
+    if op == "lora_linear":
+        args = (leaves["x"], leaves["weight"], leaves["bias"])
+    else:
+        args = (leaves["y"], leaves["x"])
+    out = ops.call(op, *args, leaves["lora_a"], leaves["lora_b"], case.scale, case.rank, case.slice_widths,
+                   *case.meta)
+    out.backward(grad_out)
+    return out.detach(), type(out.grad_fn).__name__, {n: t.grad for n, t in leaves.items() if t.requires_grad}
+
+
+NEEDS = {"lora_linear": [("x",), ("lora_a", "lora_b"), ("weight",), ("x", "weight", "bias", "lora_a", "lora_b")],
+         "add_lora": [("x",), ("lora_a", "lora_b"), ("y",), ("y", "x", "lora_a", "lora_b")]}
+
+
+@pytest.mark.parametrize("op, needs", [(op, needs) for op, cases in NEEDS.items() for needs in cases],
+                         ids=[f"{op}-{'+'.join(needs)}" for op, cases in NEEDS.items() for needs in cases])
+def test_eager_autograd_equals_dispatcher_bit_for_bit(backend, op, needs, dispatcher_autograd):
+    case = make_case(**CASE, dtype=torch.float32, device=backend.device, seed=5)
+    grad_out = signed(case.x.shape[:1] + (case.shape[2],), case)
+    leaves = layer_leaves(case, needs)
+    results = {}
+    for through_dispatcher in (False, True):
+        dispatcher_autograd(through_dispatcher)
+        fresh = {n: t.detach().clone().requires_grad_(t.requires_grad) for n, t in leaves.items()}
+        results[through_dispatcher] = run(op, case, fresh, grad_out)
+    (out, fn, grads), (ref_out, ref_fn, ref_grads) = results[False], results[True]
+    assert fn == f"Eager_lora_ops_{op}Backward" and ref_fn.startswith("GeneratedBackwardFor_lora_ops_" + op)
+    assert torch.equal(out, ref_out)
+    assert set(grads) == set(ref_grads) == set(needs)
+    for name in needs:
+        assert grads[name] is not None and torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_layer_training_step_takes_eager_autograd(backend):
+    """A LoRALinear with trainable adapters (plain nn.Linear base: lora_linear) and one whose base has a hook
+    (base forward, then add_lora) both build their backward from ops.AUTOGRAD."""
+    torch.manual_seed(0)
+    ctx = lora_ops.LoRAContext(3, 64)
+    plain = LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8])
+    hooked = LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8])
+    hooked.base.register_forward_hook(lambda module, args, out: out)
+    for layer in (plain, hooked):
+        for p in (layer.lora_a, layer.lora_b):
+            with torch.no_grad():
+                p.normal_()
+            p.requires_grad_(True)
+    ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
+    x = torch.randn(9, 16, requires_grad=True)
+    for layer, op in ((plain, "lora_linear"), (hooked, "add_lora")):
+        out = layer(x)
+        fn = out.grad_fn
+        while type(fn).__name__ == "ViewBackward0":     # (add_lora's output viewed back to y's shape)
+            fn = fn.next_functions[0][0]
+        assert type(fn).__name__ == f"Eager_lora_ops_{op}Backward"
+        out.sum().backward()
+        assert layer.lora_a.grad is not None and layer.lora_b.grad is not None
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass with no behaviour of its own: only the dispatcher knows what to do with it."""
+
+
+def test_subclass_argument_takes_the_dispatcher(backend):
+    case = make_case(**CASE, dtype=torch.float32, device=backend.device, seed=6)
+    leaves = layer_leaves(case, ("x", "weight"))
+    weight = leaves["weight"].detach().as_subclass(Tagged).requires_grad_()
+    out = ops.call("lora_linear", leaves["x"], weight, None, case.lora_a, case.lora_b, case.scale, case.rank,
+                   case.slice_widths, *case.meta)
+    # (The subclass's __torch_function__ wraps the op's output in an alias of itself.)
+    names = [type(out.grad_fn).__name__] + [type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None]
+    assert any(n.startswith("GeneratedBackwardFor_lora_ops_lora_linear") for n in names), names
+    plain = ops.call("lora_linear", leaves["x"], leaves["weight"], None, case.lora_a, case.lora_b, case.scale,
+                     case.rank, case.slice_widths, *case.meta)
+    assert torch.equal(out.detach().as_subclass(torch.Tensor), plain.detach())
+
+
+def test_input_changed_in_place_before_backward_raises(backend):
+    """The saved tensors are the caller's: an adapter weight written between forward and backward makes
+    autograd refuse the stale backward, as through the dispatcher."""
+    case = make_case(**CASE, dtype=torch.float32, device=backend.device, seed=7)
+    leaves = layer_leaves(case, ("x",))
+    lora_b = case.lora_b.clone()
+    out = ops.call("lora_linear", leaves["x"], leaves["weight"], None, case.lora_a, lora_b, case.scale, case.rank,
+                   case.slice_widths, *case.meta)
+    with torch.no_grad():
+        lora_b.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_no_grad_needed_runs_the_kernel_alone(backend):
+    case = make_case(**CASE, dtype=torch.float32, device=backend.device, seed=8)
+    leaves = layer_leaves(case, ())
+    out = ops.call("lora_linear", leaves["x"], leaves["weight"], leaves["bias"], case.lora_a, case.lora_b,
+                   case.scale, case.rank, case.slice_widths, *case.meta)
+    assert out.grad_fn is None and not out.requires_grad
+    expected = lora_ops.lora_forward(F.linear(leaves["x"], leaves["weight"], leaves["bias"]), leaves["x"],
+                                     case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                                     slice_widths=case.slice_widths)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
