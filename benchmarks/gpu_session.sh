@@ -29,6 +29,11 @@
 #                                              # strides, autocast): their GPU tests, host_overhead at 64 and
 #                                              # 1 token, host_python (this host's Python speed against the CPU
 #                                              # machine's), the decode step with stack_a (~8 min)
+#     BASE=DIR bash benchmarks/gpu_session.sh train   # session 25's training path (eager autograd without
+#                                              # the dispatcher, one backward op per role): its GPU tests,
+#                                              # then grad_check's timing rows and train_profile at 1024
+#                                              # tokens for the tree in DIR (git archive of the commit
+#                                              # before, carried in .scratch) and this one in turn (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -64,6 +69,22 @@ elif [ "$MODE" = host ]; then
     step host1 100 python benchmarks/host_overhead.py --tokens 1 --out "$R/m1"
     step python 60 python benchmarks/host_python.py --out "$R"
     step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
+elif [ "$MODE" = train ]; then
+    step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py
+    for i in 1 2; do   # the trees in turn: the GPU's clock and the host drift between runs
+        for tree in "${BASE:?BASE=the tree to compare}" .; do
+            tag=$([ "$tree" = . ] && echo new || echo base)
+            step "grad_${tag}$i" $([ $i = 1 ] && echo 150 || echo 90) python "$tree/benchmarks/grad_check.py" --dtypes bf16 --tokens 256 \
+                --out "$R/grad_${tag}$i"
+        done
+    done
+    for tree in "$BASE" .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        mkdir -p "$R/profile_$tag"
+        step "profile_$tag" 60 python "$tree/benchmarks/train_profile.py" --tokens 1024 --layers qkv,o \
+            --out "$R/profile_$tag"
+    done
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -103,7 +124,8 @@ else
     step mixed 120 python benchmarks/bench_lora.py --grid mixed --time-budget 105 --out "$R"   # 70 s left rows out
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune; do
+for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad_base2 grad_new2 \
+        profile_base profile_new; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

@@ -154,6 +154,49 @@ def _segment_outer_ok(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         return False
 
 
+def _lora_grad_h_ok(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    try:
+        M, N = grad_out.shape
+        L, N_b, R = lora_b.shape
+        if not (type(M) is int and type(N) is int):
+            return False
+        return (grad_out.dtype in FLOAT_DTYPES and lora_b.dtype is grad_out.dtype and N_b == N
+                and _slot_args_ok(L, len(slice_widths), R, N, M, scale, rank, slice_widths, sorted_token_ids,
+                                  slot_starts, slot_counts)
+                and _on(grad_out.device, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts))
+    except _QUICK_ERRORS:
+        return False
+
+
+def _lora_grad_a_ok(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
+    try:
+        M, S, R = dh.shape
+        M_x, _ = x.shape
+        if type(M) is not int:
+            return False
+        return (dh.dtype is torch.float32 and x.dtype in FLOAT_DTYPES and M_x == M and S >= 1 and R >= 1
+                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
+                and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
+                and _on(dh.device, x, rank, sorted_token_ids, slot_starts, slot_counts))
+    except _QUICK_ERRORS:
+        return False
+
+
+def _lora_grad_b_ok(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    try:
+        M, N = grad_out.shape
+        M_h, S, R = h.shape
+        if not (type(M) is int and type(N) is int):
+            return False
+        return (h.dtype is torch.float32 and grad_out.dtype in FLOAT_DTYPES and M_h == M and R >= 1
+                and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
+                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
+                and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
+                and _on(grad_out.device, h, rank, sorted_token_ids, slot_starts, slot_counts))
+    except _QUICK_ERRORS:
+        return False
+
+
 def _fail(exc, msg):
     raise exc(msg)
 
@@ -206,18 +249,22 @@ def check_like(name, t, dims, ref_name, ref):
     check_same_device(ref_name, ref, **{name: t})
 
 
-def check_slot_params(lora_a, scale, rank):
-    """scale [L] float32 and rank [L] int32 match the slot stack's L."""
-    L = lora_a.shape[0]
+def check_slot_params(stack, scale, rank, stack_name="lora_a"):
+    """scale [L] float32 and rank [L] int32 match the slot stack's L (``stack``: lora_a, or lora_b)."""
+    L = stack.shape[0]
     check_index("rank", rank)
     if not isinstance(scale, torch.Tensor) or scale.dim() != 1 or scale.dtype != torch.float32:
         _fail(TypeError, f"scale: expected a 1-D float32 tensor of per-slot scales, got "
                          f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
     if scale.shape[0] != L:
-        _fail(ValueError, f"scale: expected {L} entries (one per slot of lora_a), got {scale.shape[0]}")
+        _fail(ValueError, f"scale: expected {L} entries (one per slot of {stack_name}), got {scale.shape[0]}")
     check_index_extent("scale", scale)
+    check_rank_length(rank, L, stack_name)
+
+
+def check_rank_length(rank, L, stack_name):
     if rank.shape[0] != L:
-        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_a), got {rank.shape[0]}")
+        _fail(ValueError, f"rank: expected {L} entries (one per slot of {stack_name}), got {rank.shape[0]}")
 
 
 def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_tokens=None):
@@ -247,17 +294,22 @@ def check_lora_a(x, lora_a):
         _fail(ValueError, f"lora_a: expected shape [L, S, R, K] with L, S, R >= 1, got {tuple(lora_a.shape)}")
 
 
-def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank):
-    check_like("lora_b", lora_b, 3, "y", y)
+def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank, y_name="y"):
+    """lora_b [L, N, R] in y's dtype and on its device, N = y's columns (``y_name``: what y is called)."""
+    check_like("lora_b", lora_b, 3, y_name, y)
     N = y.shape[1]
     if tuple(lora_b.shape) != (num_slots, N, max_rank):
         _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], "
                           f"got {tuple(lora_b.shape)}")
+    check_slice_widths(slice_widths, num_slices, N, f"{y_name}'s columns")
+
+
+def check_slice_widths(slice_widths, num_slices, N, what, per="slice of lora_a"):
     widths = list(slice_widths)
     if len(widths) != num_slices:
-        _fail(ValueError, f"slice_widths: expected {num_slices} widths (one per slice of lora_a), got {widths}")
+        _fail(ValueError, f"slice_widths: expected {num_slices} widths (one per {per}), got {widths}")
     if any(w <= 0 for w in widths) or sum(widths) != N:
-        _fail(ValueError, f"slice_widths: expected positive widths summing to N = {N} (y's columns), got {widths}")
+        _fail(ValueError, f"slice_widths: expected positive widths summing to N = {N} ({what}), got {widths}")
 
 
 def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
@@ -358,8 +410,7 @@ def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts
     L = lora_b.shape[0] if lora_b.dim() == 3 else -1
     check_lora_b(y, lora_b, slice_widths, L, h.shape[1], h.shape[2])
     check_index("rank", rank)
-    if rank.shape[0] != L:
-        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_b), got {rank.shape[0]}")
+    check_rank_length(rank, L, "lora_b")
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, y.shape[0])
 
 
@@ -382,8 +433,7 @@ def check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_coun
                           f"slices and rank), got {tuple(dh.shape)}")
     L = lora_a.shape[0]
     check_index("rank", rank)
-    if rank.shape[0] != L:
-        _fail(ValueError, f"rank: expected {L} entries (one per slot of lora_a), got {rank.shape[0]}")
+    check_rank_length(rank, L, "lora_a")
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, dh.shape[0])
 
 
@@ -399,3 +449,52 @@ def check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         _fail(ValueError, f"v: expected {u.shape[0]} rows (u's tokens), got shape {tuple(v.shape)}")
     check_index("rank", rank)
     check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, u.shape[0])
+
+
+def check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """grad_out [M, N] (the gradient of the layer's output) against lora_b [L, N, R] of its dtype, slice_widths
+    cutting N; scale and rank per slot of lora_b."""
+    if _lora_grad_h_ok(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+        return
+    check_float("grad_out", grad_out, 2)
+    check_float("lora_b", lora_b, 3)
+    check_same_device("grad_out", grad_out, lora_b=lora_b, scale=scale, rank=rank,
+                      sorted_token_ids=sorted_token_ids, slot_starts=slot_starts, slot_counts=slot_counts)
+    L, _, R = lora_b.shape
+    check_lora_b(grad_out, lora_b, slice_widths, L, len(slice_widths), R, y_name="grad_out")
+    check_slot_params(lora_b, scale, rank, "lora_b")
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, grad_out.shape[0])
+
+
+def check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
+    """dh [M, S, R] float32 and x [M, K] (fp16/bf16/fp32) share their tokens; L = rank's length."""
+    if _lora_grad_a_ok(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
+        return
+    _check_fp32("dh", dh, 3, "[M, S, R] (the gradient of the shrink output)")
+    check_float("x", x, 2)
+    check_same_device("dh", dh, x=x, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
+                      slot_counts=slot_counts)
+    if x.shape[0] != dh.shape[0]:
+        _fail(ValueError, f"x: expected {dh.shape[0]} rows (dh's tokens), got shape {tuple(x.shape)}")
+    if dh.shape[1] < 1 or dh.shape[2] < 1:
+        _fail(ValueError, f"dh: expected shape [M, S, R] with S, R >= 1, got {tuple(dh.shape)}")
+    check_index("rank", rank)
+    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, dh.shape[0])
+
+
+def check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    """grad_out [M, N] (fp16/bf16/fp32) and h [M, S, R] float32 share their tokens; slice_widths: S widths
+    cutting N; L = rank's length."""
+    if _lora_grad_b_ok(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+        return
+    check_float("grad_out", grad_out, 2)
+    _check_fp32("h", h, 3, "[M, S, R] (the shrink output)")
+    check_same_device("grad_out", grad_out, h=h, rank=rank, sorted_token_ids=sorted_token_ids,
+                      slot_starts=slot_starts, slot_counts=slot_counts)
+    if h.shape[0] != grad_out.shape[0]:
+        _fail(ValueError, f"h: expected {grad_out.shape[0]} rows (grad_out's tokens), got shape {tuple(h.shape)}")
+    if h.shape[2] < 1:
+        _fail(ValueError, f"h: expected shape [M, S, R] with R >= 1, got {tuple(h.shape)}")
+    check_slice_widths(slice_widths, h.shape[1], grad_out.shape[1], "grad_out's columns", per="slice of h")
+    check_index("rank", rank)
+    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, h.shape[0])

@@ -56,3 +56,22 @@ def lora_grad_x_fake(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_count
 def segment_outer_fake(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts)
     return v.new_empty((rank.shape[0], u.shape[1], v.shape[1]))
+
+
+@torch.library.register_fake("lora_ops::lora_grad_h")
+def lora_grad_h_fake(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                             slot_counts)
+    return grad_out.new_empty((grad_out.shape[0], len(slice_widths), lora_b.shape[2]), dtype=torch.float32)
+
+
+@torch.library.register_fake("lora_ops::lora_grad_a")
+def lora_grad_a_fake(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts)
+    return x.new_empty((rank.shape[0], dh.shape[1], dh.shape[2], x.shape[1]))
+
+
+@torch.library.register_fake("lora_ops::lora_grad_b")
+def lora_grad_b_fake(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    return grad_out.new_empty((rank.shape[0], grad_out.shape[1], h.shape[2]))

@@ -28,6 +28,13 @@ add_lora       out = y + the add_lora_ delta, out of place; differentiable in y,
 lora_grad_x    dx[t] = sum_i dh[t, i, :rank] @ lora_a[s_t, i, :rank]      dh [M, S, R] float32; 0 for s_t = -1
 segment_outer  out[l, :rank[l]] = sum over slot l's tokens t of u[t, :rank[l]]^T v[t]
                     u [M, P] float32, v [M, Q], out [L, P, Q] in v's dtype; rows >= rank[l] are 0
+The backward of the delta uses these (every slice in one launch; grad_out [M, N] = the output's gradient):
+lora_grad_h    dh[t, i, r] = scale[s_t] * grad_out[t, slice i] . lora_b[s_t, slice i, r]
+                    dh [M, S, R] float32 (r < rank[s_t]; else 0; 0 for s_t = -1)
+lora_grad_a    dA[l, i, :rank[l]] = sum over slot l's tokens t of dh[t, i, :rank[l]]^T x[t]
+                    dh [M, S, R] float32, x [M, K], dA [L, S, R, K] in x's dtype; rows >= rank[l] are 0
+lora_grad_b    dB[l, slice i, :rank[l]] = sum over slot l's tokens t of grad_out[t, slice i]^T h[t, i, :rank[l]]
+                    h [M, S, R] float32, dB [L, N, R] in grad_out's dtype; columns >= rank[l] are 0
 """
 import torch
 
@@ -48,6 +55,10 @@ OPS = {
                  f"int[] slice_widths, {_META}) -> Tensor"),
     "lora_grad_x": f"lora_grad_x(Tensor dh, Tensor lora_a, Tensor rank, {_META}) -> Tensor",
     "segment_outer": f"segment_outer(Tensor u, Tensor v, Tensor rank, {_META}) -> Tensor",
+    "lora_grad_h": ("lora_grad_h(Tensor grad_out, Tensor lora_b, Tensor scale, Tensor rank, int[] slice_widths, "
+                    f"{_META}) -> Tensor"),
+    "lora_grad_a": f"lora_grad_a(Tensor dh, Tensor x, Tensor rank, {_META}) -> Tensor",
+    "lora_grad_b": f"lora_grad_b(Tensor grad_out, Tensor h, Tensor rank, int[] slice_widths, {_META}) -> Tensor",
 }
 
 for _schema in OPS.values():

@@ -2,11 +2,14 @@
 
 For a token t in slot l (rank r, scale s), slice i owning the output columns C_i, dy = grad of the output:
 
-    dh[t, i, :r]    = s * dy[t, C_i] @ B[l, C_i, :r]        a shrink of dy with B (the ``shrink`` op, per slice)
+    dh[t, i, :r]    = s * dy[t, C_i] @ B[l, C_i, :r]        ``lora_grad_h`` (a shrink of dy with B)
     dx[t]           = sum_i dh[t, i, :r] @ A[l, i, :r]      ``lora_grad_x`` (slices summed in fp32)
-    dA[l, i, :r]    = sum over t in l of dh[t, i, :r]^T x[t]                  ``segment_outer``
-    dB[l, C_i, :r]  = sum over t in l of dy[t, C_i]^T h[t, i, :r]             ``segment_outer``, h = s * x A^T
+    dA[l, i, :r]    = sum over t in l of dh[t, i, :r]^T x[t]                  ``lora_grad_a``
+    dB[l, C_i, :r]  = sum over t in l of dy[t, C_i]^T h[t, i, :r]             ``lora_grad_b``, h = s * x A^T
     dy passes to y unchanged.
+
+Each op covers every packed slice in one call and one launch (a call per slice and a torch.cat or stack
+of their outputs before session 25: host time per training step, DESIGN §4).
 
 Tokens without an adapter contribute nothing and get a zero dx; entries of dA / dB past a slot's rank and
 of slots without tokens are zero. No host sync and no dense [M, R, K] gather: per-slot sums run over the
@@ -56,43 +59,16 @@ ops.KERNELS["add_lora"] = {"cuda": _add_lora_functional, "cpu": _add_lora_functi
 
 ops.register_kernels("lora_ops::lora_grad_x", _triton_grad, checks.check_lora_grad_x, cpu_grad.lora_grad_x)
 ops.register_kernels("lora_ops::segment_outer", _triton_grad, checks.check_segment_outer, cpu_grad.segment_outer)
+ops.register_kernels("lora_ops::lora_grad_h", _triton_grad, checks.check_lora_grad_h, cpu_grad.lora_grad_h)
+ops.register_kernels("lora_ops::lora_grad_a", _triton_grad, checks.check_lora_grad_a, cpu_grad.lora_grad_a)
+ops.register_kernels("lora_ops::lora_grad_b", _triton_grad, checks.check_lora_grad_b, cpu_grad.lora_grad_b)
 
 
 # -- the backward formula ------------------------------------------------------------------------------
 
-def _slice_bounds(slice_widths):
-    bounds, col = [], 0
-    for n in slice_widths:
-        bounds.append((col, col + n))
-        col += n
-    return bounds
-
-
 def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta):
-    """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: one shrink per slice, B^T as its A."""
-    # B^T [L, R, N] copied contiguous once, so each slice's A stack [L, 1, R, n_i] runs along its K
-    # (columns) like a forward A: the strided view of B (rank contiguous) made the shrink 1.7-4x slower
-    # (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by config, 40 µs contiguous; the copy, 25 µs).
-    b_t = lora_b.transpose(1, 2).contiguous()
-    parts = []
-    for lo, hi in _slice_bounds(slice_widths):
-        b_as_a = b_t[:, :, lo:hi].unsqueeze(1)
-        parts.append(ops.call("shrink", grad_out[:, lo:hi], b_as_a, scale, rank, *meta))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def grad_lora_a(dh, x, rank, meta):
-    """dA [L, S, R, K]: per slot and slice, the sum of dh^T x over the slot's tokens."""
-    return torch.stack([ops.call("segment_outer", dh[:, i], x, rank, *meta) for i in range(dh.shape[1])],
-                       dim=1)
-
-
-def grad_lora_b(grad_out, h, rank, slice_widths, meta):
-    """dB [L, N, R]: per slot and slice, the sum of dy[:, C_i]^T h[:, i] over the slot's tokens."""
-    # segment_outer puts the rank on its rows: it returns dB[:, C_i]^T, [L, R, n_i].
-    parts = [ops.call("segment_outer", h[:, i], grad_out[:, lo:hi], rank, *meta).transpose(1, 2)
-             for i, (lo, hi) in enumerate(_slice_bounds(slice_widths))]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: every slice in one op (lora_grad_h)."""
+    return ops.call("lora_grad_h", grad_out, lora_b, scale, rank, slice_widths, *meta)
 
 
 def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b):
@@ -103,10 +79,10 @@ def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, n
         if need_x:
             dx = ops.call("lora_grad_x", dh, lora_a, rank, *meta)
         if need_a:
-            da = grad_lora_a(dh, x, rank, meta)
+            da = ops.call("lora_grad_a", dh, x, rank, *meta)
     if need_b:
         h = ops.call("shrink", x, lora_a, scale, rank, *meta)
-        db = grad_lora_b(grad_out, h, rank, widths, meta)
+        db = ops.call("lora_grad_b", grad_out, h, rank, widths, *meta)
     return dx, da, db
 
 

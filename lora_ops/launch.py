@@ -49,6 +49,12 @@ def f32_operand_precision(dtype):
     return F32_OPERAND_PRECISION[dtype]
 
 
+def dot_precision(dtype):
+    """tl.dot's input precision for the shrink's x · A in ``dtype``: IEEE for float32 (never TF32 behind the
+    caller's back); 16-bit operands ignore it."""
+    return _DOT_PRECISION[dtype]
+
+
 def slice_layout(slice_widths, block_n):
     """(column offsets, column-block offsets) of the output slices, S + 1 entries each."""
     return _slice_layout(tuple(slice_widths), block_n)

@@ -5,10 +5,12 @@ reads tensor data on the host, so the backward is CUDA-graph safe and sync-free.
 """
 from typing import NamedTuple
 
+import torch
+
 from csrc_meta import checks
 from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, feature_block, max_token_tiles,
                                          next_power_of_2, rank_align, rank_block, token_bucket)
-from lora_ops import plan
+from lora_ops import configs, launch, plan
 from lora_ops.launch import Launch, Scratch, f32_operand_precision
 from lora_ops.kernels import grad as grad_kernels
 from lora_ops.triton_launch import FastLauncher
@@ -74,6 +76,77 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     ).run_if(run)
 
 
+def launch_lora_grad_h(dh, grad_out, b_t, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, cfg,
+                       sum_scratch=(), run=True):
+    """dh [M, S, R] float32 gets scale * grad_out[:, slice i] @ B[slot, slice i] for every slice in one launch:
+    the shrink kernel with x = grad_out [M, N] and A = b_t [L, R, N] (B^T, features contiguous) for every
+    slice (stride 0 between slices), slice i over its own columns (SLICE_K); cfg.slice_group must be 1.
+    ``sum_scratch``: a split-K shrink's buffers (launch.shrink_sum_scratch). Returns the :class:`Launch`,
+    run unless ``run`` is False."""
+    M, N = grad_out.shape
+    L, R, _ = b_t.shape
+    S = len(slice_widths)
+    assert cfg.slice_group == 1, "lora_grad_h: each program reads one slice's columns"
+    if cfg.split_k > 1:
+        part, arrivals = sum_scratch
+        part_strides = part.stride()
+    else:   # one split: its partial sums are dh itself (the part stride is never used)
+        part, arrivals, part_strides = dh, sorted_token_ids, (dh.stride(0) * M, *dh.stride())
+    return Launch(
+        launch.SHRINK, launch.shrink_grid(M, S, R, L, cfg),
+        (grad_out, b_t, dh, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, N, S, L, R, sorted_token_ids.shape[0], cfg.split_k, *grad_out.stride(),
+         b_t.stride(0), 0, b_t.stride(1), b_t.stride(2), *dh.stride(), 0, *part_strides,
+         *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
+        dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=1, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k > 1,
+             PARTIALS_OUT=False, SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=launch.dot_precision(grad_out.dtype),
+             H_PLANES=0, RANK_ALIGN=rank_align(R), SLICE_K=launch.slice_layout(slice_widths, 1)[0],
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=False),
+    ).run_if(run)
+
+
+def launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
+    """out [L, S, R, K] = per slot and slice, the sum of dh[:, i]^T x over the slot's tokens (every element
+    written): segment_outer with the slices' rank blocks on grid axis 1. Returns the :class:`Launch`, run
+    unless ``run`` is False."""
+    M, S, R = dh.shape
+    K = x.shape[1]
+    L = out.shape[0]
+    grid = (cdiv(K, cfg.block_q), S * cdiv(R, cfg.block_p), L)
+    return Launch(
+        SEGMENT_OUTER, grid, (dh, x, out, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, R, K, sorted_token_ids.shape[0], dh.stride(0), dh.stride(2), *x.stride(),
+         out.stride(0), out.stride(2), out.stride(3),
+         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts), dh.stride(1), out.stride(1)),
+        dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(R),
+             PRECISION=f32_operand_precision(x.dtype), NUM_SLICES=S,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ).run_if(run, "rank: too many slots for one launch", "axis 1 counts dh's slices' rank blocks, axis 2 the slots",
+             "use at most 65535 slots")
+
+
+def launch_lora_grad_b(out, h, grad_out, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, cfg,
+                       run=True):
+    """out [L, N, R] = per slot and slice i, the sum of grad_out[:, slice i]^T h[:, i] over the slot's tokens
+    (every element written): segment_outer with the slices' column blocks on grid axis 0, storing dB^T's
+    blocks through out's strides. Returns the :class:`Launch`, run unless ``run`` is False."""
+    M, N = grad_out.shape
+    _, S, R = h.shape
+    L = out.shape[0]
+    cols, blocks = launch.slice_layout(slice_widths, cfg.block_q)
+    grid = (blocks[-1], cdiv(R, cfg.block_p), L)
+    return Launch(
+        SEGMENT_OUTER, grid, (h, grad_out, out, rank, sorted_token_ids, slot_starts, slot_counts),
+        (M, R, N, sorted_token_ids.shape[0], h.stride(0), h.stride(2), *grad_out.stride(),
+         out.stride(0), out.stride(2), out.stride(1),
+         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts), h.stride(1), 0),
+        dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(R),
+             PRECISION=f32_operand_precision(grad_out.dtype), SLICE_COLS=cols, SLICE_BLOCKS=blocks,
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    ).run_if(run, "rank: too many slots for one launch", "axis 1 counts h's rank blocks, axis 2 the slots",
+             "use at most 65535 slots")
+
+
 def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
     """out [L, P, Q] = per-slot sums of u^T v over each slot's tokens (every element written).
     Returns the :class:`lora_ops.launch.Launch`, run unless ``run`` is False."""
@@ -84,7 +157,7 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
     return Launch(
         SEGMENT_OUTER, grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, P, Q, sorted_token_ids.shape[0], *u.stride(), *v.stride(), *out.stride(),
-         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
+         *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts), 0, 0),
         dict(BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_Q=cfg.block_q, RANK_ALIGN=rank_align(P),
              PRECISION=f32_operand_precision(v.dtype),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -130,3 +203,71 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
                                 plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
                     (u, v, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
 
+
+# The backward of the delta, every packed slice in one launch per op (lora_ops.autograd): one op call and
+# one C launch where a call per slice, and a torch.cat or torch.stack of their outputs, were before.
+
+def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                             slot_counts)
+    M, N = grad_out.shape
+    L, _, R = lora_b.shape
+    widths = tuple(slice_widths)
+    S = len(widths)
+    # Zeroed: entries of invalid tokens and of ranks past a slot's stay 0 (the op's contract).
+    dh_spec = Scratch((M, S, R), torch.float32, zero=True)
+    if M == 0:
+        return dh_spec.alloc(grad_out.device)
+    # B^T with the features contiguous, as a forward A [L, S, R, K] lies: read in B's own layout (rank
+    # contiguous), the shrink took 1.7-4x the time (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by
+    # config against 40 contiguous; the copy 25 µs).
+    b_t = lora_b.transpose(1, 2).contiguous()
+
+    def build():
+        cfg = configs.shrink_config(M, max(widths), S, R, L, grad_out.device, grad_out.dtype)._replace(slice_group=1)
+        scratch = (dh_spec, *launch.shrink_sum_scratch(M, S, R, launch.shrink_grid(M, S, R, L, cfg), cfg))
+        buffers = tuple(spec.alloc(grad_out.device) for spec in scratch)
+        return [launch_lora_grad_h(buffers[0], grad_out, b_t, scale, rank, widths, sorted_token_ids, slot_starts,
+                                   slot_counts, cfg, buffers[1:], run=False)], scratch, buffers
+    return plan.run(plan.op_key("lora_grad_h", (grad_out, b_t), widths, sorted_token_ids.shape[0],
+                                plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
+                    (grad_out, b_t, scale, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+
+
+def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts)
+    L = rank.shape[0]
+    _, S, R = dh.shape
+    K = x.shape[1]
+    out_spec = Scratch((L, S, R, K), x.dtype)   # every element written
+    if not (L and K):
+        return out_spec.alloc(x.device)
+
+    def build():
+        out = out_spec.alloc(x.device)
+        cfg = segment_outer_config(R, K, L * S)
+        return [launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=False)], \
+            (out_spec,), (out,)
+    return plan.run(plan.op_key("lora_grad_a", (dh, x), L, sorted_token_ids.shape[0],
+                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
+                    (dh, x, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+
+
+def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    L = rank.shape[0]
+    N = grad_out.shape[1]
+    R = h.shape[2]
+    widths = tuple(slice_widths)
+    out_spec = Scratch((L, N, R), grad_out.dtype)   # every element written
+    if not L:
+        return out_spec.alloc(grad_out.device)
+
+    def build():
+        out = out_spec.alloc(grad_out.device)
+        cfg = segment_outer_config(R, N, L)
+        return [launch_lora_grad_b(out, h, grad_out, rank, widths, sorted_token_ids, slot_starts, slot_counts, cfg,
+                                   run=False)], (out_spec,), (out,)
+    return plan.run(plan.op_key("lora_grad_b", (grad_out, h), widths, L, sorted_token_ids.shape[0],
+                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
+                    (grad_out, h, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]

@@ -251,6 +251,27 @@ def cases():
                                          launch_grad.segment_outer_config(64, 256, 4))
     yield "segment_outer_r64", launch_grad.SEGMENT_OUTER, segment_outer
 
+    # The backward's slice ops, every slice in one launch: dA (slices on grid axis 1), dB (slices' columns on
+    # axis 0, dB^T's blocks stored through its strides), dh (the shrink over each slice's own columns).
+    def grad_a(p=p):
+        launch_grad.launch_lora_grad_a(p["x"].new_empty(4, 3, 64, 256), dh, p["x"], p["rank"], *p["meta"],
+                                       launch_grad.segment_outer_config(64, 256, 12))
+    yield "grad_a_r64", launch_grad.SEGMENT_OUTER, grad_a
+    grad_out = torch.randn(256, 768, dtype=bf16)
+
+    def grad_b(p=p):
+        launch_grad.launch_lora_grad_b(p["x"].new_empty(4, 768, 64), dh, grad_out, p["rank"], [512, 128, 128],
+                                       *p["meta"], launch_grad.segment_outer_config(64, 768, 4))
+    yield "grad_b_r64", launch_grad.SEGMENT_OUTER, grad_b
+
+    def grad_h(p=p):
+        b_t = p["B"].transpose(1, 2).contiguous()
+        cfg = configs.heuristics.shrink_config(256, 512, 3, 64, 4)._replace(slice_group=1)
+        sums = [s.alloc(cpu) for s in launch.shrink_sum_scratch(256, 3, 64, launch.shrink_grid(256, 3, 64, 4, cfg), cfg)]
+        launch_grad.launch_lora_grad_h(torch.zeros(256, 3, 64), grad_out, b_t, p["scale"], p["rank"], [512, 128, 128],
+                                       *p["meta"], cfg, sums)
+    yield "grad_h_r64", launch.SHRINK, grad_h
+
 
 def main(argv):
     """Compile every case; print a JSON object {case: summary} (the tests read it) or, with --table, a line

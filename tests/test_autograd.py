@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
-from lora_ops import launch_grad
+from lora_ops import launch, launch_grad
 from lora_ops.reference import lora_forward_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
@@ -307,6 +307,87 @@ def test_backward_ops_match_token_by_token_reference(backend, dtype):
     assert rel_err(out, segment_outer_reference(dh[:, 1], v, case)) <= TOLERANCE[dtype]
 
 
+def grad_h_reference(grad_out, case):
+    """float64 [M, S, R], token by token: scale * grad_out[t, slice i] @ B[s, slice i, :r]."""
+    M, _, _, _, S, R = case.shape
+    out = torch.zeros(M, S, R, dtype=torch.float64)
+    ranks, scales = case.rank.tolist(), case.scale.tolist()
+    bounds = torch.tensor([0, *case.slice_widths]).cumsum(0).tolist()
+    for t, s in enumerate(case.token_slots.tolist()):
+        if s >= 0:
+            r = ranks[s]
+            for i in range(S):
+                lo, hi = bounds[i], bounds[i + 1]
+                out[t, i, :r] = scales[s] * (grad_out[t, lo:hi].double().cpu() @ case.lora_b[s, lo:hi, :r].double().cpu())
+    return out
+
+
+def grad_a_reference(dh, x, case):
+    """float64 [L, S, R, K]: the slices' segment_outer references, stacked."""
+    return torch.stack([segment_outer_reference(dh[:, i], x, case) for i in range(dh.shape[1])], dim=1)
+
+
+def grad_b_reference(grad_out, h, case):
+    """float64 [L, N, R]: each slice's segment_outer reference, transposed into its columns."""
+    bounds = torch.tensor([0, *case.slice_widths]).cumsum(0).tolist()
+    return torch.cat([segment_outer_reference(h[:, i], grad_out[:, bounds[i]:bounds[i + 1]], case).transpose(1, 2)
+                      for i in range(h.shape[1])], dim=1)
+
+
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "one_slice", "all_minus_one"])
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
+    """lora_grad_h, lora_grad_a, lora_grad_b: every slice in one call, against float64, with a strided
+    output gradient (a transposed layout: features at stride M) and x at a column offset."""
+    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
+    M, K, N, L, S, R = case.shape
+    grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
+    dh = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
+    assert dh.dtype == torch.float32 and dh.shape == (M, S, R)
+    assert rel_err(dh, grad_h_reference(grad_out, case)) <= TOLERANCE[dtype]
+    x = laid_out(signed((M, K), case), "column_slice", case.gen)
+    u = signed((M, S, R), case, torch.float32)
+    da = torch.ops.lora_ops.lora_grad_a(u, x, case.rank, *case.meta)
+    assert da.dtype == dtype and da.shape == (L, S, R, K)
+    assert rel_err(da, grad_a_reference(u, x, case)) <= TOLERANCE[dtype]
+    db = torch.ops.lora_ops.lora_grad_b(grad_out, u, case.rank, case.slice_widths, *case.meta)
+    assert db.dtype == dtype and db.shape == (L, N, R)
+    assert rel_err(db, grad_b_reference(grad_out, u, case)) <= TOLERANCE[dtype]
+
+
+def test_slice_ops_kernels_write_every_output_element(triton_kernels):
+    """dA's and dB's launchers write all of their output (the ops never zero-fill it): poisoned with NaN,
+    every element comes back a number and right; dh's launcher writes every entry of an adapted token up to
+    its slot's rank (the op zero-fills dh for the rest)."""
+    backend = triton_kernels
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=43)
+    M, K, N, L, S, R = case.shape
+    x, grad_out, u = signed((M, K), case), signed((M, N), case), signed((M, S, R), case, torch.float32)
+    da = torch.full((L, S, R, K), float("nan"), device=x.device)
+    launch_grad.launch_lora_grad_a(da, u, x, case.rank, *case.meta, launch_grad.segment_outer_config(R, K, L * S))
+    assert not da.isnan().any() and rel_err(da, grad_a_reference(u, x, case)) <= TOLERANCE[torch.float32]
+    db = torch.full((L, N, R), float("nan"), device=x.device)
+    cfg = launch_grad.segment_outer_config(R, N, L)._replace(block_q=16)   # several column blocks per slice
+    launch_grad.launch_lora_grad_b(db, u, grad_out, case.rank, case.slice_widths, *case.meta, cfg)
+    assert not db.isnan().any() and rel_err(db, grad_b_reference(grad_out, u, case)) <= TOLERANCE[torch.float32]
+    dh = torch.full((M, S, R), float("nan"), device=x.device)
+    b_t = case.lora_b.transpose(1, 2).contiguous()
+    for split_k in (1, 3):    # split-K: each slice's columns cut in three, the last split adding them
+        cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, 1)
+        sums = [spec.alloc(x.device) for spec in launch.shrink_sum_scratch(M, S, R, launch.shrink_grid(M, S, R, L, cfg),
+                                                                           cfg)]
+        dh.fill_(float("nan"))
+        launch_grad.launch_lora_grad_h(dh, grad_out, b_t, case.scale, case.rank, case.slice_widths, *case.meta, cfg,
+                                       sums)
+        want = grad_h_reference(grad_out, case)
+        ranks = case.rank.tolist()
+        for t, s in enumerate(case.token_slots.tolist()):
+            if s >= 0 and ranks[s] > 0:
+                assert not dh[t, :, :ranks[s]].isnan().any(), (split_k, t)
+                torch.testing.assert_close(dh[t, :, :ranks[s]].double().cpu(), want[t, :, :ranks[s]], rtol=1e-5,
+                                           atol=1e-5)
+
+
 # -- opcheck and the compiler --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
@@ -327,6 +408,11 @@ def test_opcheck_backward_ops(backend, dtype):
     grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
     torch.library.opcheck(torch.ops.lora_ops.segment_outer.default,
                           (dh[:, 1], grad_out[:, 5:], case.rank, *case.meta))
+    torch.library.opcheck(torch.ops.lora_ops.lora_grad_h.default,
+                          (grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta))
+    torch.library.opcheck(torch.ops.lora_ops.lora_grad_a.default, (dh, case.x, case.rank, *case.meta))
+    torch.library.opcheck(torch.ops.lora_ops.lora_grad_b.default,
+                          (grad_out, dh, case.rank, case.slice_widths, *case.meta))
 
 
 def test_compile_one_graph_with_backward_for_every_token_count(backend):

@@ -40,7 +40,7 @@ def codegen():
 CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_planes_r320",
          "expand_rank_loop_planes_r320", "expand_rank_loop_planes_store_r320", "expand_pdl_r16",
          "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
-         "grad_x_r64", "segment_outer_r64"]
+         "grad_x_r64", "segment_outer_r64", "grad_a_r64", "grad_b_r64", "grad_h_r64"]
 
 
 def test_every_compiled_case_is_checked(codegen):
@@ -89,7 +89,8 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
 
 
 @pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320",
-                                  "expand_rank_loop_planes_store_r320", "grad_x_r64", "segment_outer_r64"])
+                                  "expand_rank_loop_planes_store_r320", "grad_x_r64", "segment_outer_r64",
+                                  "grad_a_r64", "grad_b_r64"])
 def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
     """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
     of them did, and the rank loop's wrote wrong values on the H200 in some runs). The float32 rank loop's

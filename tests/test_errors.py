@@ -213,6 +213,10 @@ def test_quick_checks_accept_the_valid_case(backend):
     dh = torch.randn(M, S, R, device=backend.device)
     assert checks._lora_grad_x_ok(dh, a["lora_a"], a["rank"], *meta)
     assert checks._segment_outer_ok(dh[:, 0], a["x"], a["rank"], *meta)
+    grad_out = torch.randn(M, N, device=backend.device)
+    assert checks._lora_grad_h_ok(grad_out, a["lora_b"], a["scale"], a["rank"], a["slice_widths"], *meta)
+    assert checks._lora_grad_a_ok(dh, a["x"], a["rank"], *meta)
+    assert checks._lora_grad_b_ok(grad_out, dh, a["rank"], a["slice_widths"], *meta)
 
 
 def test_every_op_has_bad_cases():
@@ -297,6 +301,79 @@ def test_lora_linear_bad_argument_raises_naming_it(backend, change, error, messa
     with pytest.raises(error, match="^" + re.escape(message)):
         torch.ops.lora_ops.lora_linear(args["x"], args["weight"], args["bias"], args["lora_a"], args["lora_b"],
                                        args["scale"], args["rank"], args["slice_widths"], *meta)
+
+
+# The backward's slice ops (lora_ops.autograd calls them): (op, changes, error, message). Valid arguments:
+# grad_out [M, N], lora_b [L, N, R], dh / h [M, S, R] float32, x [M, K].
+GRAD_OPS = {
+    "lora_grad_h": lambda a, meta: torch.ops.lora_ops.lora_grad_h(a["grad_out"], a["lora_b"], a["scale"], a["rank"],
+                                                                  a["slice_widths"], *meta),
+    "lora_grad_a": lambda a, meta: torch.ops.lora_ops.lora_grad_a(a["h"], a["x"], a["rank"], *meta),
+    "lora_grad_b": lambda a, meta: torch.ops.lora_ops.lora_grad_b(a["grad_out"], a["h"], a["rank"], a["slice_widths"],
+                                                                  *meta),
+}
+GRAD_BAD = [
+    ("h_grad_out_int", "lora_grad_h", dict(grad_out=lambda a: a["grad_out"].to(torch.int32)), TypeError,
+     f"grad_out: {FLOATS}, got torch.int32"),
+    ("h_grad_out_3d", "lora_grad_h", dict(grad_out=lambda a: a["grad_out"][None]), ValueError,
+     "grad_out: expected a 2-D tensor, got shape (1, 4, 10)"),
+    ("h_lora_b_dtype", "lora_grad_h", dict(lora_b=lambda a: a["lora_b"].half()), TypeError,
+     "lora_b: expected dtype torch.float32 (the dtype of grad_out), got torch.float16"),
+    ("h_lora_b_columns", "lora_grad_h", dict(lora_b=lambda a: a["lora_b"][:, :9]), ValueError,
+     "lora_b: expected shape [L, N, R] = [3, 10, 4], got (3, 9, 4)"),
+    ("h_lora_b_on_meta", "lora_grad_h", dict(lora_b=lambda a: a["lora_b"].to("meta")), ValueError,
+     "lora_b: expected a tensor on {dev} (the device of grad_out), got meta"),
+    ("h_widths_not_summing", "lora_grad_h", dict(slice_widths=lambda a: [4, 5]), ValueError,
+     "slice_widths: expected positive widths summing to N = 10 (grad_out's columns), got [4, 5]"),
+    ("h_scale_length", "lora_grad_h", dict(scale=lambda a: a["scale"][:2]), ValueError,
+     "scale: expected 3 entries (one per slot of lora_b), got 2"),
+    ("h_rank_length", "lora_grad_h", dict(rank=lambda a: a["rank"][:2]), ValueError,
+     "rank: expected 3 entries (one per slot of lora_b), got 2"),
+    ("h_ids_too_few", "lora_grad_h", dict(sorted_token_ids=lambda a: a["sorted_token_ids"][:3]), ValueError,
+     "sorted_token_ids: holds 3 entries, fewer than the 4 tokens"),
+    ("a_dh_half", "lora_grad_a", dict(h=lambda a: a["h"].half()), TypeError,
+     "dh: expected a 3-D float32 tensor [M, S, R] (the gradient of the shrink output), got torch.float16"),
+    ("a_x_rows", "lora_grad_a", dict(x=lambda a: a["x"][:3]), ValueError,
+     "x: expected 4 rows (dh's tokens), got shape (3, 6)"),
+    ("a_x_int", "lora_grad_a", dict(x=lambda a: a["x"].to(torch.int32)), TypeError,
+     f"x: {FLOATS}, got torch.int32"),
+    ("a_x_on_meta", "lora_grad_a", dict(x=lambda a: a["x"].to("meta")), ValueError,
+     "x: expected a tensor on {dev} (the device of dh), got meta"),
+    ("a_rank_int64", "lora_grad_a", dict(rank=lambda a: a["rank"].long()), TypeError,
+     "rank: expected dtype torch.int32, got torch.int64"),
+    ("a_starts_length", "lora_grad_a", dict(slot_starts=lambda a: a["slot_starts"][:3]), ValueError,
+     f"slot_starts: expected 4 entries {META}, got 3"),
+    ("b_h_half", "lora_grad_b", dict(h=lambda a: a["h"].half()), TypeError,
+     "h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got torch.float16"),
+    ("b_h_rows", "lora_grad_b", dict(h=lambda a: a["h"][:3]), ValueError,
+     "h: expected 4 rows (grad_out's tokens), got shape (3, 2, 4)"),
+    ("b_widths_count", "lora_grad_b", dict(slice_widths=lambda a: [10]), ValueError,
+     "slice_widths: expected 2 widths (one per slice of h), got [10]"),
+    ("b_grad_out_float64", "lora_grad_b", dict(grad_out=lambda a: a["grad_out"].double()), TypeError,
+     f"grad_out: {FLOATS}, got torch.float64"),
+    ("b_rank_on_meta", "lora_grad_b", dict(rank=lambda a: a["rank"].to("meta")), ValueError,
+     "rank: expected a tensor on {dev} (the device of grad_out), got meta"),
+    ("b_counts_int64", "lora_grad_b", dict(slot_counts=lambda a: a["slot_counts"].long()), TypeError,
+     "slot_counts: expected dtype torch.int32, got torch.int64"),
+]
+
+
+@pytest.mark.parametrize("op,change,error,message", [pytest.param(*c[1:], id=c[0]) for c in GRAD_BAD])
+def test_backward_slice_op_bad_argument_raises_naming_it(backend, op, change, error, message):
+    args = valid_args(backend.device)
+    args["grad_out"] = torch.randn(M, N, device=backend.device)
+    for name, make in change.items():
+        args[name] = make(args)
+    meta = (args["sorted_token_ids"], args["slot_starts"], args["slot_counts"])
+    with pytest.raises(error, match="^" + re.escape(message.format(dev=backend.device))):
+        GRAD_OPS[op](args, meta)
+
+
+@pytest.mark.parametrize("op", list(GRAD_OPS))
+def test_backward_slice_op_valid_arguments_pass(backend, op):
+    args = valid_args(backend.device)
+    args["grad_out"] = torch.randn(M, N, device=backend.device)
+    GRAD_OPS[op](args, (args["sorted_token_ids"], args["slot_starts"], args["slot_counts"]))
 
 
 def test_interpreter_too_old_for_numpy_names_the_fix(monkeypatch):

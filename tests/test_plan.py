@@ -129,6 +129,14 @@ def _op_calls(case, gen):
          lambda: cpu_grad.lora_grad_x(c(h), c(case.lora_a), c(case.rank), *cpu_meta)),
         ("segment_outer", lambda: launch_grad.segment_outer(h[:, 1], v, case.rank, *meta),
          lambda: cpu_grad.segment_outer(c(h)[:, 1], c(v), c(case.rank), *cpu_meta)),
+        ("lora_grad_h", lambda: launch_grad.lora_grad_h(y, case.lora_b, case.scale, case.rank, case.slice_widths,
+                                                        *meta),
+         lambda: cpu_grad.lora_grad_h(c(y), c(case.lora_b), c(case.scale), c(case.rank), case.slice_widths,
+                                      *cpu_meta)),
+        ("lora_grad_a", lambda: launch_grad.lora_grad_a(h, case.x, case.rank, *meta),
+         lambda: cpu_grad.lora_grad_a(c(h), c(case.x), c(case.rank), *cpu_meta)),
+        ("lora_grad_b", lambda: launch_grad.lora_grad_b(v, h, case.rank, case.slice_widths, *meta),
+         lambda: cpu_grad.lora_grad_b(c(v), c(h), c(case.rank), case.slice_widths, *cpu_meta)),
     ]
 
 
@@ -142,7 +150,7 @@ def test_every_op_replays_its_plan(triton_kernels):
             torch.full((1 << 16,), float("nan"), device=DEVICE)
             out, ref = ours(), reference()
             assert rel_err(out, ref) <= TOLERANCE[torch.float32], (name, seed)
-        assert len(plan._PLANS) == 4, seed
+        assert len(plan._PLANS) == len(_op_calls(case, gen)), seed
 
 
 # ---- the fast replay against a stand-in compiled kernel --------------------------------------------
@@ -346,4 +354,4 @@ def test_ops_that_return_their_scratch_never_take_the_workspace(triton_kernels, 
     gen = torch.Generator().manual_seed(0)
     for _, ours, _ in _op_calls(case, gen):
         ours()
-    assert len(plan._PLANS) == 4 and all(p.workspace is None for p in plan._PLANS.values())
+    assert len(plan._PLANS) == len(_op_calls(case, gen)) and all(p.workspace is None for p in plan._PLANS.values())

@@ -67,6 +67,9 @@ def test_every_op_takes_strided_metadata(triton_kernels):
                                                           rank, case.slice_widths, *meta),
             "lora_grad_x": launch_grad.lora_grad_x(h, case.lora_a, rank, *meta),
             "segment_outer": launch_grad.segment_outer(h[:, 1], v, rank, *meta),
+            "lora_grad_h": launch_grad.lora_grad_h(v, case.lora_b, scale, rank, case.slice_widths, *meta),
+            "lora_grad_a": launch_grad.lora_grad_a(h, case.x, rank, *meta),
+            "lora_grad_b": launch_grad.lora_grad_b(v, h, rank, case.slice_widths, *meta),
         }
     ours, reference = ops_on(*strided_args), ops_on(*contiguous)
     # The second round replays the contiguous call's plans: the strided call's must be its own.

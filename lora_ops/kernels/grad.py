@@ -3,7 +3,7 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_t, find_slot_tile, load_tile_tokens, rank_ceil
+from lora_ops.kernels.work import dot_t, find_slice_block, find_slot_tile, load_tile_tokens, rank_ceil
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -75,37 +75,61 @@ def segment_outer_kernel(
     stride_vm, stride_vq,
     stride_ol, stride_op, stride_oq,
     stride_rank, stride_ids, stride_starts, stride_counts,
+    stride_us, stride_os,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, RANK_ALIGN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, NUM_SLICES: tl.constexpr = 1, SLICE_COLS: tl.constexpr = None,
+    SLICE_BLOCKS: tl.constexpr = None,
 ):
     """out[l, p-block, q-block] = sum over slot l's tokens t of u[t, p-block]^T v[t, q-block].
 
-    Used for dA[:, i] (u = dh[:, i], v = x) and dB[:, slice i]^T (u = h[:, i], v = grad_out[:, slice i]).
+    The backward's weight gradients, every packed slice in one launch (launch_grad): dA = lora_grad_a (u =
+    dh, NUM_SLICES = S: slice i's u and out start stride_us and stride_os * i further, v = x shared) and dB =
+    lora_grad_b (u = h, SLICE_COLS: slice i owns the columns [SLICE_COLS[i], SLICE_COLS[i + 1]) of v =
+    grad_out and of out = dB^T; its u starts stride_us * i further). With neither, the segment_outer op: one
+    u [M, P] against v [M, Q].
     Pointers: u [M, P] float32 (rank side: rows p >= rank[l] count as zero and are never read);
     v [M, Q] (fp16/bf16/fp32); out [L, P, Q] (v's dtype), every element written, so slots without tokens
     or rank get zeros; rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1]
     int32 (lora_ops.batch; only the first L slots are read, the 'no adapter' bucket never is).
     Sizes: M tokens (not specialised), P, Q, capacity of sorted_ids. Strides: every dimension of u, v and
     out (views with any strides, stride 0 included), and of the 1-D rank, sorted_ids, slot_starts and
-    slot_counts (stride_rank .. stride_counts), in elements.
+    slot_counts (stride_rank .. stride_counts), in elements; stride_us / stride_os: from one slice's u / out
+    to the next (0 without slices).
     Grid: (cdiv(Q, BLOCK_Q), cdiv(P, BLOCK_P), L); each program walks its slot's tokens in BLOCK_T chunks,
     accumulating in float32 (no atomics: every output block has one owner, so results are deterministic).
+    NUM_SLICES > 1: axis 1 holds NUM_SLICES * cdiv(P, BLOCK_P) programs, slice by slice. SLICE_COLS (S + 1
+    column offsets; SLICE_BLOCKS: S + 1 offsets of each slice's first column block, prefix sums of cdiv(n_i,
+    BLOCK_Q)): axis 0 holds SLICE_BLOCKS[-1] programs, each in one slice's columns (kernels.work
+    .find_slice_block); Q is then the width of v and out.
     PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing P (kernels.work.rank_ceil: u's
     rank columns load in vectors).
     """
     pid_q = tl.program_id(0)
     pid_p = tl.program_id(1)
     slot = tl.program_id(2)
+    if NUM_SLICES > 1:
+        p_blocks = tl.cdiv(P, BLOCK_P)
+        slice_id = pid_p // p_blocks
+        pid_p = pid_p % p_blocks
+        u_ptr += slice_id * stride_us
+        out_ptr += slice_id.to(tl.int64) * stride_os
+    if SLICE_COLS is not None:
+        if pid_q >= SLICE_BLOCKS[len(SLICE_BLOCKS) - 1]:
+            return
+        col_slice, offs_q, q_ok = find_slice_block(pid_q, SLICE_COLS, SLICE_BLOCKS, BLOCK_Q)
+        u_ptr += col_slice * stride_us
     rank = tl.minimum(tl.maximum(tl.load(rank_ptr + slot * stride_rank), 0), P)
     count = tl.minimum(tl.maximum(tl.load(slot_counts_ptr + slot * stride_counts), 0), capacity)
     start = tl.minimum(tl.maximum(tl.load(slot_starts_ptr + slot * stride_starts), 0), capacity)
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if SLICE_COLS is None:
+        offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_t = tl.arange(0, BLOCK_T)
     p_ok = offs_p < rank
     p_in = offs_p < rank_ceil(rank, RANK_ALIGN)
-    q_ok = offs_q < Q
+    if SLICE_COLS is None:
+        q_ok = offs_q < Q
     # A rank block past the slot's rank only writes its zeros.
     n_tokens = tl.where(pid_p * BLOCK_P < rank, count, 0)
 

@@ -18,6 +18,7 @@ def shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, H_PLANES: tl.constexpr = 0, RANK_ALIGN: tl.constexpr = 1,
+    SLICE_K: tl.constexpr = None,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
@@ -49,6 +50,10 @@ def shrink_kernel(
     PDL (launched with programmatic dependent launch, sm_90+): wait for the previous kernel in the stream
     before reading anything, then let the next kernel (the expand) launch at once: its programs load their
     y and B while this kernel runs, and wait for it before reading h.
+    SLICE_K (SLICE_GROUP = 1; None: every slice reads all K features): S + 1 offsets; slice i reads x's and
+    A's features [SLICE_K[i], SLICE_K[i + 1]) only, its splits cutting that range. The backward's dh
+    (launch_grad.lora_grad_h): x = the output gradient [M, N], A = B^T [L, R, N] for every slice (stride_as
+    = 0), each slice over its own output columns, one launch for all of them.
     """
     if PDL:
         gdc_wait()
@@ -74,9 +79,17 @@ def shrink_kernel(
     col_r = r0 + cols % BLOCK_R
     col_ok = (col_slice < num_slices) & (col_r < rank)
     offs_k = tl.arange(0, BLOCK_K)
-    k_per_split = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_first = 0
+    k_end = K
+    if SLICE_K is not None:
+        k_end = SLICE_K[1]
+        for i in tl.static_range(1, len(SLICE_K) - 1):
+            later = g0 >= i
+            k_first = tl.where(later, SLICE_K[i], k_first)
+            k_end = tl.where(later, SLICE_K[i + 1], k_end)
+    k_per_split = tl.cdiv(tl.cdiv(k_end - k_first, split_k), BLOCK_K) * BLOCK_K
+    k_lo = k_first + pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, k_end)
 
     x_rows = x_ptr + tok[:, None] * stride_xm
     a_cols = (a_ptr + slot.to(tl.int64) * stride_al + col_slice[None, :].to(tl.int64) * stride_as
