@@ -441,12 +441,19 @@ def check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     """u [M, P] float32 and v [M, Q] (fp16/bf16/fp32) share their tokens; L = rank's length."""
     if _segment_outer_ok(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         return
-    _check_fp32("u", u, 2, "[M, P] (the rank-side factor)")
-    check_float("v", v, 2)
-    check_same_device("u", u, v=v, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
-                      slot_counts=slot_counts)
+    _check_outer_factors("u", u, 2, "[M, P] (the rank-side factor)", "v", v, rank, sorted_token_ids, slot_starts,
+                         slot_counts)
+
+
+def _check_outer_factors(u_name, u, u_dims, u_what, v_name, v, rank, sorted_token_ids, slot_starts, slot_counts):
+    """The two factors of a per-slot outer-product sum: ``u`` float32 on the rank side (``u_dims``-D, described
+    by ``u_what``), ``v`` [M, Q] (fp16/bf16/fp32) with u's tokens, on u's device; rank [L] and the metadata."""
+    _check_fp32(u_name, u, u_dims, u_what)
+    check_float(v_name, v, 2)
+    check_same_device(u_name, u, **{v_name: v}, rank=rank, sorted_token_ids=sorted_token_ids,
+                      slot_starts=slot_starts, slot_counts=slot_counts)
     if v.shape[0] != u.shape[0]:
-        _fail(ValueError, f"v: expected {u.shape[0]} rows (u's tokens), got shape {tuple(v.shape)}")
+        _fail(ValueError, f"{v_name}: expected {u.shape[0]} rows ({u_name}'s tokens), got shape {tuple(v.shape)}")
     check_index("rank", rank)
     check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, u.shape[0])
 
@@ -470,16 +477,10 @@ def check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
     """dh [M, S, R] float32 and x [M, K] (fp16/bf16/fp32) share their tokens; L = rank's length."""
     if _lora_grad_a_ok(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
         return
-    _check_fp32("dh", dh, 3, "[M, S, R] (the gradient of the shrink output)")
-    check_float("x", x, 2)
-    check_same_device("dh", dh, x=x, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
-                      slot_counts=slot_counts)
-    if x.shape[0] != dh.shape[0]:
-        _fail(ValueError, f"x: expected {dh.shape[0]} rows (dh's tokens), got shape {tuple(x.shape)}")
+    _check_outer_factors("dh", dh, 3, "[M, S, R] (the gradient of the shrink output)", "x", x, rank,
+                         sorted_token_ids, slot_starts, slot_counts)
     if dh.shape[1] < 1 or dh.shape[2] < 1:
         _fail(ValueError, f"dh: expected shape [M, S, R] with S, R >= 1, got {tuple(dh.shape)}")
-    check_index("rank", rank)
-    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, dh.shape[0])
 
 
 def check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):

@@ -15,7 +15,8 @@ real layer shapes with few tokens; the compile specialisation is the one Triton'
   mode's; each with PDL on and off, and the pair also with set_fast_bf16;
 - the heuristic's configs for Llama-3-8B's layers at ranks 16 / 64 / 100 / 320 and 1-4096 tokens, in bf16,
   fp16 and float32: the pair, the one-launch kernel, the store mode and the stacked expand;
-- the backward kernels (grad_x, segment_outer) at those ranks and dtypes.
+- the backward kernels (grad_x, segment_outer, and the slice ops lora_grad_h / _a / _b as the autograd
+  formula calls them) at those ranks and dtypes.
 
     PYTHONPATH=. python tests/sm90_compile_every_config.py            # one launch per code path (path_key)
     PYTHONPATH=. python tests/sm90_compile_every_config.py --all      # every distinct launch (~1650: 15 min
@@ -136,7 +137,7 @@ def heuristic_jobs(dtypes):
 
 
 def grad_launches(dtypes, problems):
-    from lora_ops import launch_grad
+    from lora_ops import launch_grad, plan
     for dtype in dtypes:
         for R in HEURISTIC_RANKS:
             p = problems.get(4096, [4096, 1024, 1024], R, dtype)
@@ -146,6 +147,16 @@ def grad_launches(dtypes, problems):
                                            launch_grad.grad_x_config(M, 4096, R))
             launch_grad.launch_segment_outer(torch.empty(4, R, 4096, dtype=dtype), dh[:, 0], p["x"], p["rank"],
                                              *p["meta"], launch_grad.segment_outer_config(R, 4096, 4))
+            # The backward's slice ops as the autograd formula calls them (their configs, their scratch), with
+            # plans off: a recorded launch compiles nothing a plan could keep.
+            grad_out = torch.randn(M, 6144, dtype=dtype)
+            plan.set_enabled(False)
+            try:
+                launch_grad.lora_grad_h(grad_out, p["B"], p["scale"], p["rank"], [4096, 1024, 1024], *p["meta"])
+                launch_grad.lora_grad_a(dh, p["x"], p["rank"], *p["meta"])
+                launch_grad.lora_grad_b(grad_out, dh, p["rank"], [4096, 1024, 1024], *p["meta"])
+            finally:
+                plan.set_enabled(True)
 
 
 def path_key(name, args):
