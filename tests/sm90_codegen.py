@@ -267,7 +267,8 @@ def cases():
     def grad_h(p=p):
         b_t = p["B"].transpose(1, 2).contiguous()
         cfg = configs.heuristics.shrink_config(256, 512, 3, 64, 4)._replace(slice_group=1)
-        sums = [s.alloc(cpu) for s in launch.shrink_sum_scratch(256, 3, 64, launch.shrink_grid(256, 3, 64, 4, cfg), cfg)]
+        grid = launch.shrink_grid(256, 3, 64, 4, cfg)
+        sums = [s.alloc(cpu) for s in launch.shrink_sum_scratch(256, 3, 64, grid, cfg)]
         launch_grad.launch_lora_grad_h(torch.zeros(256, 3, 64), grad_out, b_t, p["scale"], p["rank"], [512, 128, 128],
                                        *p["meta"], cfg, sums)
     yield "grad_h_r64", launch.SHRINK, grad_h

@@ -318,7 +318,8 @@ def grad_h_reference(grad_out, case):
             r = ranks[s]
             for i in range(S):
                 lo, hi = bounds[i], bounds[i + 1]
-                out[t, i, :r] = scales[s] * (grad_out[t, lo:hi].double().cpu() @ case.lora_b[s, lo:hi, :r].double().cpu())
+                b = case.lora_b[s, lo:hi, :r].double().cpu()
+                out[t, i, :r] = scales[s] * (grad_out[t, lo:hi].double().cpu() @ b)
     return out
 
 

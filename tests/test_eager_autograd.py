@@ -144,7 +144,9 @@ def test_no_grad_needed_runs_the_kernel_alone(backend):
 
 
 def _save_lora_linear(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.lora_ops.lora_linear.default else CheckpointPolicy.PREFER_RECOMPUTE
+    if op is torch.ops.lora_ops.lora_linear.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "selective", "anomaly_mode"])
