@@ -8,8 +8,8 @@ slower than this repository's CPU machine; benchmarks/host_overhead.py times the
 Rows (µs per call, the median of --rounds rounds, each the best of 3 x --calls calls, variants
 interleaved): F.linear; LoRALinear with and without bound calls; the same with stack_a against F.linear
 over its stack; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
-of nn.Linear and of LoRALinear, with its autograd run by ops.AUTOGRAD or by the dispatcher. "adds" = the
-row minus its base.
+of nn.Linear and of LoRALinear: with bound calls (lora_ops.autograd.BoundLoRALinear), without, and with
+neither them nor ops.AUTOGRAD (the dispatcher's autograd). "adds" = the row minus its base.
 
 Usage: python benchmarks/host_python.py [--rounds 9 --calls 2000 --out DIR]   (markdown + JSON with --out)
 """
@@ -75,8 +75,8 @@ def main(argv=None):
     def bound(on):
         return lambda: eager.set_enabled(on)
 
-    def autograd_by_ops(on):
-        return lambda: ops.set_eager_autograd(on)
+    def training_setup(bound_calls, eager_autograd):
+        return lambda: (eager.set_enabled(bound_calls), ops.set_eager_autograd(eager_autograd))
 
     def train_step(module):
         return lambda: module(x_grad).backward(grad_out)
@@ -87,9 +87,11 @@ def main(argv=None):
         "F.linear over the stack": (bound(True), lambda: F.linear(x, stacked._stacked[0]), None),
         "stack_a": (bound(True), lambda: stacked(x), "F.linear over the stack"),
         "stack_a without bound calls": (bound(False), lambda: stacked(x), "F.linear over the stack"),
-        "nn.Linear train step": (autograd_by_ops(True), train_step(linear), None),
-        "LoRALinear train step": (autograd_by_ops(True), train_step(trained), "nn.Linear train step"),
-        "LoRALinear train step, dispatcher's autograd": (autograd_by_ops(False), train_step(trained),
+        "nn.Linear train step": (training_setup(True, True), train_step(linear), None),
+        "LoRALinear train step": (training_setup(True, True), train_step(trained), "nn.Linear train step"),
+        "LoRALinear train step without bound calls": (training_setup(False, True), train_step(trained),
+                                                      "nn.Linear train step"),
+        "LoRALinear train step, dispatcher's autograd": (training_setup(False, False), train_step(trained),
                                                           "nn.Linear train step"),
     }
     times = {name: [] for name in variants}

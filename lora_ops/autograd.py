@@ -150,3 +150,23 @@ def _eager_function(name, setup_context, backward):
 
 _eager_function("add_lora", _setup_context, _backward)
 _eager_function("lora_linear", _setup_lora_linear, _backward_lora_linear)
+
+
+class BoundLoRALinear(torch.autograd.Function):
+    """lora_linear's autograd for a LoRALinear call replayed from its bound plan (lora_ops.eager): the inputs
+    are lora_linear's, then ``run``, which computes the output through the bound launches (or returns None,
+    and the op's kernel computes it); setup_context and backward are lora_linear's, so the gradients are the
+    op's, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        run, args = args[-1], args[:-1]
+        out = run()
+        if out is None:
+            out = ops.kernel_for("lora_linear", args[0])(*args)
+        _setup_lora_linear(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_backward_lora_linear(ctx, grad_out), None)

@@ -1,15 +1,16 @@
 """LoRALinear's eager calls, bound: the op's checks, path choice and plan lookup done once per layer state.
 
-In eager mode a LoRALinear call on the plain path (no autograd, no dropout, a bare ``nn.Linear`` base, not
-traced) is the base GEMM and one op whose own host work is its checks, its path choice and its plan key;
-measured on the H200 host (session 22) that work cost more than the op's two C launches. All of it is a
-function of what the layer holds and of the input's shape, so each layer keeps, per input signature
-(shape, strides, dtype), the outcome of its first such call: which path the op took and the
+In eager mode a LoRALinear call on the plain path (no dropout, a bare ``nn.Linear`` base, not traced) is the
+base GEMM and one op whose own host work is its checks, its path choice and its plan key; measured on the
+H200 host (session 22) that work cost more than the op's two C launches. All of it is a function of what the
+layer holds and of the input's shape, so each layer keeps, per input signature (shape, strides, dtype, and
+whether autograd needs the call), the outcome of its first such call: which path the op took and the
 :class:`lora_ops.plan.Plan` it replayed. A later call with that signature replays the plan directly while
 these guards hold (DESIGN §4 Host cost):
 
-- nothing needs the dispatcher (no tensor subclass, no TorchDispatchMode, no functorch transform, no
-  argument requiring grad under grad mode) and the layer still takes the plain path (eval or no dropout,
+- nothing needs the dispatcher (no tensor subclass, no TorchDispatchMode, no functorch transform; a call
+  that needs autograd runs lora_linear's formula through lora_ops.autograd.BoundLoRALinear, as ops.call
+  runs it through the op's own Function) and the layer still takes the plain path (eval or no dropout,
   a bare ``nn.Linear`` with no hooks, no side-stream overlap);
 - the layer's tensors are the objects the op checked (the base weight and bias, lora_a, lora_b, scale,
   rank, the context's metadata tuple, the slice widths; stack_a's stack and its views still intact), and
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from lora_ops import configs, ops, plan, triton_launch
+from lora_ops import autograd, configs, ops, plan, triton_launch
 
 MAX_SIGNATURES = 64     # per layer: input signatures seen (token counts, mostly); cleared when full
 _enabled = [True]
@@ -88,8 +89,7 @@ class EagerCalls:
     def replay(self, layer, x):
         """The layer's output for ``x`` [M, K] through a bound call, or None where none applies (the caller
         then takes the op's own path). ``layer.context.check_input(x)`` has passed; not while compiling."""
-        bound = self._calls.get((x.shape, x.stride(), x.dtype))
-        if bound is None or not _enabled[0] or ops.wrapped(x):
+        if not _enabled[0] or ops.wrapped(x):
             return None
         context = layer.context
         base = layer._modules["base"]
@@ -99,25 +99,25 @@ class EagerCalls:
         weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
         lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
         scale, rank = buffers.get("scale"), buffers.get("rank")
+        grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
+        bound = self._calls.get((x.shape, x.stride(), x.dtype, grad))
+        if bound is None:
+            return None
         objects = bound.objects
         if not (weight is objects[0] and bias is objects[1] and lora_a is objects[2] and lora_b is objects[3]
                 and scale is objects[4] and rank is objects[5] and context.meta is objects[6]
                 and layer.slice_widths is objects[7] and layer._stacked is objects[8]):
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or lora_a.requires_grad
-                                        or lora_b.requires_grad or scale.requires_grad
-                                        or (bias is not None and bias.requires_grad)):
             return None
         launch = _LAUNCH[0]     # a bound call exists, so bind imported it
         # (Written out: a helper call per tensor costs more than the reads.)
         if ((lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
              scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) != bound.shapes
                 or _state() != bound.state
-                or plan.launch_device(x) != bound.device or launch._overlaps(x)):
+                or plan.launch_device(x) != bound.device or launch._overlaps(x)
+                or (grad and not ops.eager_autograd())):
             return None
         meta = context.meta
-        path = bound.path
-        if path == "stacked":
+        if bound.path == "stacked":     # (bound without autograd only: the stacked op has none)
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
             stacked, stacked_bias = layer._stacked
@@ -127,17 +127,15 @@ class EagerCalls:
             bound.plan.run((out, lora_b, rank, scale, *meta))
             self.replays += 1
             return out[:, :weight.shape[0]]
-        if path == "write":
-            y = x.new_empty(bound.out_shape[0])     # (x's dtype: as lora_linear's)
-            bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
+        if grad:
             self.replays += 1
-            return y.addmm_(x, weight.t())
-        y = F.linear(x, weight, bias)
-        if (y.shape, y.stride(), y.dtype) != bound.out_shape:
-            return None
-        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
-        self.replays += 1
-        return y
+            return autograd.BoundLoRALinear.apply(x, weight, bias, lora_a, lora_b, scale, rank, layer.slice_widths,
+                                                  *meta, lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale,
+                                                                      rank, meta))
+        out = _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta)
+        if out is not None:
+            self.replays += 1
+        return out
 
     def bind(self, layer, x, weight, bias, out, stacked):
         """After the op's own eager call on ``x``, made without the dispatcher, returned ``out``
@@ -167,4 +165,25 @@ class EagerCalls:
         objects = (weight, bias, lora_a, lora_b, scale, rank, context.meta, widths, layer._stacked)
         shapes = (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
         out_shape = (out.shape, out.stride(), out.dtype)
-        self._calls[_shaped(x)] = _Bound(path, found, objects, shapes, out_shape, plan.launch_device(x))
+        grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
+        self._calls[(*_shaped(x), grad)] = _Bound(path, found, objects, shapes, out_shape, plan.launch_device(x))
+
+
+def _needs_grad(x, weight, bias, lora_a, lora_b, scale):
+    """Whether autograd needs a lora_linear call on these (part of a bound call's key: a stack_a layer takes
+    the stacked op without autograd and lora_linear with it, so each keeps its own binding)."""
+    return torch.is_grad_enabled() and torch._C._any_requires_grad(x, weight, bias, lora_a, lora_b, scale)
+
+
+def _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta):
+    """lora_linear's output through ``bound`` (its "add" or "write" path), or None where the base GEMM's
+    output is not the one the plan was built for (a weight swapped under its Parameter)."""
+    if bound.path == "write":
+        y = x.new_empty(bound.out_shape[0])     # (x's dtype: as lora_linear's)
+        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
+        return y.addmm_(x, weight.t())
+    y = F.linear(x, weight, bias)
+    if (y.shape, y.stride(), y.dtype) != bound.out_shape:
+        return None
+    bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
+    return y

@@ -366,7 +366,7 @@ class LoRALinear(nn.Module):
             # (A bare nn.Linear keeps its weight and bias in its dict.)
             op_args = (x2d, weight, bias, *args)
             out = ops.call("lora_linear", *op_args)
-            if eager and cast_to is None and not ops.needs_dispatcher(op_args):
+            if eager and cast_to is None and ops.direct("lora_linear", op_args):
                 self._eager.bind(self, x2d, weight, bias, out, stacked=False)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)

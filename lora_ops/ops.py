@@ -119,6 +119,20 @@ def set_eager_autograd(on):
     _eager_autograd[0] = bool(on)
 
 
+def eager_autograd():
+    return _eager_autograd[0]
+
+
+def direct(name, args):
+    """Whether :func:`call` runs op ``name`` on ``args`` without the dispatcher: its kernel, or its
+    :data:`AUTOGRAD` Function where autograd needs the call (LoRALinear binds such calls: lora_ops.eager)."""
+    if wrapped(args[0]):
+        return False
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return name in AUTOGRAD and _eager_autograd[0] and _plain(args)
+    return True
+
+
 def _plain(args):
     """Whether every tensor in ``args`` is a plain tensor or nn.Parameter (no subclass anywhere)."""
     for a in args:

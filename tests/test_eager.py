@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import DEVICE, TOLERANCE, rel_err
-from lora_ops import configs, launch, plan
+from lora_ops import configs, eager, launch, ops, plan
 from lora_ops.layers import LoRAContext, LoRALinear
 
 K, WIDTHS, L, R = 32, (24, 8, 16), 3, 8
@@ -197,16 +197,90 @@ def test_state_changes_take_the_op_path(triton_kernels, change):
         assert hooked == [1]
 
 
-def test_autograd_takes_the_op_path(triton_kernels):
-    layer = make_layer(7)
+def trainable(layer):
+    for p in (layer.lora_a, layer.lora_b):
+        p.requires_grad_(True)
+    return layer
+
+
+def train_step(layer, x, grad_out):
+    """(output, x.grad, lora_a.grad, lora_b.grad, the output's grad_fn class name) of a forward + backward."""
+    for t in (layer.lora_a, layer.lora_b):
+        t.grad = None
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(grad_out)
+    return out.detach(), x.grad, layer.lora_a.grad.clone(), layer.lora_b.grad.clone(), type(out.grad_fn).__name__
+
+
+@pytest.mark.parametrize("path", ["accumulate", "accumulate_bias", "write_first"])
+def test_training_calls_replay_with_the_ops_output_and_gradients(triton_kernels, monkeypatch, path):
+    """A call that needs autograd binds and replays too (lora_ops.autograd.BoundLoRALinear): its output and
+    every gradient equal the op path's bit for bit."""
+    opts = dict(PATHS[path])
+    if opts.pop("write_first", False):
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    layer = trainable(make_layer(7, **opts))
+    for M in (10, 7):
+        set_slots(layer, M, M)
+        grad_out = fresh_input(M, 50)[:, :1].expand(M, N).contiguous() * torch.linspace(-1, 1, N, device=DEVICE)
+        train_step(layer, fresh_input(M, 0), grad_out)        # binds this signature
+        for seed in (1, 2):
+            x = fresh_input(M, seed)
+            replays = layer._eager.replays
+            got = train_step(layer, x, grad_out)
+            assert layer._eager.replays == replays + 1 and got[4] == "BoundLoRALinearBackward", (M, seed)
+            eager.set_enabled(False)
+            try:
+                want = train_step(layer, x, grad_out)
+            finally:
+                eager.set_enabled(True)
+            assert want[4] == "Eager_lora_ops_lora_linearBackward"
+            for i, name in enumerate(("out", "dx", "dA", "dB")):
+                assert torch.equal(got[i], want[i]), (M, seed, name)
+            assert rel_err(got[0], reference(layer, x)) <= TOLERANCE[torch.float32]
+    assert len(layer._eager._calls) == 2
+
+
+def test_stack_a_keeps_its_binding_beside_the_training_one(triton_kernels):
+    """stack_a takes the stacked op without autograd and lora_linear with it: alternating the two (rollouts
+    and training steps) replays both, each its own path."""
+    layer = trainable(make_layer(12, stack_a=True))
     x = fresh_input(10, 0)
-    call(layer, x)
-    xg = x.clone().requires_grad_()
-    before = layer._eager.replays
-    out = layer(xg)
-    assert layer._eager.replays == before and out.grad_fn is not None
-    out.sum().backward()
-    assert xg.grad is not None
+    grad_out = fresh_input(10, 1)[:, :1].expand(10, N).contiguous()
+    for _ in range(3):
+        out = call(layer, x)
+        assert out.stride() != (N, 1)                 # the stack's column view
+        assert train_step(layer, x, grad_out)[4] in ("Eager_lora_ops_lora_linearBackward", "BoundLoRALinearBackward")
+    assert len(layer._eager._calls) == 2 and layer._eager.replays == 4
+    assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def test_training_replay_falls_back_to_the_op_where_the_gemm_changed(triton_kernels):
+    """A weight swapped to other rows under its Parameter: the bound training call's GEMM output guard sends
+    it to the op's kernel, inside the same autograd Function, which raises as the op does."""
+    layer = trainable(make_layer(13))
+    x = fresh_input(10, 0)
+    grad_out = fresh_input(10, 1)[:, :1].expand(10, N).contiguous()
+    train_step(layer, x, grad_out)
+    layer.base.weight.data = layer.base.weight.data[:N - 8]
+    with pytest.raises(ValueError, match="lora_b: expected shape"):
+        train_step(layer, x, grad_out)
+
+
+def test_training_without_eager_autograd_takes_the_op_path(triton_kernels):
+    layer = trainable(make_layer(14))
+    x = fresh_input(10, 0)
+    grad_out = fresh_input(10, 1)[:, :1].expand(10, N).contiguous()
+    train_step(layer, x, grad_out)
+    ops.set_eager_autograd(False)
+    try:
+        before = layer._eager.replays
+        name = train_step(layer, x, grad_out)[4]
+        assert layer._eager.replays == before and name.startswith("GeneratedBackwardFor_lora_ops_lora_linear")
+    finally:
+        ops.set_eager_autograd(True)
 
 
 def test_stack_a_replaced_weight_drops_to_lora_linear(triton_kernels):
