@@ -172,7 +172,7 @@ class EagerCalls:
 def _needs_grad(x, weight, bias, lora_a, lora_b, scale):
     """Whether autograd needs a lora_linear call on these (part of a bound call's key: a stack_a layer takes
     the stacked op without autograd and lora_linear with it, so each keeps its own binding)."""
-    return torch.is_grad_enabled() and torch._C._any_requires_grad(x, weight, bias, lora_a, lora_b, scale)
+    return torch.is_grad_enabled() and ops.any_requires_grad(x, weight, bias, lora_a, lora_b, scale)
 
 
 def _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta):

@@ -58,6 +58,15 @@ KERNELS = {}
 AUTOGRAD = {}
 _eager_autograd = [True]
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _any_requires_grad_py(*args):
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+# Whether any argument is a tensor that requires grad: torch's own C check (what torch.library's autograd
+# wrapper asks), a private name, so a Python loop where a torch lacks it.
+any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
 # Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
 MUTATES_FIRST = set()
 
@@ -110,7 +119,7 @@ def needs_dispatcher(args):
     op's :data:`AUTOGRAD` Function where it has one)."""
     if wrapped(args[0]):
         return True
-    return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+    return torch.is_grad_enabled() and any_requires_grad(*args)
 
 
 def set_eager_autograd(on):
@@ -128,7 +137,7 @@ def direct(name, args):
     :data:`AUTOGRAD` Function where autograd needs the call (LoRALinear binds such calls: lora_ops.eager)."""
     if wrapped(args[0]):
         return False
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+    if torch.is_grad_enabled() and any_requires_grad(*args):
         return name in AUTOGRAD and _eager_autograd[0] and _plain(args)
     return True
 
@@ -157,7 +166,7 @@ def call(name, *args):
     kernel = kernel_for(name, first)
     if kernel is None or wrapped(first):
         return getattr(torch.ops.lora_ops, name)(*args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+    if torch.is_grad_enabled() and any_requires_grad(*args):
         function = AUTOGRAD.get(name)
         if function is None or not _eager_autograd[0] or not _plain(args):
             return getattr(torch.ops.lora_ops, name)(*args)

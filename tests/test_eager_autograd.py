@@ -188,3 +188,11 @@ def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
         got = grads(lambda inp: checkpoint(block, inp, use_reentrant=mode == "reentrant"))
     for i, (a, b) in enumerate(zip(reference, got)):
         assert torch.equal(a, b), i
+
+
+def test_the_python_requires_grad_check_agrees_with_torchs():
+    """ops.any_requires_grad is torch's private C check where torch has it; the Python loop that stands in for
+    it elsewhere answers the same for what the ops take (tensors, None, ints, int lists)."""
+    plain, wants = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    for args in [(plain, None, 3, [1, 2]), (plain, wants), (None, [4], wants), (plain,), ()]:
+        assert ops._any_requires_grad_py(*args) == ops.any_requires_grad(*args), args
