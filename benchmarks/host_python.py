@@ -7,7 +7,8 @@ slower than this repository's CPU machine; benchmarks/host_overhead.py times the
 
 Rows (µs per call, the median of --rounds rounds, each the best of 3 x --calls calls, variants
 interleaved): F.linear; LoRALinear with and without bound calls; the same with stack_a against F.linear
-over its stack; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
+over its stack; a LoRALinear whose base runs its own forward (a hook; a quantized subclass alike) against
+that base; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
 of nn.Linear and of LoRALinear: with bound calls (lora_ops.autograd.BoundLoRALinear), without, and with
 neither them nor ops.AUTOGRAD (the dispatcher's autograd). "adds" = the row minus its base.
 
@@ -63,7 +64,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write host_python-cpu-<date>.md / .json here")
     args = ap.parse_args(argv)
     stub_launches()
-    layer, stacked, trained = make_layer(False), make_layer(True), make_layer(False)
+    layer, stacked, trained, hooked = make_layer(False), make_layer(True), make_layer(False), make_layer(False)
+    hooked.base.register_forward_hook(lambda module, args, out: None)   # the base runs its own forward
     for p in (trained.lora_a, trained.lora_b):
         p.requires_grad_(True)
     trained.base.weight.requires_grad_(False)
@@ -87,6 +89,10 @@ def main(argv=None):
         "F.linear over the stack": (bound(True), lambda: F.linear(x, stacked._stacked[0]), None),
         "stack_a": (bound(True), lambda: stacked(x), "F.linear over the stack"),
         "stack_a without bound calls": (bound(False), lambda: stacked(x), "F.linear over the stack"),
+        "nn.Linear with a forward hook": (bound(True), lambda: hooked.base(x), None),
+        "LoRALinear, base with a forward hook": (bound(True), lambda: hooked(x), "nn.Linear with a forward hook"),
+        "LoRALinear, base with a forward hook, without bound calls": (bound(False), lambda: hooked(x),
+                                                                      "nn.Linear with a forward hook"),
         "nn.Linear train step": (training_setup(True, True), train_step(linear), None),
         "LoRALinear train step": (training_setup(True, True), train_step(trained), "nn.Linear train step"),
         "LoRALinear train step without bound calls": (training_setup(False, True), train_step(trained),

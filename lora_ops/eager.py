@@ -137,6 +137,54 @@ class EagerCalls:
             self.replays += 1
         return out
 
+    def replay_delta(self, layer, x, y):
+        """For a layer whose base is not a bare nn.Linear (hooks, a subclass such as a quantized linear: its own
+        forward has run and returned ``y`` [M, N]): add the delta into ``y`` in place through a bound add_lora_
+        call and return True, or return False where none applies (the caller then calls add_lora_). Without
+        autograd and dropout only (the caller's conditions); the base's own forward is never bound."""
+        if not _enabled[0] or ops.wrapped(x) or type(y) is not torch.Tensor:
+            return False
+        bound = self._calls.get(("delta", *_shaped(x), *_shaped(y)))
+        if bound is None:
+            return False
+        params, buffers, context = layer._parameters, layer._buffers, layer.context
+        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
+        scale, rank = buffers.get("scale"), buffers.get("rank")
+        objects = bound.objects
+        if not (lora_a is objects[2] and lora_b is objects[3] and scale is objects[4] and rank is objects[5]
+                and context.meta is objects[6] and layer.slice_widths is objects[7]):
+            return False
+        if ((lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
+             scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) != bound.shapes
+                or _state() != bound.state or plan.launch_device(x) != bound.device):
+            return False
+        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *context.meta))
+        if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
+            torch.autograd.graph.increment_version(y)
+        self.replays += 1
+        return True
+
+    def bind_delta(self, layer, x, y):
+        """After add_lora_ ran on ``y`` (the base layer's output) and ``x`` without the dispatcher: keep the
+        call for their signatures where the op has a plan (:meth:`replay_delta`)."""
+        if not _enabled[0] or not (x.is_cuda or ops.get_cpu_backend() == "triton"):
+            return
+        params, buffers, context = layer._parameters, layer._buffers, layer.context
+        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
+        scale, rank = buffers.get("scale"), buffers.get("rank")
+        if lora_a is None or lora_b is None or scale is None or rank is None:
+            return
+        widths = layer.slice_widths
+        found = plan.lookup(plan.key(y, x, lora_a, lora_b, scale, rank, widths, *context.meta))
+        if found is None:
+            return
+        if len(self._calls) >= MAX_SIGNATURES:
+            self._calls.clear()
+        objects = (None, None, lora_a, lora_b, scale, rank, context.meta, widths, None)
+        shapes = (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
+        self._calls[("delta", *_shaped(x), *_shaped(y))] = _Bound("delta", found, objects, shapes, _shaped(y),
+                                                                  plan.launch_device(x))
+
     def bind(self, layer, x, weight, bias, out, stacked):
         """After the op's own eager call on ``x``, made without the dispatcher, returned ``out``
         (lora_linear's y, or lora_linear_stacked's whole output when ``stacked``): keep the call for ``x``'s

@@ -382,7 +382,12 @@ class LoRALinear(nn.Module):
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
             return ops.call("add_lora", y2d, x_lora, *args).view(y.shape)
+        bindable = eager and cast_to is None and not dropout
+        if bindable and self._eager.replay_delta(self, x2d, y2d):
+            return y
         ops.call("add_lora_", y2d, x_lora, *args)
+        if bindable and ops.direct("add_lora_", (y2d, x_lora, *args)):
+            self._eager.bind_delta(self, x2d, y2d)
         return y
 
     def _in_dtype(self, x, dtype):

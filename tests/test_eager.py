@@ -330,3 +330,57 @@ def test_a_layer_pickled_without_bound_calls_loads_with_them(triton_kernels):
     restored = pickle.loads(pickle.dumps(old))
     assert torch.equal(call(restored, x), expected) and torch.equal(call(restored, x), expected)
     assert restored._eager.replays == 1
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass of nn.Linear (as a quantized linear is): the layer runs its forward, then the delta op."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def hooked_layer(seed, kind):
+    layer = make_layer(seed)
+    if kind == "subclass":
+        base = ScaledLinear(K, N, bias=False).to(DEVICE)
+        with torch.no_grad():
+            base.weight.copy_(layer.base.weight)
+        layer.base = base
+    else:
+        layer.base.register_forward_hook(lambda module, args, out: out * 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["forward_hook", "subclass"])
+def test_a_base_with_its_own_forward_binds_the_delta(triton_kernels, kind):
+    """A base that is not a bare nn.Linear runs its own forward on every call (hooks fire); the add_lora_ call
+    after it binds and replays: the output and its version counter equal the op path's."""
+    layer = hooked_layer(15, kind)
+    for shape in ((10, K), (2, 5, K)):
+        M = shape[0] * (shape[1] if len(shape) == 3 else 1)
+        set_slots(layer, M, M)
+        call(layer, fresh_input(M, 0).view(shape))
+        for seed in (1, 2):
+            x = fresh_input(M, seed).view(shape)
+            replays = layer._eager.replays
+            out = call(layer, x)
+            assert layer._eager.replays == replays + 1, (shape, seed)
+            want = op_output(layer, x)
+            assert torch.equal(out, want) and out._version == want._version, (shape, seed)
+            expected = reference(layer, x.reshape(M, K)) - 0.5 * x.reshape(M, K).double().cpu() @ \
+                layer.base.weight.detach().double().cpu().T
+            assert rel_err(out.reshape(M, N), expected) <= TOLERANCE[torch.float32]
+
+
+def test_a_bound_delta_follows_the_layers_state(triton_kernels):
+    layer = hooked_layer(16, "forward_hook")
+    x = fresh_input(10, 0)
+    n, _ = replays_after(layer, x, lambda: None)
+    assert n == 1
+    new_b = torch.randn(layer.lora_b.shape, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    n, out = replays_after(layer, x, lambda: setattr(layer, "lora_b", nn.Parameter(new_b, requires_grad=False)))
+    assert n == 0 and torch.equal(out, op_output(layer, x))
+    layer.base.register_forward_hook(lambda module, args, out: out.half())   # another output dtype: the op's check
+    message = "y: expected dtype torch.float32 (the dtype of x), got torch.float16"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        call(layer, x)
