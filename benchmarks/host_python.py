@@ -27,24 +27,11 @@ from repo_path import HERE  # noqa: F401  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
-from lora_ops import eager, launch, launch_grad, ops, triton_launch  # noqa: E402
+from lora_ops import eager, ops  # noqa: E402
+from launch_stubs import stub_launches  # noqa: E402
 from lora_ops.layers import LoRALinear  # noqa: E402
 
 M, K, WIDTHS, L, R = 64, 64, (64, 16, 16), 4, 16
-
-
-def stub_launches():
-    """Route CPU tensors to the Triton launchers (every op's) and make each launch a no-op: the launchers'
-    own path (FastLauncher) and a plan's replay (the function ``bound`` returns) do everything but call
-    Triton's C launcher. Plans are built and replayed as on a GPU."""
-    triton_launch._current_stream = lambda device: 0
-    ops._cpu_backend = "triton"       # not set_cpu_backend: that asks for the interpreter
-    for name in ops.KERNELS:
-        module = launch_grad if hasattr(launch_grad, name) else launch
-        if hasattr(module, name):
-            ops.KERNELS[name]["cpu"] = getattr(module, name)
-    triton_launch.FastLauncher.__call__ = lambda self, grid, tensors, ints, **constexprs: None
-    triton_launch.FastLauncher.bound = lambda self, grid, tensors, ints, constexprs: lambda stream, pointers: None
 
 
 def make_layer(stack_a):

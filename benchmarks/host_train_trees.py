@@ -24,16 +24,9 @@ def time_tree(tree):
     import lora_ops
     if not os.path.abspath(lora_ops.__file__).startswith(os.path.abspath(tree)):
         sys.exit(f"host_train_trees: imported {lora_ops.__file__}, not the tree {tree}")
-    from lora_ops import launch, launch_grad, ops, triton_launch
     from lora_ops.layers import LoRALinear
-    triton_launch._current_stream = lambda device: 0
-    ops._cpu_backend = "triton"
-    for name in ops.KERNELS:
-        module = launch_grad if hasattr(launch_grad, name) else launch
-        if hasattr(module, name):
-            ops.KERNELS[name]["cpu"] = getattr(module, name)
-    triton_launch.FastLauncher.__call__ = lambda self, grid, tensors, ints, **constexprs: None
-    triton_launch.FastLauncher.bound = lambda self, grid, tensors, ints, constexprs: lambda stream, pointers: None
+    from launch_stubs import stub_launches   # (benchmarks/ is on sys.path: this script's folder)
+    stub_launches()
 
     ctx = lora_ops.LoRAContext(L, 256)
     layer = LoRALinear(nn.Linear(K, sum(WIDTHS), bias=False), ctx, R, WIDTHS)
