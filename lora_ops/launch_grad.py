@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 
 from csrc_meta import checks
-from lora_ops.configs.heuristics import (TARGET_PROGRAMS, block_m_for, cdiv, feature_block, max_token_tiles,
-                                         next_power_of_2, rank_align, rank_block, token_bucket)
+from lora_ops.configs.heuristics import (F32_WARPS, TARGET_PROGRAMS, block_m_for, cdiv, feature_block,
+                                         max_token_tiles, next_power_of_2, rank_align, rank_block, token_bucket)
 from lora_ops import configs, launch, plan
 from lora_ops.launch import Launch, Scratch, f32_operand_precision
 from lora_ops.kernels import grad as grad_kernels
@@ -35,10 +35,20 @@ class SegmentOuterConfig(NamedTuple):
     num_stages: int
 
 
-def grad_x_config(num_tokens, in_features, max_rank):
+def grad_x_config(num_tokens, in_features, max_rank, float32_gpu=False):
+    """``float32_gpu``: float32 on a GPU, whose IEEE dots spill in these tiles (heuristics.float32_tiles):
+    32-wide rank steps and column blocks, 8 warps."""
     block_m = block_m_for(token_bucket(num_tokens))
     block_n = feature_block(in_features)
+    if float32_gpu:
+        return GradXConfig(block_m, min(block_n, 32), min(rank_block(max_rank), 32), num_warps=F32_WARPS,
+                           num_stages=2)
     return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
+
+
+def takes_float32_tiles(t):
+    """Whether a backward launch on ``t``'s dtype and device takes float32's GPU tiles (grad_x_config)."""
+    return t.dtype is torch.float32 and t.is_cuda
 
 
 # H200, 4 slots, rank 64, 4096 tokens (2026-12-02): dA (Q = 4096) took 28 µs with 128-wide Q blocks (128
@@ -47,13 +57,16 @@ def grad_x_config(num_tokens, in_features, max_rank):
 WIDE_Q = 8192
 
 
-def segment_outer_config(p, q, num_slots):
+def segment_outer_config(p, q, num_slots, float32_gpu=False):
     """Narrow the Q blocks while the grid holds fewer than half of TARGET_PROGRAMS programs: each program
-    reduces a whole slot's tokens."""
-    block_p = rank_block(p)
-    block_q = feature_block(q)
+    reduces a whole slot's tokens. ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q
+    blocks at most, 32-token steps, 8 warps)."""
+    block_p = min(rank_block(p), 16) if float32_gpu else rank_block(p)
+    block_q = min(feature_block(q), 64) if float32_gpu else feature_block(q)
     while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS // 2:
         block_q //= 2
+    if float32_gpu:
+        return SegmentOuterConfig(block_t=32, block_p=block_p, block_q=block_q, num_warps=F32_WARPS, num_stages=2)
     if q >= WIDE_Q:
         return SegmentOuterConfig(block_t=32, block_p=block_p, block_q=block_q, num_warps=4, num_stages=3)
     return SegmentOuterConfig(block_t=64, block_p=block_p, block_q=block_q, num_warps=4, num_stages=2)
@@ -178,7 +191,7 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
 
     def build():
         dx = dx_spec.alloc(dh.device)
-        cfg = grad_x_config(M, K, lora_a.shape[2])
+        cfg = grad_x_config(M, K, lora_a.shape[2], takes_float32_tiles(lora_a))
         return [launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
                                    run=False)], (dx_spec,), (dx,)
     return plan.run(plan.op_key("lora_grad_x", (dh, lora_a), sorted_token_ids.shape[0],
@@ -196,7 +209,7 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
 
     def build():
         out = out_spec.alloc(v.device)
-        cfg = segment_outer_config(P, Q, L)
+        cfg = segment_outer_config(P, Q, L, takes_float32_tiles(v))
         return [launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
                                      run=False)], (out_spec,), (out,)
     return plan.run(plan.op_key("segment_outer", (u, v), L, sorted_token_ids.shape[0],
@@ -245,7 +258,7 @@ def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
 
     def build():
         out = out_spec.alloc(x.device)
-        cfg = segment_outer_config(R, K, L * S)
+        cfg = segment_outer_config(R, K, L * S, takes_float32_tiles(x))
         return [launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=False)], \
             (out_spec,), (out,)
     return plan.run(plan.op_key("lora_grad_a", (dh, x), L, sorted_token_ids.shape[0],
@@ -265,7 +278,7 @@ def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, 
 
     def build():
         out = out_spec.alloc(grad_out.device)
-        cfg = segment_outer_config(R, N, L)
+        cfg = segment_outer_config(R, N, L, takes_float32_tiles(grad_out))
         return [launch_lora_grad_b(out, h, grad_out, rank, widths, sorted_token_ids, slot_starts, slot_counts, cfg,
                                    run=False)], (out_spec,), (out,)
     return plan.run(plan.op_key("lora_grad_b", (grad_out, h), widths, L, sorted_token_ids.shape[0],

@@ -8,6 +8,7 @@ ptxas), and a census of the global loads by width. A rank mask on the contiguous
 shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §4).
 
     PYTHONPATH=. python tests/sm90_codegen.py --table     # every kernel's loads, registers, spills
+    PYTHONPATH=. python tests/sm90_codegen.py --float32-spills   # float32's GPU configs: registers, spills
 """
 import collections
 import inspect
@@ -274,12 +275,60 @@ def cases():
     yield "grad_h_r64", launch.SHRINK, grad_h
 
 
+def float32_launches():
+    """(label, launcher, run) of every kernel float32 launches on a GPU, in the configs a CUDA device resolves
+    for it (configs' heuristic in heuristics.float32_tiles; launch_grad's float32 configs), at ranks 16, 64 and
+    320 and 1 to 4096 tokens of a small qkv-like layer: what :func:`float32_spills` compiles."""
+    from lora_ops import configs, launch, launch_grad
+    from lora_ops.configs import tuning
+    cpu, f32, gpu = torch.device("cpu"), torch.float32, torch.device("cuda")
+    widths, K = [256, 128, 128], 512
+    N, S = sum(widths), len(widths)
+    for R in (16, 64, 320):
+        p = tuning.synthetic_problem(cpu, f32, K, widths, R, 4, 64)
+        dh = torch.randn(64, S, R)
+        for M in (1, 64, 256, 4096):
+            label = f"r{R} m{M}"
+            scfg = configs.shrink_config(M, K, S, R, 4, gpu, f32, out_features=N)
+            ecfg = configs.expand_config(M, N, S, R, 4, gpu, f32)
+            fcfg = configs.fused_config(M, K, N, S, R, 4, gpu, f32)
+            yield label + " shrink", launch.SHRINK, lambda p=p, c=scfg: launch.launch_shrink(
+                p["x"], p["A"], p["scale"], p["rank"], *p["meta"], torch.zeros(64, S, R), c)
+            yield label + " expand", launch.EXPAND, lambda p=p, c=ecfg: launch.launch_expand(
+                p["y"], p["h"].unsqueeze(0), p["B"], widths, p["rank"], *p["meta"], c)
+            if fcfg is not None:
+                yield label + " fused", launch.FUSED, lambda p=p, c=fcfg: launch.launch_fused(
+                    p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], widths, *p["meta"], c)
+        yield f"r{R} grad_x", launch_grad.GRAD_X, lambda p=p, dh=dh: launch_grad.launch_lora_grad_x(
+            torch.zeros(64, K), dh, p["A"], p["rank"], *p["meta"], launch_grad.grad_x_config(4096, K, R, True))
+        yield f"r{R} grad_a", launch_grad.SEGMENT_OUTER, lambda p=p, dh=dh: launch_grad.launch_lora_grad_a(
+            torch.empty(4, S, R, K), dh, p["x"], p["rank"], *p["meta"],
+            launch_grad.segment_outer_config(R, K, 4 * S, True))
+        yield f"r{R} grad_b", launch_grad.SEGMENT_OUTER, lambda p=p, dh=dh: launch_grad.launch_lora_grad_b(
+            torch.empty(4, N, R), dh, p["y"], p["rank"], widths, *p["meta"],
+            launch_grad.segment_outer_config(R, N, 4, True))
+
+
+def float32_spills():
+    """{label: (registers, spill bytes)} of :func:`float32_launches`, compiled for sm_90."""
+    out = {}
+    for label, launcher, run in float32_launches():
+        with recorded(launcher) as calls:
+            run()
+        for i, call in enumerate(calls):
+            out[f"{label} {i}" if i else label] = ptxas_usage(compile_sm90(launcher.kernel, *call[1:]).asm["ptx"])
+    return out
+
+
 def main(argv):
     """Compile every case; print a JSON object {case: summary} (the tests read it) or, with --table, a line
     per case. Run without TRITON_INTERPRET: the interpreter's kernels cannot be compiled."""
     import json
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("sm90_codegen: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+    if "--float32-spills" in argv:
+        print(json.dumps(float32_spills()))
+        return
     results = {}
     for name, launcher, run in cases():
         with recorded(launcher) as calls:

@@ -469,3 +469,30 @@ def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
         expected = torch.zeros_like(ref[name]) if ref[name].grad is None else ref[name].grad
         err = rel_err(t.grad, expected)
         assert err <= tol, f"d{name}: relative error {err:.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "rank_80"])
+def test_float32_gpu_tiles_compute_the_same_gradients(triton_kernels, monkeypatch, case_id):
+    """float32 on a GPU takes its own tiles (heuristics.float32_tiles, launch_grad's float32 configs: what
+    tests/test_codegen.py compiles without spills). Forced here on the interpreter's CPU tensors: the
+    forward and every gradient still match float64 (rank 80: the expand's rank in one block of 128 at
+    decode sizes, 16 columns a block)."""
+    from lora_ops import configs
+    from lora_ops.configs import heuristics
+    gpu = torch.device("cuda")
+    resolved = []
+
+    def on_gpu(real, leading):
+        def config(*a, **k):
+            cfg = real(*a[:leading], gpu, *a[leading + 1:], **k)
+            resolved.append(cfg)
+            return cfg
+        return config
+    for name, leading in (("shrink_config", 5), ("expand_config", 5), ("fused_config", 6)):
+        monkeypatch.setattr(configs, name, on_gpu(getattr(configs, name), leading))
+    monkeypatch.setattr(launch_grad, "takes_float32_tiles", lambda t: t.dtype is torch.float32)
+    spec = GRAD_CASES.get(case_id) or dict(M=9, K=24, N=20, num_slots=3, num_slices=2, max_rank=80, ranks=[80, 33, 0])
+    case = make_case(**spec, dtype=torch.float32, device=triton_kernels.device, seed=47)
+    M, _, N, *_ = case.shape
+    run_and_compare(case, signed((M, N), case), torch.float32)
+    assert any(c is not None and c.num_warps == heuristics.F32_WARPS for c in resolved), resolved

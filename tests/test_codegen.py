@@ -20,8 +20,8 @@ import sm90_codegen
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope="module")
-def codegen():
+def compiled(*flags):
+    """sm90_codegen.py's JSON output for ``flags``, compiled in a subprocess without the interpreter."""
     try:
         import triton.backends
         has_nvidia = "nvidia" in triton.backends.backends
@@ -31,10 +31,25 @@ def codegen():
         pytest.skip("Triton's NVIDIA backend is not installed here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_codegen.py")], capture_output=True, text=True,
-                         env=env, timeout=600)
+    run = subprocess.run([sys.executable, os.path.join(HERE, "sm90_codegen.py"), *flags], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def codegen():
+    return compiled()
+
+
+def test_float32_gpu_configs_compile_without_spills():
+    """float32's IEEE dots hold whole operand tiles in registers: in the bf16 tiles they spilled up to 53 KB a
+    thread (DESIGN §4). Every kernel float32 launches on a GPU, in the configs a CUDA device resolves for it
+    (heuristics.float32_tiles, launch_grad's float32 configs), at ranks 16-320 and 1-4096 tokens."""
+    usage = compiled("--float32-spills")
+    assert len(usage) >= 30
+    spilled = {label: regs_spills for label, regs_spills in usage.items() if regs_spills[1]}
+    assert not spilled, spilled
 
 
 CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_planes_r320",

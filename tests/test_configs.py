@@ -199,7 +199,9 @@ def test_distant_entries_are_not_used(fake_gpu_table):
 
 
 def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):
-    assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32) == heuristics.shrink_config(64, 4096, 3, 16, 4)
+    # (float32 on a GPU in float32's tiles: test_float32_takes_its_own_tiles_on_a_gpu_only)
+    assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32) == heuristics.float32_tiles(
+        heuristics.shrink_config(64, 4096, 3, 16, 4))
     assert configs.shrink_config(40, 4096, 3, 16, 4) == heuristics.shrink_config(64, 4096, 3, 16, 4)
 
 
@@ -643,3 +645,21 @@ def test_autotune_times_the_store_mode(monkeypatch):
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("store", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)
     assert best in cands and timed == [(c, (16, 40)) for c in cands]
+
+
+def test_float32_takes_its_own_tiles_on_a_gpu_only():
+    """On a CUDA device float32 resolves the heuristic in float32's tiles (heuristics.float32_tiles: narrower
+    feature tiles, 8 warps, the expand's rank tile kept); on the CPU (the interpreter) the heuristic as is."""
+    from lora_ops.configs import heuristics
+    configs.reset()
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for M, R in ((1, 16), (64, 64), (4096, 64), (64, 320), (4096, 320)):
+        for kind in ("shrink", "expand"):
+            get = getattr(configs, f"{kind}_config")
+            on_cpu, on_gpu = get(M, 512, 3, R, 4, cpu, torch.float32), get(M, 512, 3, R, 4, gpu, torch.float32)
+            assert on_gpu == heuristics.float32_tiles(on_cpu), (kind, M, R)
+            assert on_gpu.num_warps == heuristics.F32_WARPS and on_gpu != on_cpu, (kind, M, R)
+            if kind == "expand":
+                assert on_gpu.block_r == on_cpu.block_r and on_gpu.block_n <= 32, (M, R)
+            else:
+                assert on_gpu.block_r <= 16 and on_gpu.block_k <= 64 and on_gpu.split_k <= on_cpu.split_k, (M, R)

@@ -175,8 +175,10 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
     if forced == "split":
         return None, True
     fallback = _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, out_features)
-    if device.type != "cuda" or dtype == torch.float32:
+    if device.type != "cuda":
         return fallback, True
+    if dtype == torch.float32:      # the heuristic, in float32's own tiles (no table or autotune entries)
+        return (None if fallback is None else heuristics.float32_tiles(fallback)), True
     if _autotune["on"]:
         if torch.cuda.is_current_stream_capturing():
             return fallback, False

@@ -184,6 +184,31 @@ EXPAND_N_LOOP_MIN_BUCKET = 256
 EXPAND_MIN_PROGRAMS = 512
 
 
+# float32's dots are IEEE (lora_ops never computes float32 in TF32 behind the caller's back): FMA loops that
+# hold whole operand tiles in registers, where the bf16 tiles above spill on sm_90 (ptxas, Triton 3.6, a
+# qkv-like layer: lora_grad_x 53 KB a thread, segment_outer 18 KB, the expand up to 17 KB; DESIGN §4). On a
+# GPU float32 takes narrower tiles and 8 warps, which compile without spills at ranks 16-320 (tests:
+# sm90_codegen.float32_spills); the expand keeps its rank tile, on which its path (one block, or the rank
+# loop) and add_lora_'s split-K pairing depend. The CPU (the interpreter, the tests' float32) keeps the
+# tiles above.
+F32_WARPS = 8
+
+
+def float32_tiles(cfg):
+    """``cfg`` (a shrink, expand or one-launch config) as float32 takes it on a GPU."""
+    if isinstance(cfg, ShrinkConfig):
+        block_r = min(cfg.block_r, 16)
+        # More rank blocks fill the GPU: the split count shrinks as they grow (it was chosen for cfg.block_r).
+        return cfg._replace(block_r=block_r, block_k=min(cfg.block_k, 64), num_warps=F32_WARPS, slice_group=1,
+                            split_k=max(1, cdiv(cfg.split_k * block_r, cfg.block_r)))
+    if isinstance(cfg, ExpandConfig):   # (a rank in one block past 64, at decode sizes: 16 columns a block)
+        return cfg._replace(block_m=min(cfg.block_m, 64), block_n=min(cfg.block_n, 16 if cfg.block_r > 64 else 32),
+                            num_warps=F32_WARPS)
+    if isinstance(cfg, FusedConfig):
+        return cfg._replace(block_n=min(cfg.block_n, 32), block_k=min(cfg.block_k, 64), num_warps=F32_WARPS)
+    return cfg
+
+
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
