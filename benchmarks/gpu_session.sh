@@ -34,6 +34,9 @@
 #                                              # then grad_check's timing rows and train_profile at 1024
 #                                              # tokens for the tree in DIR (git archive of the commit
 #                                              # before, carried in .scratch) and this one in turn (~9 min)
+#     BASE=DIR bash benchmarks/gpu_session.sh float32   # session 25's float32 GPU tiles: the float32 GPU
+#                                              # tests of the launch paths and gradients, then the core
+#                                              # subset in float32 for the tree in DIR and this one (~7 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -85,6 +88,14 @@ elif [ "$MODE" = train ]; then
         step "profile_$tag" 60 python "$tree/benchmarks/train_profile.py" --tokens 1024 --layers qkv,o \
             --out "$R/profile_$tag"
     done
+elif [ "$MODE" = float32 ]; then
+    step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_autograd.py tests/test_write_first.py tests/test_fast_launch.py -k fp32
+    for tree in "${BASE:?BASE=the tree to compare}" .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        step "f32_$tag" 150 python "$tree/benchmarks/bench_lora.py" --grid core --subset --dtype float32 \
+            --peers '' --time-budget 120 --out "$R/f32_$tag"
+    done
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -125,7 +136,7 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad_base2 grad_new2 \
-        profile_base profile_new; do
+        profile_base profile_new f32_base f32_new; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
