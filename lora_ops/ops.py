@@ -138,8 +138,17 @@ def direct(name, args):
     if wrapped(args[0]):
         return False
     if torch.is_grad_enabled() and any_requires_grad(*args):
-        return name in AUTOGRAD and _eager_autograd[0] and _plain(args)
+        return _autograd_function(name, args) is not None
     return True
+
+
+def _autograd_function(name, args):
+    """The :data:`AUTOGRAD` Function :func:`call` runs for an eager call of ``name`` on ``args`` that needs
+    autograd, or None where the dispatcher runs it (no Function, switched off, a tensor subclass)."""
+    function = AUTOGRAD.get(name)
+    if function is None or not _eager_autograd[0] or not _plain(args):
+        return None
+    return function
 
 
 def _plain(args):
@@ -167,8 +176,8 @@ def call(name, *args):
     if kernel is None or wrapped(first):
         return getattr(torch.ops.lora_ops, name)(*args)
     if torch.is_grad_enabled() and any_requires_grad(*args):
-        function = AUTOGRAD.get(name)
-        if function is None or not _eager_autograd[0] or not _plain(args):
+        function = _autograd_function(name, args)
+        if function is None:
             return getattr(torch.ops.lora_ops, name)(*args)
         return function.apply(*args)
     out = kernel(*args)
