@@ -90,11 +90,18 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
     return out
 
 
+def slice_bounds(slice_widths):
+    """[(first column, end column)] of each packed output slice."""
+    bounds, col = [], 0
+    for n in slice_widths:
+        bounds.append((col, col + n))
+        col += n
+    return bounds
+
+
 def _expanded(y_rows, h, b, slice_widths):
     """y_rows + h @ B^T slice by slice, computed in float32 and rounded once to y's dtype."""
     out = y_rows.float()
-    col = 0
-    for i, n in enumerate(slice_widths):
-        out[:, col:col + n] += h[:, i] @ b[col:col + n].float().T
-        col += n
+    for i, (lo, hi) in enumerate(slice_bounds(slice_widths)):
+        out[:, lo:hi] += h[:, i] @ b[lo:hi].float().T
     return out.to(y_rows.dtype)

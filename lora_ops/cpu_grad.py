@@ -5,7 +5,7 @@ dtype. No autograd graph is recorded (the op owns autograd, whichever backend ru
 """
 import torch
 
-from lora_ops.cpu import _slot_runs, cpu_kernel
+from lora_ops.cpu import _slot_runs, cpu_kernel, slice_bounds
 
 
 @cpu_kernel
@@ -34,14 +34,6 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     return out
 
 
-def _slice_bounds(slice_widths):
-    bounds, col = [], 0
-    for n in slice_widths:
-        bounds.append((col, col + n))
-        col += n
-    return bounds
-
-
 @cpu_kernel
 def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     """dh [M, S, R] float32: dh[t, i, :r] = scale * grad_out[t, slice i] @ B[s_t, slice i, :r]; zeros elsewhere."""
@@ -51,7 +43,7 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
         r = min(r, R)
         g = grad_out[ids].float()
-        for i, (lo, hi) in enumerate(_slice_bounds(slice_widths)):
+        for i, (lo, hi) in enumerate(slice_bounds(slice_widths)):
             dh[ids, i, :r] = (g[:, lo:hi] @ lora_b[slot, lo:hi, :r].float()) * scale[slot]
     return dh
 
@@ -77,6 +69,6 @@ def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, 
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
         r = min(r, R)
         g = grad_out[ids].float()
-        for i, (lo, hi) in enumerate(_slice_bounds(slice_widths)):
+        for i, (lo, hi) in enumerate(slice_bounds(slice_widths)):
             out[slot, lo:hi, :r] = (g[:, lo:hi].T @ h[ids, i, :r]).to(out.dtype)
     return out
