@@ -45,14 +45,23 @@ def _meta_ok(num_slots, num_tokens, sorted_token_ids, slot_starts, slot_counts):
             and slot_counts.stride() == _UNIT)
 
 
+def _widths_ok(slice_widths, S, N):
+    return len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
+
+
+def _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts):
+    """rank [L] int32 at unit stride and the batch metadata of its L slots, for M tokens."""
+    return (rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
+            and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts))
+
+
 def _slot_args_ok(L, S, R, N, M, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     """The per-slot arguments and the batch metadata of a stack of L slots, S slices of N outputs in all, max
     rank R, for M tokens (the quick checks' shared part)."""
     return (L >= 1 and S >= 1 and R >= 1
             and scale.dtype is torch.float32 and scale.shape == (L,) and scale.stride() == _UNIT
-            and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
-            and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
-            and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts))
+            and rank.shape == (L,) and _widths_ok(slice_widths, S, N)
+            and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts))
 
 
 def _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
@@ -119,8 +128,7 @@ def _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_count
             return False
         return (dt in FLOAT_DTYPES and lora_a.dtype is dt and K_a == K and L >= 1 and S >= 1 and R >= 1
                 and scale.dtype is torch.float32 and scale.shape == (L,) and scale.stride() == _UNIT
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
-                and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
+                and rank.shape == (L,) and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dev, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
@@ -133,8 +141,7 @@ def _lora_grad_x_ok(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts
         if type(M) is not int:
             return False
         return (dh.dtype is torch.float32 and lora_a.dtype in FLOAT_DTYPES and S_a == S and R_a == R
-                and rank.dtype is INDEX_DTYPE and rank.shape == (L,) and rank.stride() == _UNIT
-                and _meta_ok(L, M, sorted_token_ids, slot_starts, slot_counts)
+                and rank.shape == (L,) and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dh.device, lora_a, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
@@ -147,8 +154,7 @@ def _segment_outer_ok(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         if type(M) is not int:
             return False
         return (u.dtype is torch.float32 and v.dtype in FLOAT_DTYPES and M_v == M
-                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
-                and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
+                and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(u.device, v, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
@@ -175,8 +181,7 @@ def _lora_grad_a_ok(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
         if type(M) is not int:
             return False
         return (dh.dtype is torch.float32 and x.dtype in FLOAT_DTYPES and M_x == M and S >= 1 and R >= 1
-                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
-                and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
+                and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(dh.device, x, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
@@ -189,9 +194,8 @@ def _lora_grad_b_ok(grad_out, h, rank, slice_widths, sorted_token_ids, slot_star
         if not (type(M) is int and type(N) is int):
             return False
         return (h.dtype is torch.float32 and grad_out.dtype in FLOAT_DTYPES and M_h == M and R >= 1
-                and len(slice_widths) == S and min(slice_widths) > 0 and sum(slice_widths) == N
-                and rank.dtype is INDEX_DTYPE and rank.dim() == 1 and rank.stride() == _UNIT
-                and _meta_ok(rank.shape[0], M, sorted_token_ids, slot_starts, slot_counts)
+                and _widths_ok(slice_widths, S, N)
+                and _rank_meta_ok(rank, M, sorted_token_ids, slot_starts, slot_counts)
                 and _on(grad_out.device, h, rank, sorted_token_ids, slot_starts, slot_counts))
     except _QUICK_ERRORS:
         return False
