@@ -95,26 +95,17 @@ class EagerCalls:
         base = layer._modules["base"]
         if (layer.training and context.dropout_p is not None) or not plain_linear(base):
             return None
-        params, buffers = layer._parameters, layer._buffers
         weight, bias = base._parameters.get("weight"), base._parameters.get("bias")
-        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
-        scale, rank = buffers.get("scale"), buffers.get("rank")
+        lora_a, lora_b, scale, rank = _adapters(layer)
         grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
         bound = self._calls.get((x.shape, x.stride(), x.dtype, grad))
         if bound is None:
             return None
         objects = bound.objects
-        if not (weight is objects[0] and bias is objects[1] and lora_a is objects[2] and lora_b is objects[3]
-                and scale is objects[4] and rank is objects[5] and context.meta is objects[6]
-                and layer.slice_widths is objects[7] and layer._stacked is objects[8]):
+        if not (weight is objects[0] and bias is objects[1] and layer._stacked is objects[8]
+                and _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank)):
             return None
-        launch = _LAUNCH[0]     # a bound call exists, so bind imported it
-        # (Written out: a helper call per tensor costs more than the reads.)
-        if ((lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
-             scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) != bound.shapes
-                or _state() != bound.state
-                or plan.launch_device(x) != bound.device or launch._overlaps(x)
-                or (grad and not ops.eager_autograd())):
+        if _LAUNCH[0]._overlaps(x) or (grad and not ops.eager_autograd()):   # (bind imported launch)
             return None
         meta = context.meta
         if bound.path == "stacked":     # (bound without autograd only: the stacked op has none)
@@ -147,18 +138,10 @@ class EagerCalls:
         bound = self._calls.get(("delta", *_shaped(x), *_shaped(y)))
         if bound is None:
             return False
-        params, buffers, context = layer._parameters, layer._buffers, layer.context
-        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
-        scale, rank = buffers.get("scale"), buffers.get("rank")
-        objects = bound.objects
-        if not (lora_a is objects[2] and lora_b is objects[3] and scale is objects[4] and rank is objects[5]
-                and context.meta is objects[6] and layer.slice_widths is objects[7]):
+        lora_a, lora_b, scale, rank = _adapters(layer)
+        if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
             return False
-        if ((lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
-             scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) != bound.shapes
-                or _state() != bound.state or plan.launch_device(x) != bound.device):
-            return False
-        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *context.meta))
+        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *layer.context.meta))
         if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
             torch.autograd.graph.increment_version(y)
         self.replays += 1
@@ -169,21 +152,20 @@ class EagerCalls:
         call for their signatures where the op has a plan (:meth:`replay_delta`)."""
         if not _enabled[0] or not (x.is_cuda or ops.get_cpu_backend() == "triton"):
             return
-        params, buffers, context = layer._parameters, layer._buffers, layer.context
-        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
-        scale, rank = buffers.get("scale"), buffers.get("rank")
+        lora_a, lora_b, scale, rank = _adapters(layer)
         if lora_a is None or lora_b is None or scale is None or rank is None:
             return
-        widths = layer.slice_widths
-        found = plan.lookup(plan.key(y, x, lora_a, lora_b, scale, rank, widths, *context.meta))
-        if found is None:
-            return
+        meta, widths = layer.context.meta, layer.slice_widths
+        found = plan.lookup(plan.key(y, x, lora_a, lora_b, scale, rank, widths, *meta))
+        if found is not None:
+            self._keep(("delta", *_shaped(x), *_shaped(y)), _Bound(
+                "delta", found, (None, None, lora_a, lora_b, scale, rank, meta, widths, None),
+                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(y), plan.launch_device(x)))
+
+    def _keep(self, key, bound):
         if len(self._calls) >= MAX_SIGNATURES:
             self._calls.clear()
-        objects = (None, None, lora_a, lora_b, scale, rank, context.meta, widths, None)
-        shapes = (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
-        self._calls[("delta", *_shaped(x), *_shaped(y))] = _Bound("delta", found, objects, shapes, _shaped(y),
-                                                                  plan.launch_device(x))
+        self._calls[key] = bound
 
     def bind(self, layer, x, weight, bias, out, stacked):
         """After the op's own eager call on ``x``, made without the dispatcher, returned ``out``
@@ -192,12 +174,10 @@ class EagerCalls:
         if not _enabled[0] or not (x.is_cuda or ops.get_cpu_backend() == "triton"):
             return              # (the CPU kernels keep no plans)
         launch = _launch()
-        params, buffers, context = layer._parameters, layer._buffers, layer.context
-        lora_a, lora_b = params.get("lora_a"), params.get("lora_b")
-        scale, rank = buffers.get("scale"), buffers.get("rank")
+        lora_a, lora_b, scale, rank = _adapters(layer)
         if lora_a is None or lora_b is None or scale is None or rank is None or launch._overlaps(x):
             return
-        meta = context.meta
+        meta = layer.context.meta
         widths = layer.slice_widths
         if stacked:
             path, key = "stacked", launch.stacked_plan_key(out, lora_b, scale, rank, widths, *meta)
@@ -206,15 +186,32 @@ class EagerCalls:
         else:
             path, key = "add", plan.key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         found = plan.lookup(key)
-        if found is None:
-            return
-        if len(self._calls) >= MAX_SIGNATURES:
-            self._calls.clear()
-        objects = (weight, bias, lora_a, lora_b, scale, rank, context.meta, widths, layer._stacked)
-        shapes = (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
-        out_shape = (out.shape, out.stride(), out.dtype)
-        grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
-        self._calls[(*_shaped(x), grad)] = _Bound(path, found, objects, shapes, out_shape, plan.launch_device(x))
+        if found is not None:
+            self._keep((*_shaped(x), _needs_grad(x, weight, bias, lora_a, lora_b, scale)), _Bound(
+                path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
+                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x)))
+
+
+def _adapters(layer):
+    """(lora_a, lora_b, scale, rank) from the layer's dicts (None where something moved one)."""
+    params, buffers = layer._parameters, layer._buffers
+    return params.get("lora_a"), params.get("lora_b"), buffers.get("scale"), buffers.get("rank")
+
+
+def _adapter_shapes(lora_a, lora_b, scale, rank):
+    return (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
+
+
+def _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
+    """Whether the adapter tensors, the metadata and the slice widths are the objects ``bound`` was bound to,
+    with the shapes, strides and dtypes it saw (:func:`_adapter_shapes`, written out: a helper call per
+    tensor costs more than the reads), under the same config state and on the same device."""
+    objects = bound.objects
+    return (lora_a is objects[2] and lora_b is objects[3] and scale is objects[4] and rank is objects[5]
+            and layer.context.meta is objects[6] and layer.slice_widths is objects[7]
+            and (lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
+                 scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) == bound.shapes
+            and _state() == bound.state and plan.launch_device(x) == bound.device)
 
 
 def _needs_grad(x, weight, bias, lora_a, lora_b, scale):
