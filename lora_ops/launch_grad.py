@@ -178,7 +178,20 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
              "use at most 65535 slots")
 
 
-# Both ops go through their shape key's plan (lora_ops.plan), their output allocated as the plan's scratch.
+# Every backward op goes through its shape key's plan (lora_ops.plan), its output allocated as the plan's
+# scratch.
+
+def _planned(name, out_spec, shaped, values, meta, make_launch):
+    """A backward op whose one launch writes one output, the plan's scratch (lora_ops.plan): its call's
+    tensors are ``shaped`` and then ``meta`` (rank and the batch metadata); the plan's key, ``shaped``'s shapes,
+    ``values``, the metadata's length and every 1-D stride; ``make_launch(out)``: the launch, not run, on the
+    output allocated from ``out_spec`` (the config resolved in it, on the plan's first call only)."""
+    def build():
+        out = out_spec.alloc(shaped[0].device)
+        return [make_launch(out)], (out_spec,), (out,)
+    return plan.run(plan.op_key(name, shaped, *values, meta[1].shape[0], plan.strides_1d(*meta)), (*shaped, *meta),
+                    build)[0]
+
 
 def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
@@ -188,15 +201,9 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     dx_spec = Scratch((M, K), lora_a.dtype, zero=True)
     if not (M and K):
         return dx_spec.alloc(dh.device)
-
-    def build():
-        dx = dx_spec.alloc(dh.device)
-        cfg = grad_x_config(M, K, lora_a.shape[2], takes_float32_tiles(lora_a))
-        return [launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
-                                   run=False)], (dx_spec,), (dx,)
-    return plan.run(plan.op_key("lora_grad_x", (dh, lora_a), sorted_token_ids.shape[0],
-                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
-                    (dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+    meta = (rank, sorted_token_ids, slot_starts, slot_counts)
+    return _planned("lora_grad_x", dx_spec, (dh, lora_a), (), meta, lambda dx: launch_lora_grad_x(
+        dx, dh, lora_a, *meta, grad_x_config(M, K, lora_a.shape[2], takes_float32_tiles(lora_a)), run=False))
 
 
 def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
@@ -206,15 +213,9 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
     out_spec = Scratch((L, P, Q), v.dtype)   # every element written
     if not (L and P and Q):
         return out_spec.alloc(v.device)
-
-    def build():
-        out = out_spec.alloc(v.device)
-        cfg = segment_outer_config(P, Q, L, takes_float32_tiles(v))
-        return [launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_counts, cfg,
-                                     run=False)], (out_spec,), (out,)
-    return plan.run(plan.op_key("segment_outer", (u, v), L, sorted_token_ids.shape[0],
-                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
-                    (u, v, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+    meta = (rank, sorted_token_ids, slot_starts, slot_counts)
+    return _planned("segment_outer", out_spec, (u, v), (L,), meta, lambda out: launch_segment_outer(
+        out, u, v, *meta, segment_outer_config(P, Q, L, takes_float32_tiles(v)), run=False))
 
 
 # The backward of the delta, every packed slice in one launch per op (lora_ops.autograd): one op call and
@@ -255,15 +256,9 @@ def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
     out_spec = Scratch((L, S, R, K), x.dtype)   # every element written
     if not (L and K):
         return out_spec.alloc(x.device)
-
-    def build():
-        out = out_spec.alloc(x.device)
-        cfg = segment_outer_config(R, K, L * S, takes_float32_tiles(x))
-        return [launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=False)], \
-            (out_spec,), (out,)
-    return plan.run(plan.op_key("lora_grad_a", (dh, x), L, sorted_token_ids.shape[0],
-                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
-                    (dh, x, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+    meta = (rank, sorted_token_ids, slot_starts, slot_counts)
+    return _planned("lora_grad_a", out_spec, (dh, x), (L,), meta, lambda out: launch_lora_grad_a(
+        out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x)), run=False))
 
 
 def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
@@ -275,12 +270,7 @@ def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, 
     out_spec = Scratch((L, N, R), grad_out.dtype)   # every element written
     if not L:
         return out_spec.alloc(grad_out.device)
-
-    def build():
-        out = out_spec.alloc(grad_out.device)
-        cfg = segment_outer_config(R, N, L, takes_float32_tiles(grad_out))
-        return [launch_lora_grad_b(out, h, grad_out, rank, widths, sorted_token_ids, slot_starts, slot_counts, cfg,
-                                   run=False)], (out_spec,), (out,)
-    return plan.run(plan.op_key("lora_grad_b", (grad_out, h), widths, L, sorted_token_ids.shape[0],
-                                plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
-                    (grad_out, h, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+    meta = (rank, sorted_token_ids, slot_starts, slot_counts)
+    return _planned("lora_grad_b", out_spec, (grad_out, h), (widths, L), meta, lambda out: launch_lora_grad_b(
+        out, h, grad_out, rank, widths, *meta[1:], segment_outer_config(R, N, L, takes_float32_tiles(grad_out)),
+        run=False))
