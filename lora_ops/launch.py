@@ -49,12 +49,6 @@ def f32_operand_precision(dtype):
     return F32_OPERAND_PRECISION[dtype]
 
 
-def dot_precision(dtype):
-    """tl.dot's input precision for the shrink's x · A in ``dtype``: IEEE for float32 (never TF32 behind the
-    caller's back); 16-bit operands ignore it."""
-    return _DOT_PRECISION[dtype]
-
-
 def slice_layout(slice_widths, block_n):
     """(column offsets, column-block offsets) of the output slices, S + 1 entries each."""
     return _slice_layout(tuple(slice_widths), block_n)
@@ -123,7 +117,7 @@ def shrink_grid(M, S, R, L, cfg):
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
-                  sum_scratch=None, run=True, pdl=False):
+                  sum_scratch=None, run=True, pdl=False, slice_k=None):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
     h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`), or [planes, M, S, R] in x's 16-bit
     dtype: h as bf16 terms (:func:`h_planes`: hi, then lo = h - hi), for the expand's rank loop.
@@ -131,9 +125,13 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     With ``partials_out`` (and split-K), h is [split_k, M, S, R] and gets each split's partial sums, for
     a consumer that adds them in order (launch_expand): no counters, no zero-fill, one round trip less.
     Otherwise a split-K shrink sums its splits in ``sum_scratch`` (the buffers :func:`shrink_sum_scratch`
-    names; allocated here when not given). Returns the :class:`Launch`, run unless ``run`` is False."""
+    names; allocated here when not given). Returns the :class:`Launch`, run unless ``run`` is False.
+
+    ``slice_k`` (with cfg.slice_group 1): S + 1 feature offsets, slice i reading x's and A's features
+    [slice_k[i], slice_k[i + 1]) only (kernels.shrink's SLICE_K: the backward's dh, launch_grad.lora_grad_h)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
+    assert slice_k is None or cfg.slice_group == 1, "slice_k: each program reads one slice's features"
     grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
     planes = planes_in(h)
@@ -155,7 +153,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
          *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
-             DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R),
+             DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R), SLICE_K=slice_k,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
@@ -415,9 +413,10 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
 
 
 def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h_spec, cfg,
-                        partials_out=False, pdl=False):
+                        partials_out=False, pdl=False, slice_k=None):
     """The shrink's launch (not run) into an h allocated from ``h_spec``, with the scratch it takes as specs
-    and as buffers: h first, then what a split-K shrink that sums its own splits needs."""
+    and as buffers: h first, then what a split-K shrink that sums its own splits needs (``slice_k``: as
+    :func:`launch_shrink` takes it)."""
     M = x.shape[0]
     L, S, R, _ = lora_a.shape
     partials_out = partials_out and cfg.split_k > 1
@@ -425,7 +424,8 @@ def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, s
     scratch = (h_spec, *sums)
     buffers = tuple(spec.alloc(x.device) for spec in scratch)
     launch = launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,
-                           partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl)
+                           partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl,
+                           slice_k=slice_k)
     return launch, scratch, buffers
 
 

@@ -89,35 +89,6 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     ).run_if(run)
 
 
-def launch_lora_grad_h(dh, grad_out, b_t, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, cfg,
-                       sum_scratch=(), run=True):
-    """dh [M, S, R] float32 gets scale * grad_out[:, slice i] @ B[slot, slice i] for every slice in one launch:
-    the shrink kernel with x = grad_out [M, N] and A = b_t [L, R, N] (B^T, features contiguous) for every
-    slice (stride 0 between slices), slice i over its own columns (SLICE_K); cfg.slice_group must be 1.
-    ``sum_scratch``: a split-K shrink's buffers (launch.shrink_sum_scratch). Returns the :class:`Launch`,
-    run unless ``run`` is False."""
-    M, N = grad_out.shape
-    L, R, _ = b_t.shape
-    S = len(slice_widths)
-    assert cfg.slice_group == 1, "lora_grad_h: each program reads one slice's columns"
-    if cfg.split_k > 1:
-        part, arrivals = sum_scratch
-        part_strides = part.stride()
-    else:   # one split: its partial sums are dh itself (the part stride is never used)
-        part, arrivals, part_strides = dh, sorted_token_ids, (dh.stride(0) * M, *dh.stride())
-    return Launch(
-        launch.SHRINK, launch.shrink_grid(M, S, R, L, cfg),
-        (grad_out, b_t, dh, part, arrivals, scale, rank, sorted_token_ids, slot_starts, slot_counts),
-        (M, N, S, L, R, sorted_token_ids.shape[0], cfg.split_k, *grad_out.stride(),
-         b_t.stride(0), 0, b_t.stride(1), b_t.stride(2), *dh.stride(), 0, *part_strides,
-         *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
-        dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=1, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k > 1,
-             PARTIALS_OUT=False, SLOTS_POW2=next_power_of_2(L), DOT_PRECISION=launch.dot_precision(grad_out.dtype),
-             H_PLANES=0, RANK_ALIGN=rank_align(R), SLICE_K=launch.slice_layout(slice_widths, 1)[0],
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=False),
-    ).run_if(run)
-
-
 def launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_counts, cfg, run=True):
     """out [L, S, R, K] = per slot and slice, the sum of dh[:, i]^T x over the slot's tokens (every element
     written): segment_outer with the slices' rank blocks on grid axis 1. Returns the :class:`Launch`, run
@@ -232,20 +203,21 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
     dh_spec = Scratch((M, S, R), torch.float32, zero=True)
     if M == 0:
         return dh_spec.alloc(grad_out.device)
-    # B^T with the features contiguous, as a forward A [L, S, R, K] lies: read in B's own layout (rank
-    # contiguous), the shrink took 1.7-4x the time (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by
-    # config against 40 contiguous; the copy 25 µs).
-    b_t = lora_b.transpose(1, 2).contiguous()
+    # Every slice's A is B^T (stride 0 between slices), each slice's programs reading only its own columns of
+    # grad_out and of B^T (launch.launch_shrink's slice_k). B^T is copied with the features contiguous, as a
+    # forward A lies: read in B's own layout (rank contiguous), the shrink took 1.7-4x the time (H200, gate_up
+    # r64 at 4096 tokens: 66-179 µs a slice by config against 40 contiguous; the copy 25 µs).
+    a = lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, S, R, N)
 
     def build():
         cfg = configs.shrink_config(M, max(widths), S, R, L, grad_out.device, grad_out.dtype)._replace(slice_group=1)
-        scratch = (dh_spec, *launch.shrink_sum_scratch(M, S, R, launch.shrink_grid(M, S, R, L, cfg), cfg))
-        buffers = tuple(spec.alloc(grad_out.device) for spec in scratch)
-        return [launch_lora_grad_h(buffers[0], grad_out, b_t, scale, rank, widths, sorted_token_ids, slot_starts,
-                                   slot_counts, cfg, buffers[1:], run=False)], scratch, buffers
-    return plan.run(plan.op_key("lora_grad_h", (grad_out, b_t), widths, sorted_token_ids.shape[0],
+        shrink, scratch, buffers = launch.shrink_with_scratch(grad_out, a, scale, rank, sorted_token_ids,
+                                                              slot_starts, slot_counts, dh_spec, cfg,
+                                                              slice_k=launch.slice_layout(widths, 1)[0])
+        return [shrink], scratch, buffers
+    return plan.run(plan.op_key("lora_grad_h", (grad_out, a), widths, sorted_token_ids.shape[0],
                                 plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
-                    (grad_out, b_t, scale, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+                    (grad_out, a, scale, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
 
 
 def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):

@@ -266,12 +266,12 @@ def cases():
     yield "grad_b_r64", launch_grad.SEGMENT_OUTER, grad_b
 
     def grad_h(p=p):
-        b_t = p["B"].transpose(1, 2).contiguous()
+        a = p["B"].transpose(1, 2).contiguous().unsqueeze(1).expand(4, 3, 64, 768)   # B^T, every slice's A
         cfg = configs.heuristics.shrink_config(256, 512, 3, 64, 4)._replace(slice_group=1)
         grid = launch.shrink_grid(256, 3, 64, 4, cfg)
         sums = [s.alloc(cpu) for s in launch.shrink_sum_scratch(256, 3, 64, grid, cfg)]
-        launch_grad.launch_lora_grad_h(torch.zeros(256, 3, 64), grad_out, b_t, p["scale"], p["rank"], [512, 128, 128],
-                                       *p["meta"], cfg, sums)
+        launch.launch_shrink(grad_out, a, p["scale"], p["rank"], *p["meta"], torch.zeros(256, 3, 64), cfg,
+                             sum_scratch=sums, slice_k=launch.slice_layout([512, 128, 128], 1)[0])
     yield "grad_h_r64", launch.SHRINK, grad_h
 
 

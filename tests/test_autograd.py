@@ -358,8 +358,9 @@ def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
 
 def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     """dA's and dB's launchers write all of their output (the ops never zero-fill it): poisoned with NaN,
-    every element comes back a number and right; dh's launcher writes every entry of an adapted token up to
-    its slot's rank (the op zero-fills dh for the rest)."""
+    every element comes back a number and right; dh's launch (the shrink over each slice's own columns,
+    launch_shrink's slice_k) writes every entry of an adapted token up to its slot's rank (the op zero-fills
+    dh for the rest)."""
     backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=43)
     M, K, N, L, S, R = case.shape
@@ -372,14 +373,14 @@ def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     launch_grad.launch_lora_grad_b(db, u, grad_out, case.rank, case.slice_widths, *case.meta, cfg)
     assert not db.isnan().any() and rel_err(db, grad_b_reference(grad_out, u, case)) <= TOLERANCE[torch.float32]
     dh = torch.full((M, S, R), float("nan"), device=x.device)
-    b_t = case.lora_b.transpose(1, 2).contiguous()
+    a = case.lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, S, R, N)   # B^T, every slice's A
+    cols = launch.slice_layout(case.slice_widths, 1)[0]
     for split_k in (1, 3):    # split-K: each slice's columns cut in three, the last split adding them
         cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, 1)
         sums = [spec.alloc(x.device) for spec in launch.shrink_sum_scratch(M, S, R, launch.shrink_grid(M, S, R, L, cfg),
                                                                            cfg)]
         dh.fill_(float("nan"))
-        launch_grad.launch_lora_grad_h(dh, grad_out, b_t, case.scale, case.rank, case.slice_widths, *case.meta, cfg,
-                                       sums)
+        launch.launch_shrink(grad_out, a, case.scale, case.rank, *case.meta, dh, cfg, sum_scratch=sums, slice_k=cols)
         want = grad_h_reference(grad_out, case)
         ranks = case.rank.tolist()
         for t, s in enumerate(case.token_slots.tolist()):
