@@ -124,7 +124,7 @@ def main(argv=None):
     def expand():
         launch.launch_expand(y, h, layer.lora_b, list(layer.slice_widths), layer.rank, *layer.context.meta, ecfg)
 
-    real_needs_dispatcher = ops.needs_dispatcher
+    real_wrapped = ops.wrapped
     real_direct_allowed = triton_launch._direct_allowed
 
     real_workspace_bytes = plan.WORKSPACE_BYTES
@@ -134,7 +134,8 @@ def main(argv=None):
         eager.set_enabled(bound)      # off: every LoRALinear call takes the op's path (checks, plan key)
         # off: every replay allocates its scratch (lora_ops.plan's workspace holds none)
         plan.WORKSPACE_BYTES = real_workspace_bytes if workspace else 0
-        ops.needs_dispatcher = (lambda args: True) if dispatcher else real_needs_dispatcher
+        # on: ops.call sends every call through torch.ops, as for a traced or wrapped one
+        ops.wrapped = (lambda first: True) if dispatcher else real_wrapped
         # off: plan replays call Triton's CudaLauncher, not its C launch function (triton_launch.direct_launch)
         triton_launch._direct_allowed = real_direct_allowed if direct else (lambda: False)
         plan.set_enabled(plans)       # off: every call resolves its launches (and plans are rebuilt)

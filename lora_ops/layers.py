@@ -358,7 +358,7 @@ class LoRALinear(nn.Module):
                 op_args = (x2d, stacked, stacked_bias, lora_b, scale, rank, self.slice_widths, *context.meta)
                 full = ops.call("lora_linear_stacked", *op_args)
                 out = full[:, :weight.shape[0]]
-                if eager and not ops.needs_dispatcher(op_args):
+                if eager and ops.direct("lora_linear_stacked", op_args):
                     self._eager.bind(self, x2d, weight, bias, full, stacked=True)
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward

@@ -111,17 +111,6 @@ def wrapped(first):
             or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active())
 
 
-def needs_dispatcher(args):
-    """Whether an op call on ``args`` must go through torch.ops: while tracing (torch.compile, export),
-    for tensor subclasses (fake, functional, user subclasses; judged by the first argument), under a
-    TorchDispatchMode (FlopCounterMode, debug modes) or a functorch transform (vmap, grad), and where
-    autograd must see the call (grad mode on and some argument requires grad; :func:`call` then runs the
-    op's :data:`AUTOGRAD` Function where it has one)."""
-    if wrapped(args[0]):
-        return True
-    return torch.is_grad_enabled() and any_requires_grad(*args)
-
-
 def set_eager_autograd(on):
     """Run eager calls that need autograd through the op's own autograd.Function (default) or through the
     dispatcher's autograd for the op (the same formula; benchmarks and tests compare)."""
@@ -134,7 +123,11 @@ def eager_autograd():
 
 def direct(name, args):
     """Whether :func:`call` runs op ``name`` on ``args`` without the dispatcher: its kernel, or its
-    :data:`AUTOGRAD` Function where autograd needs the call (LoRALinear binds such calls: lora_ops.eager)."""
+    :data:`AUTOGRAD` Function where autograd needs the call (LoRALinear binds such calls: lora_ops.eager).
+    Not while tracing (torch.compile, export), for tensor subclasses (fake, functional, user subclasses;
+    judged by the first argument), under a TorchDispatchMode (FlopCounterMode, debug modes) or a functorch
+    transform (vmap, grad) (:func:`wrapped`), nor where autograd needs the call and the op has no Function
+    of ours for it (or the Function is switched off, or an argument is a subclass)."""
     if wrapped(args[0]):
         return False
     if torch.is_grad_enabled() and any_requires_grad(*args):
@@ -161,7 +154,7 @@ def _plain(args):
 
 def call(name, *args):
     """``torch.ops.lora_ops.<name>(*args)``, straight to the registered kernel when the dispatcher adds
-    nothing (see :func:`needs_dispatcher`): in eager mode the dispatcher costs ~25 µs of host time per
+    nothing (see :func:`direct`): in eager mode the dispatcher costs ~25 µs of host time per
     call on the H200 host (benchmarks/host_overhead.py), about one whole Triton launch. The kernel is the
     one the dispatcher would run, with its checks; an in-place op bumps its output's version counter as
     the dispatcher would.

@@ -181,14 +181,22 @@ def test_call_goes_through_the_dispatcher_under_a_dispatch_mode():
     assert any("lora_ops.add_lora_" in name for name in mode.ops), mode.ops
 
 
-def test_needs_dispatcher_when_autograd_must_see_the_call():
+def test_the_dispatcher_runs_calls_autograd_must_see_without_a_function_of_ours():
+    """ops.direct: add_lora_ (in place) has no autograd Function of ours, so a call autograd must see takes the
+    dispatcher; lora_linear has one (ops.AUTOGRAD), unless it is switched off."""
     plain, wants_grad = torch.zeros(2), torch.zeros(2, requires_grad=True)
-    assert ops.needs_dispatcher((wants_grad, plain))
-    assert ops.needs_dispatcher((plain, plain, 3, wants_grad))     # any argument, not only the first
+    assert not ops.direct("add_lora_", (wants_grad, plain))
+    assert not ops.direct("add_lora_", (plain, plain, 3, wants_grad))     # any argument, not only the first
     with torch.no_grad():
-        assert not ops.needs_dispatcher((wants_grad, plain))
-    assert ops.needs_dispatcher((torch.nn.Parameter(torch.zeros(2), requires_grad=False),))  # a subclass
-    assert not ops.needs_dispatcher((plain, plain, [1, 2]))
+        assert ops.direct("add_lora_", (wants_grad, plain))
+    assert not ops.direct("add_lora_", (torch.nn.Parameter(torch.zeros(2), requires_grad=False),))  # a subclass
+    assert ops.direct("add_lora_", (plain, plain, [1, 2]))
+    assert ops.direct("lora_linear", (wants_grad, plain))
+    ops.set_eager_autograd(False)
+    try:
+        assert not ops.direct("lora_linear", (wants_grad, plain))
+    finally:
+        ops.set_eager_autograd(True)
 
 
 # ---- the real kernels on a GPU with the shortcut taken -------------------------------------------
