@@ -348,6 +348,8 @@ class LoRALinear(nn.Module):
             weight, bias = base._parameters["weight"], base._parameters["bias"]
             if cast_to is not None:
                 x2d, weight, bias = (autocast_cast(t, cast_to) for t in (x2d, weight, bias))
+            # (requires_grad read tensor by tensor, not through ops.any_requires_grad: Dynamo traces this
+            # forward and cannot trace that C call, a graph break under fullgraph=True.)
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
                     and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
                                                           or lora_a.requires_grad or lora_b.requires_grad
