@@ -37,6 +37,9 @@
 #     BASE=DIR bash benchmarks/gpu_session.sh float32   # session 25's float32 GPU tiles: the float32 GPU
 #                                              # tests of the launch paths and gradients, then the core
 #                                              # subset in float32 for the tree in DIR and this one (~7 min)
+#     bash benchmarks/gpu_session.sh turns     # the rank loop's planes in turn (session 26 lab, one dot a
+#                                              # step): its GPU test, then lab_planes_in_turn.py on the
+#                                              # high-rank rows at 1024 / 4096 tokens, both modes (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -96,6 +99,11 @@ elif [ "$MODE" = float32 ]; then
         step "f32_$tag" 150 python "$tree/benchmarks/bench_lora.py" --grid core --subset --dtype float32 \
             --peers '' --time-budget 120 --out "$R/f32_$tag"
     done
+elif [ "$MODE" = turns ]; then
+    step tests 90 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_kernels_property.py -k "planes_in_turn or takes_h_as_bf16_planes"
+    # Store mode first (lora_linear's path from 1024 tokens), Llama's rows before Phi-4-mini's.
+    step turns 470 env BUDGET=440 python benchmarks/lab_planes_in_turn.py
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -136,7 +144,7 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad_base2 grad_new2 \
-        profile_base profile_new f32_base f32_new; do
+        profile_base profile_new f32_base f32_new turns; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

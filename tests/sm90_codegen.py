@@ -165,11 +165,15 @@ def _census(ptx):
 def summary(compiled):
     """{'registers', 'spill_bytes', 'loads': {'cp.async 16 B': n, 'ld.global 2 B': n, ...},
     'wgmma_a': where the MMAs' left operands come from (:func:`wgmma_operands`),
+    'wgmma_waits': the wgmma.wait_group counts in PTX order (0: every MMA in flight waited for; a pipelined
+    loop waits for all but its last, 1), 'shared_bytes',
     'loads_before_wait': the same census before the first griddepcontrol.wait (PDL), or None without one}"""
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_usage(ptx)
     wait = ptx.find("griddepcontrol.wait")
     return {"registers": regs, "spill_bytes": spills, "loads": _census(ptx), "wgmma_a": wgmma_operands(ptx),
+            "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
+            "shared_bytes": compiled.metadata.shared,
             "loads_before_wait": _census(ptx[:wait]) if wait >= 0 else None}
 
 
@@ -206,6 +210,11 @@ def cases():
     def expand_store_planes(p=p):   # lora_linear's write-first path: y = the delta, the GEMM adds onto it
         launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg, accumulate=False)
     yield "expand_rank_loop_planes_store_r320", launch.EXPAND, expand_store_planes
+
+    def expand_planes_in_turn(p=p):   # the lab variant (benchmarks/lab_planes_in_turn.py): one dot a step
+        lc = launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg, run=False)
+        lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": True})()
+    yield "expand_rank_loop_planes_in_turn_r320", launch.EXPAND, expand_planes_in_turn
 
     # Under PDL: add_lora_'s expand (y and B loaded before its wait) and the stacked path's (behind the GEMM,
     # which writes y and h: only metadata, token ids and the scale before the wait), both code paths.

@@ -53,7 +53,8 @@ def test_float32_gpu_configs_compile_without_spills():
 
 
 CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loop_r320", "shrink_planes_r320",
-         "expand_rank_loop_planes_r320", "expand_rank_loop_planes_store_r320", "expand_pdl_r16",
+         "expand_rank_loop_planes_r320", "expand_rank_loop_planes_store_r320",
+         "expand_rank_loop_planes_in_turn_r320", "expand_pdl_r16",
          "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
          "grad_x_r64", "segment_outer_r64", "grad_a_r64", "grad_b_r64", "grad_h_r64"]
 
@@ -75,9 +76,20 @@ def test_no_narrow_cp_async(codegen, case):
 
 
 @pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320",
-                                  "expand_rank_loop_planes_store_r320"])
+                                  "expand_rank_loop_planes_store_r320", "expand_rank_loop_planes_in_turn_r320"])
 def test_rank_loop_streams_its_operands(codegen, case):
     assert codegen[case]["loads"].get("cp.async 16 B", 0) > 0, codegen[case]
+
+
+def test_planes_in_turn_pipeline_their_mmas(codegen):
+    """The rank loop's lab variant with the planes taking turns (one dot a step) keeps a wgmma group in flight
+    across steps (wait_group 1), which the shipped loop's two dots a step did not under Triton 3.6 and 3.9
+    (only wait_group 0: the hi plane's MMAs run exposed, DESIGN §4); a stage holds one h block and B's, not
+    two h blocks and B's, so less shared memory; no spills, no register operand."""
+    turns, shipped = codegen["expand_rank_loop_planes_in_turn_r320"], codegen["expand_rank_loop_planes_r320"]
+    assert 1 in turns["wgmma_waits"], turns["wgmma_waits"]
+    assert turns["shared_bytes"] < shipped["shared_bytes"], (turns["shared_bytes"], shipped["shared_bytes"])
+    assert turns["spill_bytes"] == 0 and turns["wgmma_a"].get("registers", 0) == 0, turns
 
 
 def test_store_mode_loads_no_y(codegen):
@@ -104,8 +116,8 @@ def test_stacked_expand_reads_nothing_of_the_gemm_before_its_wait(codegen, case)
 
 
 @pytest.mark.parametrize("case", ["expand_rank_loop_r320", "expand_rank_loop_planes_r320",
-                                  "expand_rank_loop_planes_store_r320", "grad_x_r64", "segment_outer_r64",
-                                  "grad_a_r64", "grad_b_r64"])
+                                  "expand_rank_loop_planes_store_r320", "expand_rank_loop_planes_in_turn_r320",
+                                  "grad_x_r64", "segment_outer_r64", "grad_a_r64", "grad_b_r64"])
 def test_looped_mmas_read_the_float32_operand_from_shared_memory(codegen, case):
     """No wgmma of these kernels' loops takes its left operand from registers (before session 20 every one
     of them did, and the rank loop's wrote wrong values on the H200 in some runs). The float32 rank loop's

@@ -430,6 +430,32 @@ def test_rank_loop_takes_h_as_bf16_planes(triton_backend, checked_dtype, split, 
             torch.testing.assert_close(summed[rows][..., :r], h_ref[rows][..., :r], rtol=2 ** -14, atol=1e-5)
 
 
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "store"])
+def test_planes_in_turn_match_the_planes_loop_bit_for_bit(triton_backend, bf16_interpreter, accumulate):
+    """The rank loop's lab variant (kernels.expand, PLANES_IN_TURN: one dot a step, the planes taking turns)
+    multiplies the same terms in the same order as the shipped loop, so y is the same to the bit (a missing
+    or wrong term shows; an order of the same terms would mostly hide in bf16's rounding of y). Every row the
+    metadata names is written (y poisoned with NaN in the store mode)."""
+    R, ecfg = 80, ExpandConfig(16, 16, 32, 4, 2)   # two full rank blocks and a partial one
+    case = make_case(37, 48, 40, 3, 2, R, dtype=torch.bfloat16, device=triton_backend.device, seed=12)
+    h = launch.shrink_buffer(case.x, case.lora_a, PLANES_PAIRS["one_split"], ecfg)
+    assert h.shape[0] == 2, h.shape
+    launch.launch_shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta, h, PLANES_PAIRS["one_split"])
+    y_in = case.new_y("random") if accumulate else torch.full_like(case.new_y("random"), math.nan)
+    outs = {}
+    for in_turn in (False, True):
+        y = y_in.clone()
+        lc = launch.launch_expand(y, h, case.lora_b, case.slice_widths, case.rank, *case.meta, ecfg, run=False,
+                                  accumulate=accumulate)
+        assert lc.constexprs["H_PLANES"] == 2 and not lc.constexprs["ONE_RANK_BLOCK"]
+        lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": in_turn})()
+        outs[in_turn] = y
+    assert not outs[True].isnan().any()
+    assert torch.equal(outs[True], outs[False])
+    ref = case.delta_reference()
+    assert_delta_close(outs[True], y_in if accumulate else torch.zeros_like(y_in), ref, torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------------
 # Isolation: a NaN in one slot's weights (or one token's x) reaches exactly the outputs it should
 # ------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def expand_kernel(
     ONE_RANK_BLOCK: tl.constexpr, PART_CHUNK: tl.constexpr, SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr,
     H_PRECISION: tl.constexpr, PDL: tl.constexpr = False, SCALE_BY_SLOT: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = True, M_LOOP: tl.constexpr = 1, H_PLANES: tl.constexpr = 0,
-    TOKENS_FIRST: tl.constexpr = False,
+    TOKENS_FIRST: tl.constexpr = False, PLANES_IN_TURN: tl.constexpr = False,
 ):
     """One program: one token tile of one slot times one chunk of N_LOOP column blocks of one output slice.
 
@@ -61,6 +61,7 @@ def expand_kernel(
     H_PLANES (the rank loop only): h is [H_PLANES, M, S, R] in B's dtype, the bf16 terms of h as the shrink
     stores them (launch.h_planes), plane p stride_hp * p further (num_parts = 1), holding zeros between
     each slot's rank and the rank rounded up to RANK_ALIGN (the last rank block multiplies them as loaded).
+    PLANES_IN_TURN (two planes only): one dot per loop step, the planes taking turns (rank_loop says why).
     ACCUMULATE (default): y += the delta. Otherwise y = the delta, y never read (launch.lora_linear's
     write-first path: the base GEMM then accumulates onto it with beta = 1): the token tiles then also
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
@@ -192,7 +193,7 @@ def expand_kernel(
         for j in range(N_LOOP):
             n_ok = offs_n < col_hi
             acc = rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_bn, stride_br, BLOCK_M,
-                            BLOCK_N, BLOCK_R, RANK_ALIGN, H_PRECISION, h_native, H_PLANES)
+                            BLOCK_N, BLOCK_R, RANK_ALIGN, H_PRECISION, h_native, H_PLANES, PLANES_IN_TURN)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
             if SCALE_BY_SLOT:
@@ -208,7 +209,7 @@ def expand_kernel(
 @triton.jit
 def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_bn, stride_br, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
-              H_NATIVE: tl.constexpr, H_PLANES: tl.constexpr):
+              H_NATIVE: tl.constexpr, H_PLANES: tl.constexpr, PLANES_IN_TURN: tl.constexpr = False):
     """h[tile, :rank] @ B[slot, cols, :rank]^T as float32 [BLOCK_M, BLOCK_N]: a GEMM with K = the slot's rank
     in BLOCK_R steps (expand_kernel's rank loop). h_rows: [BLOCK_M, 1] pointers to the tile's h rows (rank
     stride stride_hr); b_slot: the slot's B; offs_n / n_ok: the block's columns and which exist.
@@ -219,6 +220,11 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_b
     - float32 h with bf16 B ("bf16x2", "bf16"): the transposed product, acc^T = B h^T (dot_t), so h's bf16
       terms, computed in registers, are the right operand, staged in shared memory;
     - float32 h with fp16 or float32 B ("tf32", "ieee"): h, a plain load, on the left, B widened on the right.
+    PLANES_IN_TURN (two planes): a step per (rank block, plane), hi then lo, so the same products in the same
+    order (bit-identical). With both planes' dots in one step Triton makes only the last asynchronous (the
+    hi plane's wgmmas end in wait_group 0, exposed); one dot a step pipelines like a plain GEMM (wait_group
+    1), at the price of loading B's block twice from L2 (DESIGN §4, "The planes' two dots"). A lab variant
+    until timed (benchmarks/lab_planes_in_turn.py); no config selects it.
     Full rank blocks load without a rank mask (16-byte vectors, pipelined; a run-time rank mask made every
     element a load of its own); rows of invalid tokens read token 0's h (in bounds, never stored). The last,
     partial block is masked to the rank (rounded up for vector loads, kernels.work.rank_ceil).
@@ -245,16 +251,23 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_b
                           H_PRECISION)
         return tl.trans(acc_t)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, full, BLOCK_R):
-        rs = r0 + offs_r
-        ht = tl.load(h_rows + rs[None, :] * stride_hr)
-        bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
-        if H_NATIVE:
+    if H_PLANES == 2 and PLANES_IN_TURN:
+        for step in range(0, 2 * (full // BLOCK_R)):
+            rs = step // 2 * BLOCK_R + offs_r
+            ht = tl.load(h_rows + step % 2 * stride_hp + rs[None, :] * stride_hr)
+            bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
             acc = tl.dot(ht, bt, acc)
-            if H_PLANES == 2:
-                acc = tl.dot(tl.load(h_rows + stride_hp + rs[None, :] * stride_hr), bt, acc)
-        else:
-            acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
+    else:
+        for r0 in range(0, full, BLOCK_R):
+            rs = r0 + offs_r
+            ht = tl.load(h_rows + rs[None, :] * stride_hr)
+            bt = tl.load(b_cols + rs[:, None] * stride_br, mask=n_ok[None, :], other=0.0)
+            if H_NATIVE:
+                acc = tl.dot(ht, bt, acc)
+                if H_PLANES == 2:
+                    acc = tl.dot(tl.load(h_rows + stride_hp + rs[None, :] * stride_hr), bt, acc)
+            else:
+                acc = dot_f32_lhs(ht, bt, acc, H_PRECISION)
     if full < rank:
         rs = full + offs_r
         r_ok = rs < rank
