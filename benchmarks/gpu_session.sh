@@ -37,6 +37,10 @@
 #     BASE=DIR bash benchmarks/gpu_session.sh float32   # session 25's float32 GPU tiles: the float32 GPU
 #                                              # tests of the launch paths and gradients, then the core
 #                                              # subset in float32 for the tree in DIR and this one (~7 min)
+#     BASE=DIR bash benchmarks/gpu_session.sh float16   # session 26's float16 expand tiles (8 warps / fewer
+#                                              # columns where bf16's tiles spilled): the float16 GPU tests,
+#                                              # then Llama's high-rank rows at 256-4096 tokens in float16
+#                                              # for the tree in DIR and this one (~8 min)
 #     bash benchmarks/gpu_session.sh turns     # the rank loop's planes in turn (session 26 lab, one dot a
 #                                              # step): its GPU test, then lab_planes_in_turn.py on the
 #                                              # high-rank rows at 1024 / 4096 tokens, both modes (~9 min)
@@ -99,6 +103,14 @@ elif [ "$MODE" = float32 ]; then
         step "f32_$tag" 150 python "$tree/benchmarks/bench_lora.py" --grid core --subset --dtype float32 \
             --peers '' --time-budget 120 --out "$R/f32_$tag"
     done
+elif [ "$MODE" = float16 ]; then
+    step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_autograd.py tests/test_write_first.py tests/test_fast_launch.py -k fp16
+    for tree in "${BASE:?BASE=the tree to compare}" .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        step "f16_$tag" 170 python "$tree/benchmarks/bench_lora.py" --grid highrank --models llama3-8b \
+            --ms 256,1024,4096 --dtype float16 --peers '' --time-budget 150 --out "$R/f16_$tag"
+    done
 elif [ "$MODE" = turns ]; then
     step tests 90 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py -k "planes_in_turn or takes_h_as_bf16_planes"
@@ -144,7 +156,7 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad_base2 grad_new2 \
-        profile_base profile_new f32_base f32_new turns; do
+        profile_base profile_new f32_base f32_new f16_base f16_new turns; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

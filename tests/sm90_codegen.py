@@ -9,6 +9,7 @@ shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §
 
     PYTHONPATH=. python tests/sm90_codegen.py --table     # every kernel's loads, registers, spills
     PYTHONPATH=. python tests/sm90_codegen.py --float32-spills   # float32's GPU configs: registers, spills
+    PYTHONPATH=. python tests/sm90_codegen.py --float16-spills   # float16's GPU expand configs: the same
 """
 import collections
 import inspect
@@ -318,10 +319,54 @@ def float32_launches():
             launch_grad.segment_outer_config(R, N, 4, True))
 
 
+def float16_launches():
+    """(label, launcher, run) of float16's expands on an H200 (add_lora_'s and the store mode's), in the
+    configs the GPU resolves (the shipped table, then heuristics.float16_tiles), at Llama-3-8B's layer shapes,
+    ranks 128-320 and 64-4096 tokens, one launch per distinct config: what :func:`float16_spills` compiles.
+    float16's expand multiplies its float32 h in TF32, B widened in registers: bf16's tiles spilled there."""
+    from lora_ops import configs, launch
+    from lora_ops.configs import tuning
+    cpu, f16, gpu = torch.device("cpu"), torch.float16, torch.device("cuda", 0)
+    layers = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
+              "down": (14336, [4096])}
+    seen = set()
+    gpu_name, configs._gpu_name = configs._gpu_name, lambda index: "NVIDIA H200"   # no GPU here
+    try:
+        for name, (K, widths) in layers.items():
+            N, S = sum(widths), len(widths)
+            for R in (128, 256, 320):
+                for M in (64, 256, 1024, 4096):
+                    scfg = configs.shrink_config(M, K, S, R, 4, gpu, f16, out_features=N)
+                    for mode, cfg in (("expand", configs.expand_config(M, N, S, R, 4, gpu, f16)),
+                                      ("store", configs.store_config(M, N, S, R, 4, K, gpu, f16))):
+                        if (mode, S, R, cfg) in seen:
+                            continue
+                        seen.add((mode, S, R, cfg))
+                        p = tuning.synthetic_problem(cpu, f16, 64, widths, R, 4, 64)   # K does not reach the expand
+
+                        def run(p=p, widths=widths, cfg=cfg, scfg=scfg, mode=mode):
+                            h = launch.shrink_buffer(p["x"], p["A"], scfg, cfg)
+                            launch.launch_expand(p["y"], h, p["B"], widths, p["rank"], *p["meta"], cfg,
+                                                 accumulate=mode == "expand")
+                        yield f"{name} r{R} m{M} {mode} {tuple(cfg)}", launch.EXPAND, run
+    finally:
+        configs._gpu_name = gpu_name
+        configs.reset()
+
+
+def float16_spills():
+    """{label: (registers, spill bytes)} of :func:`float16_launches`, compiled for sm_90."""
+    return _usage(float16_launches())
+
+
 def float32_spills():
     """{label: (registers, spill bytes)} of :func:`float32_launches`, compiled for sm_90."""
+    return _usage(float32_launches())
+
+
+def _usage(launches):
     out = {}
-    for label, launcher, run in float32_launches():
+    for label, launcher, run in launches:
         with recorded(launcher) as calls:
             run()
         for i, call in enumerate(calls):
@@ -337,6 +382,9 @@ def main(argv):
         sys.exit("sm90_codegen: unset TRITON_INTERPRET (interpreted kernels do not compile)")
     if "--float32-spills" in argv:
         print(json.dumps(float32_spills()))
+        return
+    if "--float16-spills" in argv:
+        print(json.dumps(float16_spills()))
         return
     results = {}
     for name, launcher, run in cases():
