@@ -22,7 +22,12 @@ output, and nothing beyond the op's inputs is kept alive between forward and bac
 
 Saved inputs are the caller's tensors, not copies: refilling the batch metadata (``LoRABatch.update``) or
 writing adapter weights in place between forward and backward bumps their version counters, and autograd
-then refuses to run the stale backward.
+then refuses to run the stale backward. (A LoRAContext hands autograd's calls a copy of each batch, so its
+layers' backwards survive later ``set_batch`` calls: lora_ops.layers.LoRAContext.) Activation checkpointing
+saves nothing and recomputes the forward in the backward: there the metadata the backward gets is the
+recompute's, which need not be the forward's. Each call notes which batch its forward read (a context's
+copy by serial number, other metadata by version) and the backward refuses another (``_check_batch``);
+eager only: a compiled backward checks nothing.
 
 Double backward is not supported (the backward ops have no autograd formula of their own).
 """
@@ -86,14 +91,35 @@ def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, n
     return dx, da, db
 
 
+def _batch_key(sorted_token_ids):
+    """Which batch metadata holds: a LoRAContext's copy by its serial number (never written again), other
+    metadata by its version counter (refilled in place). None while tracing or for a tensor subclass."""
+    if type(sorted_token_ids) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    return getattr(sorted_token_ids, "_lora_batch", None), sorted_token_ids._version
+
+
+def _check_batch(ctx, sorted_token_ids):
+    """Refuse a backward whose metadata is not its forward's (a checkpointed forward recomputed on a later batch)."""
+    then = ctx.batch_key
+    now = _batch_key(sorted_token_ids) if then is not None else None
+    if now is not None and now != then:
+        raise RuntimeError(
+            "lora_ops: this backward's forward was recomputed (activation checkpointing) on another batch than "
+            "it ran with: set_batch was called between them. Pass context_fn=ctx.checkpoint_context to "
+            "torch.utils.checkpoint(..., use_reentrant=False), or run the backward before the next set_batch")
+
+
 def _setup_context(ctx, inputs, output):
     _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
     ctx.save_for_backward(x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     ctx.slice_widths = list(slice_widths)
+    ctx.batch_key = _batch_key(sorted_token_ids)
 
 
 def _backward(ctx, grad_out):
     x, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    _check_batch(ctx, meta[0])
     need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
     dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
     dy = grad_out if need_y else None
@@ -109,10 +135,12 @@ def _setup_lora_linear(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, *meta = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b, scale, rank, *meta)
     ctx.slice_widths = list(slice_widths)
+    ctx.batch_key = _batch_key(meta[0])
 
 
 def _backward_lora_linear(ctx, grad_out):
     x, weight, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    _check_batch(ctx, meta[0])
     need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
     dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
     if need_x:

@@ -107,7 +107,7 @@ class EagerCalls:
             return None
         if _LAUNCH[0]._overlaps(x) or (grad and not ops.eager_autograd()):   # (bind imported launch)
             return None
-        meta = context.meta
+        meta = context.batch_for(grad)[0]   # (the batch's copy for autograd: the buffers' shapes and alignment)
         if bound.path == "stacked":     # (bound without autograd only: the stacked op has none)
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
@@ -141,7 +141,7 @@ class EagerCalls:
         lora_a, lora_b, scale, rank = _adapters(layer)
         if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
             return False
-        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *layer.context.meta))
+        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *layer.context.batch_for(False)[0]))
         if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
             torch.autograd.graph.increment_version(y)
         self.replays += 1

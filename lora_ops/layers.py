@@ -25,8 +25,10 @@ and masks gradients and optimizer steps so that only the chosen slots change, se
 in one mixed batch; in ``model.train()`` each slot's adapter sees its own ``lora_dropout``.
 ``ctx.save_adapter(name, directory)`` writes a slot back as a PEFT adapter directory.
 """
+import contextlib
 import re
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,9 +36,17 @@ from torch import nn
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
 from lora_ops.precision import autocast_cast, autocast_dtype
-from lora_ops.batch import LoRABatch, check_token_slots
+from lora_ops.batch import BatchMeta, LoRABatch, check_token_slots
 
 ALL_LINEAR = "all-linear"
+
+
+class BatchCopy(NamedTuple):
+    """A batch as set_batch left it, for autograd: copies of the metadata and the per-token slots
+    ([max_tokens]: its first num_tokens entries are the batch's), never written again."""
+    meta: BatchMeta
+    token_slots: torch.Tensor
+    num_tokens: int
 
 
 class _PinnedStaging:
@@ -76,6 +86,18 @@ class LoRAContext:
       Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
       tokens of the last call, in the same order.
 
+    **Autograd keeps each forward's batch.** A call that records autograd reads a copy of the metadata and the
+    per-token slots that :meth:`set_batch` takes when grad mode is on (a few small copies per step, never
+    written again), so a backward runs on its own forward's batch whatever ``set_batch`` calls came between:
+    micro-batches may be interleaved (two forwards, then their backwards), a no-grad forward on another
+    batch may run between a forward and its backward (a reference model in RL). A batch set under
+    ``torch.no_grad()`` has no copy: a forward with autograd on it reads the buffers refilled in place, and
+    autograd refuses its backward once they are refilled. Activation checkpointing recomputes a forward
+    during the backward, after any later ``set_batch``: with ``torch.utils.checkpoint(...,
+    use_reentrant=False, context_fn=ctx.checkpoint_context)`` the recompute reads the batch its forward
+    read; without it, a recompute on another batch raises in the backward (it would give wrong gradients).
+    Reentrant checkpointing (``use_reentrant=True``) cannot be checked: its recompute reads the current batch.
+
     **torch.compile.** The layers read only tensors that never change identity, shape or address (the
     stacks, ``scale``, ``rank`` and the metadata), so loads, unloads, swaps and new slot mappings never
     recompile. Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and
@@ -107,6 +129,10 @@ class LoRAContext:
         self._model = None    # weakref to the model apply_lora wrapped (for error messages)
         self.adapter_configs = {}   # slot -> the adapter config it was loaded with (saving, dropout)
         self.dropout_p = None       # [L + 1] per-slot lora_dropout while training (lora_ops.training)
+        self._copy = None           # the batch's BatchCopy for autograd (set_batch with grad mode on)
+        self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
+        self._copies = 0            # BatchCopy serial numbers
+        self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
         for t in (*self.meta, self.token_slots):
             # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
             torch._dynamo.mark_static_address(t, guard=True)
@@ -193,15 +219,56 @@ class LoRAContext:
         else:
             self.token_slots[:M].copy_(token_slots)
         self.batch.update(self.token_slots[:M])
+        self._copy = self._copy_batch() if torch.is_grad_enabled() else None
+        for listener in self.fill_listeners:
+            listener(self.meta)
+
+    def _copy_batch(self):
+        """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
+        alignment those of the buffers), tagged with a serial number the backward checks (lora_ops.autograd)."""
+        self._copies += 1
+        meta = BatchMeta(*(t.clone() for t in self.meta))
+        meta.sorted_token_ids._lora_batch = self._copies
+        return BatchCopy(meta, self.token_slots.clone(), self.batch.num_tokens)
+
+    def batch_for(self, grad):
+        """(metadata, per-token slots) a layer's call reads: the checkpoint recompute's batch while one runs,
+        else, where autograd records the call (``grad``), the batch's copy if set_batch took one, else the
+        buffers refilled in place."""
+        copy = self._restored
+        if copy is None and grad:
+            copy = self._copy
+        return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
+
+    def checkpoint_context(self):
+        """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)``: the recompute of a
+        checkpointed forward reads the batch that forward read, whatever ``set_batch`` ran since (without it
+        such a recompute raises in the backward). Returns (forward context, recompute context)."""
+        if self._restored is not None:
+            copy = self._restored           # a checkpoint nested in a recompute: that batch
+        else:
+            if self._copy is None:          # set under no_grad: copy it now (the forward reads the copy)
+                self._copy = self._copy_batch()
+            copy = self._copy
+        return contextlib.nullcontext(), self._restore(copy)
+
+    @contextlib.contextmanager
+    def _restore(self, copy):
+        before, self._restored = self._restored, copy
+        try:
+            yield
+        finally:
+            self._restored = before
 
     def check_input(self, x2d):
         """Eager-mode check of a layer's flattened input against the batch (skipped while compiling)."""
         if x2d.device != self.device:
             raise ValueError(f"LoRALinear: the input is on {x2d.device} but the LoRAContext is on {self.device}; "
                              f"call apply_lora after moving the model to its device")
-        if x2d.shape[0] != self.batch.num_tokens:
+        num_tokens = self.batch.num_tokens if self._restored is None else self._restored.num_tokens
+        if x2d.shape[0] != num_tokens:
             raise ValueError(f"LoRALinear: the input has {x2d.shape[0]} tokens but the batch was set for "
-                             f"{self.batch.num_tokens}; call set_batch / set_token_slots for this step's tokens")
+                             f"{num_tokens}; call set_batch / set_token_slots for this step's tokens")
 
 
 def _unpack_request(i, request):
@@ -343,21 +410,21 @@ class LoRALinear(nn.Module):
             # autocast's dtype (differentiably: gradients reach the parameters in their own dtype). The ops
             # then run in that dtype; the stack, in the parameters' dtype, is not used.
             lora_a, lora_b = autocast_cast(lora_a, cast_to), autocast_cast(lora_b, cast_to)
-        args = (lora_a, lora_b, scale, rank, self.slice_widths, *context.meta)
+        adapters = (lora_a, lora_b, scale, rank, self.slice_widths)
         if not dropout and eager_ops.plain_linear(base):
             weight, bias = base._parameters["weight"], base._parameters["bias"]
             if cast_to is not None:
                 x2d, weight, bias = (autocast_cast(t, cast_to) for t in (x2d, weight, bias))
             # (requires_grad read tensor by tensor, not through ops.any_requires_grad: Dynamo traces this
             # forward and cannot trace that C call, a graph break under fullgraph=True.)
+            grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad or lora_a.requires_grad
+                                                or lora_b.requires_grad or (bias is not None and bias.requires_grad))
+            meta = context.batch_for(grad)[0]   # autograd's calls: the batch's own copy (LoRAContext)
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
-                    and not (torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad
-                                                          or lora_a.requires_grad or lora_b.requires_grad
-                                                          or (bias is not None and bias.requires_grad)))
-                    and self._stack_intact(weight, bias, lora_a)):
+                    and not grad and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
                 stacked, stacked_bias = self._stacked
-                op_args = (x2d, stacked, stacked_bias, lora_b, scale, rank, self.slice_widths, *context.meta)
+                op_args = (x2d, stacked, stacked_bias, lora_b, scale, rank, self.slice_widths, *meta)
                 full = ops.call("lora_linear_stacked", *op_args)
                 out = full[:, :weight.shape[0]]
                 if eager and ops.direct("lora_linear_stacked", op_args):
@@ -366,21 +433,24 @@ class LoRALinear(nn.Module):
             # One op for the whole layer: the shrink can run beside the base GEMM, and in the backward
             # the base layer's dx and the delta's are summed in one GEMM epilogue (lora_ops.autograd).
             # (A bare nn.Linear keeps its weight and bias in its dict.)
-            op_args = (x2d, weight, bias, *args)
+            op_args = (x2d, weight, bias, *adapters, *meta)
             out = ops.call("lora_linear", *op_args)
             if eager and cast_to is None and ops.direct("lora_linear", op_args):
                 self._eager.bind(self, x2d, weight, bias, out, stacked=False)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
+        grad = torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
+        meta, token_slots = context.batch_for(grad)
+        args = (*adapters, *meta)
         x_lora = x2d
         if dropout:
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
-            x_lora = training.slot_dropout(x2d, context.dropout_p, context.token_slots)
+            x_lora = training.slot_dropout(x2d, context.dropout_p, token_slots)
         if cast_to is not None:       # the base layer ran under autocast: the delta goes in its output's dtype
             x_lora = autocast_cast(x_lora, y.dtype)
             args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
-        if torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad):
+        if grad:
             # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
             # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
             return ops.call("add_lora", y2d, x_lora, *args).view(y.shape)

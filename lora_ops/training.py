@@ -24,7 +24,7 @@ parameter whose gradient is zero. So the trainer does both:
    the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
 2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
    back everywhere outside "chosen slot, within its rank, and with tokens in a batch since the last
-   step" (``torch.where``: bit-identical, no host sync). A chosen slot absent from the batch stays put,
+   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set). A chosen slot absent from the batch stays put,
    as it would with its own optimizer and ``zero_grad(set_to_none=True)``.
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
@@ -115,6 +115,11 @@ class SlotTrainer:
         if freeze_base and model is not None:
             model.requires_grad_(False)
         self._layers = list(ctx.layers.values())
+        # Slots with tokens in a batch set since the last step, noted at set_batch (a backward may run after
+        # later batches were set: LoRAContext's docstring), starting with the batch set now.
+        ctx.fill_listeners.append(self._note_batch)
+        if ctx.num_tokens:
+            self._note_batch(ctx.meta)
         self._hooks = []
         for layer in self._layers:
             for stack in (layer.lora_a, layer.lora_b):
@@ -144,6 +149,8 @@ class SlotTrainer:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._note_batch in self.ctx.fill_listeners:
+            self.ctx.fill_listeners.remove(self._note_batch)
         for stack in self.parameters():
             stack.requires_grad_(False)
             stack.grad = None
@@ -157,6 +164,9 @@ class SlotTrainer:
 
     # ---- masks -----------------------------------------------------------------------------------------
 
+    def _note_batch(self, meta):
+        self._seen |= meta.slot_counts[:self._seen.shape[0]] > 0
+
     def _trainable(self, layer):
         """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
         columns = torch.arange(layer.max_rank, device=layer.rank.device)
@@ -164,11 +174,8 @@ class SlotTrainer:
 
     def _grad_hook(self, layer, stack):
         is_a = stack is layer.lora_a
-        counts = self.ctx.meta.slot_counts
 
         def hook(grad):
-            # The backward runs on the forward's metadata (autograd refuses a refilled one).
-            self._seen |= counts[:self._seen.shape[0]] > 0
             mask = self._trainable(layer)
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
             return grad * mask.to(grad.dtype)

@@ -1,0 +1,296 @@
+"""A backward runs on its own forward's batch, whatever set_batch calls came between (LoRAContext).
+
+set_batch refills the context's metadata in place (CUDA graphs and compiled models read it there), so a
+backward after a later set_batch once ran on the wrong batch: autograd refused it (the buffers' versions
+moved), and under activation checkpointing, which saves nothing and recomputes the forward in the backward,
+the gradients were silently wrong. Checked here, on both CPU backends, against the same steps run one after
+the other (forward, backward, next batch), bit for bit:
+
+- micro-batches interleaved (two forwards on two batches, then their backwards), on the whole-layer op (a
+  bare nn.Linear base) and on the delta op after a hooked base, with per-slot dropout;
+- a no-grad forward on another batch between a forward and its backward (a reference model in RL);
+- non-reentrant checkpointing with ``context_fn=ctx.checkpoint_context``; without it, a recompute on another
+  batch raises in the backward instead of giving wrong gradients;
+- a batch set under no_grad (no copy): autograd refuses the stale backward, as before;
+- the compiled model (aot_eager): the same gradients, one compile; bound eager training calls still replay.
+"""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from conftest import DEVICE
+from lora_ops import training
+from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
+
+K, L, R, M = 16, 3, 4, 12
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(K, 2 * K)
+        self.down = nn.Linear(2 * K, K)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class Model(nn.Module):
+    """Two blocks; ``mode``: None, "checkpoint" (non-reentrant) or "checkpoint_context" (with context_fn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.mode = None
+        self.ctx = None
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.mode is None:
+                x = block(x)
+            else:
+                extra = {"context_fn": self.ctx.checkpoint_context} if self.mode == "checkpoint_context" else {}
+                x = checkpoint(block, x, use_reentrant=False, **extra)
+        return x
+
+
+def make_model(hooked=False, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    model = Model().to(DEVICE)
+    ctx = apply_lora(model, ["up", "down"], max_loras=L, max_rank=R, max_tokens=64)
+    model.ctx = ctx
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("a", "b", "c"):
+        training.add_trainable_adapter(ctx, name, r=R, lora_alpha=2 * R, lora_dropout=dropout, generator=gen)
+    for layer in ctx.layers.values():
+        with torch.no_grad():
+            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen))
+        if hooked:   # a forward hook: the base runs its own forward, then the delta op (add_lora)
+            layer.base.register_forward_hook(lambda module, inputs, out: None)
+    trainer = ctx.train_slots(["a", "b", "c"])
+    model.train()
+    return model, ctx, trainer
+
+
+BATCHES = ([("a", 5), (None, 2), ("b", 5)], [("c", 4), ("a", 8)], [(None, 3), ("b", 9)])
+
+
+def inputs(i):
+    gen = torch.Generator().manual_seed(100 + i)
+    return torch.randn(M, K, generator=gen).to(DEVICE), torch.randn(M, K, generator=gen).to(DEVICE)
+
+
+def grads(trainer):
+    out = [p.grad.clone() for p in trainer.parameters()]
+    for p in trainer.parameters():
+        p.grad = None
+    return out
+
+
+def sequential(model, ctx, trainer, order=(0, 1)):
+    """Each batch's forward and backward in turn: the gradients of each, and the dropout RNG as it was."""
+    torch.manual_seed(7)
+    out = []
+    for i in order:
+        x, w = inputs(i)
+        ctx.set_batch(BATCHES[i])
+        (model(x) * w).sum().backward()
+        out.append(grads(trainer))
+    return out
+
+
+def assert_same(got, want):
+    for step, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert torch.equal(a, b), (step, i, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["whole_layer", "hooked_base"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no_dropout", "dropout"])
+def test_interleaved_micro_batches_keep_their_batches(backend, hooked, dropout):
+    model, ctx, trainer = make_model(hooked, dropout)
+    want = sequential(model, ctx, trainer)
+    torch.manual_seed(7)
+    losses = []
+    for i in (0, 1):
+        x, w = inputs(i)
+        ctx.set_batch(BATCHES[i])
+        losses.append((model(x) * w).sum())
+    got = []
+    for loss in losses:
+        loss.backward()
+        got.append(grads(trainer))
+    assert_same(got, want)
+
+
+def test_a_no_grad_forward_between_a_forward_and_its_backward(backend):
+    """RL: the policy's forward with gradients, the reference's forward on another batch without, then the
+    policy's backward."""
+    model, ctx, trainer = make_model()
+    (want,) = sequential(model, ctx, trainer, order=(0,))
+    x, w = inputs(0)
+    ctx.set_batch(BATCHES[0])
+    loss = (model(x) * w).sum()
+    with torch.no_grad():
+        ctx.set_batch(BATCHES[2])
+        model(inputs(2)[0])
+    loss.backward()
+    assert_same([grads(trainer)], [want])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no_dropout", "dropout"])
+def test_checkpoint_context_recomputes_on_the_forwards_batch(backend, dropout):
+    model, ctx, trainer = make_model(dropout=dropout)
+    want = sequential(model, ctx, trainer)
+    model.mode = "checkpoint_context"
+    torch.manual_seed(7)
+    losses = []
+    for i in (0, 1):
+        x, w = inputs(i)
+        ctx.set_batch(BATCHES[i])
+        losses.append((model(x) * w).sum())
+    got = []
+    for loss in losses:
+        loss.backward()
+        got.append(grads(trainer))
+    assert_same(got, want)
+
+
+def test_checkpoint_recompute_on_another_batch_raises(backend):
+    """Without the context_fn the recompute reads the batch set last: refused, not wrong gradients."""
+    model, ctx, trainer = make_model()
+    model.mode = "checkpoint"
+    x, w = inputs(0)
+    ctx.set_batch(BATCHES[0])
+    loss = (model(x) * w).sum()
+    ctx.set_batch(BATCHES[1])
+    with pytest.raises(RuntimeError, match=r"recomputed \(activation checkpointing\) on another batch.*"
+                                           r"context_fn=ctx.checkpoint_context"):
+        loss.backward()
+
+
+def test_checkpoint_needs_nothing_without_a_new_batch(backend):
+    model, ctx, trainer = make_model()
+    (want,) = sequential(model, ctx, trainer, order=(0,))
+    model.mode = "checkpoint"
+    x, w = inputs(0)
+    ctx.set_batch(BATCHES[0])
+    (model(x) * w).sum().backward()
+    assert_same([grads(trainer)], [want])
+
+
+def test_a_batch_set_under_no_grad_is_refilled_in_place(backend):
+    """No copy for a batch set under no_grad: a forward with autograd on it reads the buffers, and autograd
+    refuses its backward once they are refilled (the behaviour before copies); checkpoint_context copies the
+    batch when the checkpointed forward starts, so its recompute still reads it."""
+    model, ctx, trainer = make_model()
+    (want,) = sequential(model, ctx, trainer, order=(0,))
+    x, w = inputs(0)
+    with torch.no_grad():
+        ctx.set_batch(BATCHES[0])
+    loss = (model(x) * w).sum()
+    ctx.set_batch(BATCHES[1])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    model.mode = "checkpoint_context"
+    with torch.no_grad():
+        ctx.set_batch(BATCHES[0])
+    loss = (model(x) * w).sum()
+    ctx.set_batch(BATCHES[1])
+    loss.backward()
+    assert_same([grads(trainer)], [want])
+
+
+def test_compiled_model_interleaves_without_recompiling(backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()    # (the other backend's run compiled Model.forward with a counter of its own)
+    model, ctx, trainer = make_model()
+    want = sequential(model, ctx, trainer)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            losses = []
+            for i in (0, 1):
+                x, w = inputs(i)
+                ctx.set_batch(BATCHES[i])
+                losses.append((compiled(x) * w).sum())
+            got = []
+            for loss in losses:
+                loss.backward()
+                got.append(grads(trainer))
+            for g, w_ in zip(got, want):
+                for a, b in zip(g, w_):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_bound_training_calls_replay_across_batches(triton_kernels):
+    """The bound eager training calls (lora_ops.eager) replay on each batch's copy: a new batch every step
+    takes no rebinding."""
+    torch.manual_seed(0)
+    ctx = LoRAContext(L, 64, device=DEVICE)
+    layer = LoRALinear(nn.Linear(K, 24).to(DEVICE), ctx, R, [16, 8])
+    gen = torch.Generator().manual_seed(1)
+    for slot in range(L):
+        slices = [(torch.randn(R, K, generator=gen), torch.randn(n, R, generator=gen)) for n in (16, 8)]
+        layer.write_slot(slot, [(a.to(DEVICE), b.to(DEVICE)) for a, b in slices], 0.5, R)
+    for p in (layer.lora_a, layer.lora_b):
+        p.requires_grad_(True)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        ctx.set_token_slots(torch.randint(-1, L, (M,), generator=gen, dtype=torch.int32))   # a new batch each step
+        replays = layer._eager.replays
+        layer(inputs(step)[0]).sum().backward()
+        if step >= 2:   # both signatures bound
+            assert layer._eager.replays == replays + 1, step
+
+
+def test_hugging_face_checkpointing_takes_the_context_fn():
+    """A Hugging Face model's own activation checkpointing, given ``context_fn=ctx.checkpoint_context`` (and
+    use_reentrant=False) in its kwargs: interleaved batches give the gradients of the steps run in turn."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    ctx = apply_lora(model, ["q_proj", "v_proj", "down_proj"], max_loras=L, max_rank=R, max_tokens=64)
+    gen = torch.Generator().manual_seed(3)
+    for name in ("a", "b"):
+        training.add_trainable_adapter(ctx, name, r=R, lora_alpha=2 * R, generator=gen)
+    for layer in ctx.layers.values():
+        with torch.no_grad():
+            layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen) * 0.1)
+    trainer = ctx.train_slots(["a", "b"])
+    model.train()
+    batches = ([("a", 6), ("b", 6)], [("b", 12)])
+    ids = [torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(i)).to(DEVICE) for i in (0, 1)]
+
+    def loss(i):
+        ctx.set_batch(batches[i])
+        return model(ids[i]).logits.float().square().mean()
+    want = []
+    for i in (0, 1):
+        loss(i).backward()
+        want.append(grads(trainer))
+
+    def checkpointing(**kwargs):
+        enable = getattr(model, "activation_checkpointing_enable", None)   # (transformers 5; 4: gradient_...)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpointing(use_reentrant=False)     # checkpointing is on: without the context_fn, refused
+    losses = [loss(0), loss(1)]
+    with pytest.raises(RuntimeError, match="recomputed"):
+        losses[0].backward()
+    checkpointing(use_reentrant=False, context_fn=ctx.checkpoint_context)
+    losses = [loss(0), loss(1)]
+    got = []
+    for one in losses:
+        one.backward()
+        got.append(grads(trainer))
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
