@@ -30,7 +30,8 @@
 #                                              # 1 token, host_python (this host's Python speed against the CPU
 #                                              # machine's), the decode step with stack_a (~8 min)
 #     BASE=DIR bash benchmarks/gpu_session.sh train   # session 25's training path (eager autograd without
-#                                              # the dispatcher, one backward op per role): its GPU tests,
+#                                              # the dispatcher, one backward op per role) and session 26's
+#                                              # batch copies for autograd: their GPU tests,
 #                                              # then grad_check's timing rows and train_profile at 1024
 #                                              # tokens for the tree in DIR (git archive of the commit
 #                                              # before, carried in .scratch) and this one in turn (~9 min)
@@ -81,7 +82,7 @@ elif [ "$MODE" = host ]; then
     step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
 elif [ "$MODE" = train ]; then
     step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py
+        tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py tests/test_batch_copies.py
     for i in 1 2; do   # the trees in turn: the GPU's clock and the host drift between runs
         for tree in "${BASE:?BASE=the tree to compare}" .; do
             tag=$([ "$tree" = . ] && echo new || echo base)
