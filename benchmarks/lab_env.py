@@ -6,6 +6,7 @@ Environment: DEV (default cuda; cpu, with TRITON_INTERPRET=1, runs tiny shapes a
 e.g. qkv,gate_up; default all four).
 """
 import os
+import sys
 import time
 
 import torch
@@ -68,3 +69,43 @@ def lab_rows(tokens, ranks, budget):
 def run_env():
     return dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
                 triton=__import__("triton").__version__, dtype=str(DTYPE))
+
+
+def model_rows(models, layer_names, ranks, keep=lambda model, rank: True):
+    """(layer, rank) of the expand labs (lab_persistent_expand, lab_planes_in_turn): the layers named of each
+    model at each rank where ``keep(model, rank)``; tiny shapes (two Llama layers) on the CPU."""
+    if TINY:
+        return [(shapes.tiny_layer(layer), r) for layer in shapes.LLAMA3_8B[:2] for r in ranks]
+    by_model = {"llama3-8b": shapes.LLAMA3_8B, "phi4-mini": shapes.PHI4_MINI}
+    return [(layer, r) for m in models for layer in by_model[m] if layer.name in layer_names for r in ranks
+            if keep(m, r)]
+
+
+def run_rank_loop_lab(run):
+    """``run(Timer)`` on the GPU; on the CPU (a logic check) with the rank loop at tiny shapes (a rank block
+    smaller than the rank) in bf16 (planes h), the interpreter's bf16 arithmetic patched (tests/interp_bf16)."""
+    from timing import Timer
+    if not TINY:
+        return run(Timer(DEV))
+    from lora_ops import configs
+    from lora_ops.configs.heuristics import ExpandConfig
+    global DTYPE
+    configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 3)
+    DTYPE = torch.bfloat16
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import interp_bf16
+    with interp_bf16.patched():
+        return run(Timer(DEV))
+
+
+def checked_runner(i, y0, want, exact, rms):
+    """``run_checked(go)``: y reset to ``y0``, ``go()`` run, then (relative Frobenius error of y against
+    ``want``, float64, and how many values are off by more than y's dtype allows: tuning.off_mask)."""
+    from lora_ops.configs import tuning
+
+    def run_checked(go):
+        i.y.copy_(y0)
+        go()
+        err = float((i.y.double() - want).norm() / exact.norm())
+        return err, int(tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps).sum())
+    return run_checked

@@ -24,7 +24,6 @@ took the gain and the persistent one came out mixed (0.90-1.07). Nothing here sh
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_persistent_expand.py   # logic check, tiny, bf16
 """
 import os
-import sys
 
 import torch
 import triton
@@ -33,14 +32,11 @@ import triton.language as tl
 import repo_path  # noqa: F401,E402
 import lab_env  # noqa: E402
 import problems  # noqa: E402
-import shapes  # noqa: E402
-from lab_env import DEV, TINY, ints, rank_loop_rows  # noqa: E402
-from lora_ops import configs, launch  # noqa: E402
-from lora_ops.configs import tuning  # noqa: E402
+from lab_env import DEV, TINY, checked_runner, ints, model_rows, rank_loop_rows  # noqa: E402
+from lora_ops import launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig, max_token_tiles, next_power_of_2, rank_align  # noqa: E402
 from lora_ops.kernels.expand import rank_loop  # noqa: E402
 from lora_ops.kernels.work import find_slice_chunk, find_slot_tile, load_tile_tokens, rank_ceil  # noqa: E402
-from timing import Timer  # noqa: E402
 
 TOKENS = ints("MS", "1024,4096" if not TINY else "48")
 RANKS = ints("RANKS", "256,320" if not TINY else "40")
@@ -161,21 +157,11 @@ def variants():
 
 
 def rows():
-    if TINY:
-        return [(shapes.tiny_layer(layer), r) for layer in shapes.LLAMA3_8B[:2] for r in RANKS]
-    models = {"llama3-8b": shapes.LLAMA3_8B, "phi4-mini": shapes.PHI4_MINI}
-    return [(layer, r) for m in MODELS for layer in models[m] if layer.name in LAYER_NAMES for r in RANKS]
+    return model_rows(MODELS, LAYER_NAMES, RANKS)
 
 
 def main():
-    if TINY:   # the rank loop at tiny shapes (a rank block smaller than the rank), in bf16 (planes h)
-        configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 3)
-        lab_env.DTYPE = torch.bfloat16
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        import interp_bf16
-        with interp_bf16.patched():
-            return run(Timer(DEV))
-    return run(Timer(DEV))
+    return lab_env.run_rank_loop_lab(run)
 
 
 def run(timer):
@@ -193,12 +179,7 @@ def run(timer):
             start = y0.double() if accumulate else 0   # y before the delta: the store mode writes it whole
             want = start + exact
 
-            def run_checked(go):
-                i.y.copy_(y0)
-                go()
-                err = float((i.y.double() - want).norm() / exact.norm())
-                off = tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps)
-                return err, int(off.sum())
+            run_checked = checked_runner(i, y0, want, exact, rms)
             base_us = None
             table_lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, table, run=False,
                                             accumulate=accumulate)

@@ -30,7 +30,6 @@ count of values off by more than the dtype allows) before and after its timing; 
 import collections
 import math
 import os
-import sys
 import time
 
 import torch
@@ -38,12 +37,9 @@ import torch
 import repo_path  # noqa: F401,E402
 import lab_env  # noqa: E402
 import problems  # noqa: E402
-import shapes  # noqa: E402
-from lab_env import DEV, TINY, ints, rank_loop_rows  # noqa: E402
-from lora_ops import configs, launch  # noqa: E402
-from lora_ops.configs import tuning  # noqa: E402
+from lab_env import DEV, TINY, checked_runner, ints, model_rows, rank_loop_rows  # noqa: E402
+from lora_ops import launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
-from timing import Timer  # noqa: E402
 
 TOKENS = ints("MS", "1024,4096" if not TINY else "48")
 RANKS = ints("RANKS", "128,256,320" if not TINY else "40")
@@ -74,23 +70,12 @@ def expand_launch(i, h, p, cfg, accumulate, in_turn):
     return lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": in_turn})
 
 
-def rows():
-    if TINY:
-        return [(shapes.tiny_layer(layer), r) for layer in shapes.LLAMA3_8B[:2] for r in RANKS]
-    models = {"llama3-8b": shapes.LLAMA3_8B, "phi4-mini": shapes.PHI4_MINI}
-    return [(layer, r) for m in MODELS for layer in models[m] if layer.name in LAYER_NAMES for r in RANKS
-            if not (m == "phi4-mini" and r < 256)]   # Phi-4-multimodal's adapters: ranks 256 and 320
+def rows():   # Phi-4-multimodal's adapters: ranks 256 and 320
+    return model_rows(MODELS, LAYER_NAMES, RANKS, keep=lambda model, rank: model != "phi4-mini" or rank >= 256)
 
 
 def main():
-    if TINY:   # the rank loop at tiny shapes (a rank block smaller than the rank), in bf16 (planes h)
-        configs.expand_config = lambda *a, **k: ExpandConfig(16, 32, 16, 4, 3)
-        lab_env.DTYPE = torch.bfloat16
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        import interp_bf16
-        with interp_bf16.patched():
-            return run(Timer(DEV))
-    return run(Timer(DEV))
+    return lab_env.run_rank_loop_lab(run)
 
 
 def run(timer):
@@ -127,11 +112,7 @@ def walk(timer, ratios):
             accumulate = mode == "accumulate"
             want = (y0.double() if accumulate else 0) + exact   # the store mode writes y whole
 
-            def run_checked(go):
-                i.y.copy_(y0)
-                go()
-                err = float((i.y.double() - want).norm() / exact.norm())
-                return err, int(tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps).sum())
+            run_checked = checked_runner(i, y0, want, exact, rms)
             label = "table " + "x".join(map(str, table[:3])) + f" w{table.num_warps} s{table.num_stages}"
             candidates = [(label, table, False)] + variants(table)
             base_us = None

@@ -100,6 +100,21 @@ def sequential(model, ctx, trainer, order=(0, 1)):
     return out
 
 
+def interleaved(model, ctx, trainer):
+    """Both batches' forwards, then their backwards: the gradients of each (the RNG as in :func:`sequential`)."""
+    torch.manual_seed(7)
+    losses = []
+    for i in (0, 1):
+        x, w = inputs(i)
+        ctx.set_batch(BATCHES[i])
+        losses.append((model(x) * w).sum())
+    out = []
+    for loss in losses:
+        loss.backward()
+        out.append(grads(trainer))
+    return out
+
+
 def assert_same(got, want):
     for step, (g, w) in enumerate(zip(got, want)):
         for i, (a, b) in enumerate(zip(g, w)):
@@ -111,17 +126,7 @@ def assert_same(got, want):
 def test_interleaved_micro_batches_keep_their_batches(backend, hooked, dropout):
     model, ctx, trainer = make_model(hooked, dropout)
     want = sequential(model, ctx, trainer)
-    torch.manual_seed(7)
-    losses = []
-    for i in (0, 1):
-        x, w = inputs(i)
-        ctx.set_batch(BATCHES[i])
-        losses.append((model(x) * w).sum())
-    got = []
-    for loss in losses:
-        loss.backward()
-        got.append(grads(trainer))
-    assert_same(got, want)
+    assert_same(interleaved(model, ctx, trainer), want)
 
 
 def test_a_no_grad_forward_between_a_forward_and_its_backward(backend):
@@ -144,17 +149,7 @@ def test_checkpoint_context_recomputes_on_the_forwards_batch(backend, dropout):
     model, ctx, trainer = make_model(dropout=dropout)
     want = sequential(model, ctx, trainer)
     model.mode = "checkpoint_context"
-    torch.manual_seed(7)
-    losses = []
-    for i in (0, 1):
-        x, w = inputs(i)
-        ctx.set_batch(BATCHES[i])
-        losses.append((model(x) * w).sum())
-    got = []
-    for loss in losses:
-        loss.backward()
-        got.append(grads(trainer))
-    assert_same(got, want)
+    assert_same(interleaved(model, ctx, trainer), want)
 
 
 def test_checkpoint_recompute_on_another_batch_raises(backend):
@@ -211,15 +206,7 @@ def test_compiled_model_interleaves_without_recompiling(backend):
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):
-            losses = []
-            for i in (0, 1):
-                x, w = inputs(i)
-                ctx.set_batch(BATCHES[i])
-                losses.append((compiled(x) * w).sum())
-            got = []
-            for loss in losses:
-                loss.backward()
-                got.append(grads(trainer))
+            got = interleaved(compiled, ctx, trainer)
             for g, w_ in zip(got, want):
                 for a, b in zip(g, w_):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
