@@ -100,7 +100,7 @@ class LoRAContext:
 
     **torch.compile.** The layers read only tensors that never change identity, shape or address (the
     stacks, ``scale``, ``rank`` and the metadata), so loads, unloads, swaps and new slot mappings never
-    recompile. Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and
+    recompile; calls that record autograd read the batch's copy, a graph input of the same fixed shapes. Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and
     one compile serves every token count from 2 up. A batch of **one token** specialises (Dynamo
     treats sizes 0 and 1 as constants), which would compile a second graph. Two ways out:
 
@@ -219,7 +219,9 @@ class LoRAContext:
         else:
             self.token_slots[:M].copy_(token_slots)
         self.batch.update(self.token_slots[:M])
-        self._copy = self._copy_batch() if torch.is_grad_enabled() else None
+        # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self._copy = self._copy_batch() if torch.is_grad_enabled() and not capturing else None
         for listener in self.fill_listeners:
             listener(self.meta)
 
