@@ -3,9 +3,10 @@
 Why: in add_lora_'s rank loop over h's two bf16 planes (kernels.expand.rank_loop) each rank step holds two dots,
 hi·B then lo·B on one load of B. Compiled for sm_90 (Triton 3.6) only the step's last dot is asynchronous: the
 hi plane's wgmmas end in `wgmma.wait_group 0`, so they run exposed (DESIGN §4, "The planes' two dots").
-With `PLANES_IN_TURN` the loop takes a step per (rank block, plane), hi then lo: one dot a step, which Triton
-pipelines as a plain GEMM (`wait_group 1`), the same products in the same order (bit-identical y), at the
-price of loading B's block twice from L2. Compiled for sm_90 on the CPU machine (Triton 3.6, 320-rank planes):
+With `PLANES_IN_TURN` (ExpandConfig.planes_in_turn) the loop takes a step per (rank block, plane), hi then
+lo: one dot a step, which Triton pipelines as a plain GEMM (`wait_group 1`), the same products in the same
+order (bit-identical y), at the price of loading B's block twice from L2. Compiled for sm_90 on the CPU
+machine (Triton 3.6, 320-rank planes):
 
     tile (M x N x R, warps, stages)   shipped loop: regs / spill / smem   in turn: regs / spill / smem
     64 x 256 x 32, 4, 3               255 / 0 / 72 KB                     255 / 0 / 60 KB
@@ -66,8 +67,8 @@ def variants(table):
 
 def expand_launch(i, h, p, cfg, accumulate, in_turn):
     """add_lora_'s expand of this row on ``cfg``, the planes in turn or not (a launch, not run)."""
-    lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg, run=False, accumulate=accumulate)
-    return lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": in_turn})
+    return launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, cfg._replace(planes_in_turn=in_turn),
+                                run=False, accumulate=accumulate)
 
 
 def rows():   # Phi-4-multimodal's adapters: ranks 256 and 320
@@ -96,8 +97,8 @@ def print_summary(ratios):
 
 def walk(timer, ratios):
     start = time.time()
-    print("| model layer | r | M | mode | variant | µs | / table | fp64 err before / after | values off before / after |\n"
-          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| model layer | r | M | mode | variant | µs | / table | fp64 err before / after "
+          "| values off before / after |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for layer, rank, M, p, i, h, table in rank_loop_rows(rows(), TOKENS):
         if time.time() - start > BUDGET:
             print(f"budget spent ({BUDGET:.0f} s)", flush=True)

@@ -215,6 +215,8 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     one_block = takes_partials(cfg, R)
     if cfg.m_loop > 1 and (cfg.n_loop > 1 or not one_block):
         raise ValueError(f"expand config {cfg}: m_loop > 1 needs n_loop 1 and the rank ({R}) within block_r")
+    if cfg.planes_in_turn and extra.get("H_PLANES") == 2 and not one_block:
+        extra = dict(extra, PLANES_IN_TURN=True)   # (elsewhere the flag changes nothing: no compile of its own)
     grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m * cfg.m_loop))
     if expand_tokens_first(one_block, sum(slice_widths), R, lora_b.element_size(), grid[0]):
         grid = grid[::-1]

@@ -100,8 +100,9 @@ class LoRAContext:
 
     **torch.compile.** The layers read only tensors that never change identity, shape or address (the
     stacks, ``scale``, ``rank`` and the metadata), so loads, unloads, swaps and new slot mappings never
-    recompile; calls that record autograd read the batch's copy, a graph input of the same fixed shapes. Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and
-    one compile serves every token count from 2 up. A batch of **one token** specialises (Dynamo
+    recompile; calls that record autograd read the batch's copy, a graph input of the same fixed shapes.
+    Mark the token dimension dynamic (``torch._dynamo.mark_dynamic(input_ids, dim)``) and one compile
+    serves every token count from 2 up. A batch of **one token** specialises (Dynamo
     treats sizes 0 and 1 as constants), which would compile a second graph. Two ways out:
 
     - pad a one-token step to two tokens with a request that has no adapter,

@@ -24,8 +24,8 @@ parameter whose gradient is zero. So the trainer does both:
    the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
 2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
    back everywhere outside "chosen slot, within its rank, and with tokens in a batch since the last
-   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set). A chosen slot absent from the batch stays put,
-   as it would with its own optimizer and ``zero_grad(set_to_none=True)``.
+   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set). A chosen slot
+   absent from the batch stays put, as it would with its own optimizer and ``zero_grad(set_to_none=True)``.
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot

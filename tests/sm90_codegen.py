@@ -212,9 +212,9 @@ def cases():
         launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg, accumulate=False)
     yield "expand_rank_loop_planes_store_r320", launch.EXPAND, expand_store_planes
 
-    def expand_planes_in_turn(p=p):   # the lab variant (benchmarks/lab_planes_in_turn.py): one dot a step
-        lc = launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"], ecfg, run=False)
-        lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": True})()
+    def expand_planes_in_turn(p=p):   # the planes taking turns (ExpandConfig.planes_in_turn): one dot a step
+        launch.launch_expand(p["y"], planes, p["B"], p["widths"], p["rank"], *p["meta"],
+                             ecfg._replace(planes_in_turn=True))
     yield "expand_rank_loop_planes_in_turn_r320", launch.EXPAND, expand_planes_in_turn
 
     # Under PDL: add_lora_'s expand (y and B loaded before its wait) and the stacked path's (behind the GEMM,

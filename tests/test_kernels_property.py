@@ -430,12 +430,25 @@ def test_rank_loop_takes_h_as_bf16_planes(triton_backend, checked_dtype, split, 
             torch.testing.assert_close(summed[rows][..., :r], h_ref[rows][..., :r], rtol=2 ** -14, atol=1e-5)
 
 
+@pytest.mark.parametrize("where", ["one_rank_block", "float32_h"])
+def test_planes_in_turn_changes_nothing_without_two_planes(triton_backend, where):
+    """The flag is for the rank loop over two bf16 planes; elsewhere the launch is the one without it (the
+    same constexprs: no compile of its own)."""
+    one_block = where == "one_rank_block"
+    R, ecfg = (16, ExpandConfig(16, 16, 16, 4, 2)) if one_block else (80, ExpandConfig(16, 16, 32, 4, 2))
+    case = make_case(9, 48, 40, 2, 2, R, dtype=torch.float16, device=triton_backend.device, seed=13)
+    h = launch.shrink_buffer(case.x, case.lora_a, PLANES_PAIRS["one_split"], ecfg)
+    launches = [launch.launch_expand(case.new_y("random"), h, case.lora_b, case.slice_widths, case.rank, *case.meta,
+                                     ecfg._replace(planes_in_turn=flag), run=False) for flag in (False, True)]
+    assert launches[0].constexprs == launches[1].constexprs and "PLANES_IN_TURN" not in launches[1].constexprs
+
+
 @pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "store"])
 def test_planes_in_turn_match_the_planes_loop_bit_for_bit(triton_backend, bf16_interpreter, accumulate):
-    """The rank loop's lab variant (kernels.expand, PLANES_IN_TURN: one dot a step, the planes taking turns)
-    multiplies the same terms in the same order as the shipped loop, so y is the same to the bit (a missing
-    or wrong term shows; an order of the same terms would mostly hide in bf16's rounding of y). Every row the
-    metadata names is written (y poisoned with NaN in the store mode)."""
+    """The rank loop's variant with the planes taking turns (ExpandConfig.planes_in_turn: kernels.expand's
+    PLANES_IN_TURN, one dot a step) multiplies the same terms in the same order as the shipped loop, so y is
+    the same to the bit (a missing or wrong term shows; an order of the same terms would mostly hide in bf16's
+    rounding of y). Every row the metadata names is written (y poisoned with NaN in the store mode)."""
     R, ecfg = 80, ExpandConfig(16, 16, 32, 4, 2)   # two full rank blocks and a partial one
     case = make_case(37, 48, 40, 3, 2, R, dtype=torch.bfloat16, device=triton_backend.device, seed=12)
     h = launch.shrink_buffer(case.x, case.lora_a, PLANES_PAIRS["one_split"], ecfg)
@@ -445,10 +458,10 @@ def test_planes_in_turn_match_the_planes_loop_bit_for_bit(triton_backend, bf16_i
     outs = {}
     for in_turn in (False, True):
         y = y_in.clone()
-        lc = launch.launch_expand(y, h, case.lora_b, case.slice_widths, case.rank, *case.meta, ecfg, run=False,
-                                  accumulate=accumulate)
+        lc = launch.launch_expand(y, h, case.lora_b, case.slice_widths, case.rank, *case.meta,
+                                  ecfg._replace(planes_in_turn=in_turn), accumulate=accumulate)
         assert lc.constexprs["H_PLANES"] == 2 and not lc.constexprs["ONE_RANK_BLOCK"]
-        lc._replace(constexprs={**lc.constexprs, "PLANES_IN_TURN": in_turn})()
+        assert lc.constexprs.get("PLANES_IN_TURN", False) == in_turn
         outs[in_turn] = y
     assert not outs[True].isnan().any()
     assert torch.equal(outs[True], outs[False])
