@@ -3,6 +3,10 @@
     python examples/train_multi_lora.py                   # CPU, a tiny Llama with random weights
     python examples/train_multi_lora.py --device cuda     # the Triton kernels
     python examples/train_multi_lora.py --compile         # forward + loss compiled (fullgraph)
+    python examples/train_multi_lora.py --micro-batches 2 --checkpoint   # per step: both micro-batches'
+                                                          # forwards, then their backwards, each layer
+                                                          # recomputed in the backward (activation
+                                                          # checkpointing on the batch its forward read)
 
 1. A tiny causal LM from a LlamaConfig (random weights, nothing downloaded) and ``apply_lora`` on it.
 2. Three fresh adapters with PEFT's initialisation (B = 0), different ranks, alphas and dropouts, one
@@ -48,7 +52,23 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--compile", action="store_true", help="compile forward + loss with fullgraph=True")
     parser.add_argument("--out", default=None, help="where to save the adapters (default: a temporary folder)")
-    return parser.parse_args()
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="batches per optimizer step, their forwards first, then their backwards")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="activation checkpointing (Hugging Face's, with context_fn=ctx.checkpoint_context)")
+    args = parser.parse_args()
+    if args.checkpoint and args.compile:
+        parser.error("--checkpoint runs eagerly: torch.compile does not take checkpoint's context_fn")
+    return args
+
+
+def enable_checkpointing(model, ctx):
+    """The model's own activation checkpointing, its recompute reading the batch its forward read."""
+    kwargs = {"use_reentrant": False, "context_fn": ctx.checkpoint_context}
+    if hasattr(model, "activation_checkpointing_enable"):      # transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def tiny_llama(device):
@@ -90,11 +110,20 @@ def train(model, ctx, args, vocab):
     first = last = None
     model.train()
     start = time.perf_counter()
+    if args.checkpoint:
+        enable_checkpointing(model, ctx)
     for step in range(args.steps):
-        requests, input_ids, labels, rows = mixed_batch(vocab, gen, args.device)
-        ctx.set_batch(requests)
-        losses = task_losses(forward(input_ids=input_ids).logits, labels, rows)
-        sum(losses.values()).backward()
+        # Each micro-batch's forward, then the backwards: each backward runs on its own forward's batch
+        # (LoRAContext keeps a copy of each batch for autograd).
+        totals = []
+        for micro in range(args.micro_batches):
+            requests, input_ids, labels, rows = mixed_batch(vocab, gen, args.device)
+            ctx.set_batch(requests)
+            batch_losses = task_losses(forward(input_ids=input_ids).logits, labels, rows)
+            losses = batch_losses if micro == 0 else losses
+            totals.append(sum(batch_losses.values()) / args.micro_batches)
+        for total in totals:
+            total.backward()
         trainer.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         values = {name: loss.item() for name, loss in losses.items()}
