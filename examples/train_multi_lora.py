@@ -120,7 +120,8 @@ def train(model, ctx, args, vocab):
             requests, input_ids, labels, rows = mixed_batch(vocab, gen, args.device)
             ctx.set_batch(requests)
             batch_losses = task_losses(forward(input_ids=input_ids).logits, labels, rows)
-            losses = batch_losses if micro == 0 else losses
+            if micro == 0:
+                losses = batch_losses       # (the first micro-batch's, printed)
             totals.append(sum(batch_losses.values()) / args.micro_batches)
         for total in totals:
             total.backward()
