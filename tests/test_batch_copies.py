@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from conftest import DEVICE
-from lora_ops import training
+from lora_ops import ops, training
 from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
 
 K, L, R, M = 16, 3, 4, 12
@@ -144,15 +144,23 @@ def test_a_no_grad_forward_between_a_forward_and_its_backward(backend):
     assert_same([grads(trainer)], [want])
 
 
+@pytest.fixture(params=[True, False], ids=["own_function", "dispatcher"])
+def autograd_path(request):
+    """Eager autograd through the op's own Function (default) or the dispatcher's (ops.set_eager_autograd)."""
+    ops.set_eager_autograd(request.param)
+    yield request.param
+    ops.set_eager_autograd(True)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no_dropout", "dropout"])
-def test_checkpoint_context_recomputes_on_the_forwards_batch(backend, dropout):
+def test_checkpoint_context_recomputes_on_the_forwards_batch(backend, autograd_path, dropout):
     model, ctx, trainer = make_model(dropout=dropout)
     want = sequential(model, ctx, trainer)
     model.mode = "checkpoint_context"
     assert_same(interleaved(model, ctx, trainer), want)
 
 
-def test_checkpoint_recompute_on_another_batch_raises(backend):
+def test_checkpoint_recompute_on_another_batch_raises(backend, autograd_path):
     """Without the context_fn the recompute reads the batch set last: refused, not wrong gradients."""
     model, ctx, trainer = make_model()
     model.mode = "checkpoint"
