@@ -289,3 +289,27 @@ def test_hugging_face_checkpointing_takes_the_context_fn():
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_only_autograd_reads_the_copy(backend, monkeypatch):
+    """Calls without autograd (inference, CUDA graphs, compiled serving) read the context's buffers, refilled in
+    place; calls that record autograd read the batch's copy; set_batch under no_grad takes none."""
+    from lora_ops import eager, ops as ops_module
+    model, ctx, trainer = make_model()
+    seen = []
+    call = ops_module.call
+    monkeypatch.setattr(ops_module, "call", lambda name, *args: (seen.append(args[-3]), call(name, *args))[1])
+    eager.set_enabled(False)      # (bound calls skip ops.call)
+    try:
+        x, _ = inputs(0)
+        ctx.set_batch(BATCHES[0])
+        model(x)
+        assert seen and all(t is ctx._copy.meta.sorted_token_ids for t in seen)
+        seen.clear()
+        with torch.no_grad():
+            model(x)
+            assert seen and all(t is ctx.meta.sorted_token_ids for t in seen)
+            ctx.set_batch(BATCHES[1])
+        assert ctx._copy is None
+    finally:
+        eager.set_enabled(True)
