@@ -26,12 +26,14 @@ in one mixed batch; in ``model.train()`` each slot's adapter sees its own ``lora
 ``ctx.save_adapter(name, directory)`` writes a slot back as a PEFT adapter directory.
 """
 import contextlib
+import functools
 import re
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
@@ -134,6 +136,9 @@ class LoRAContext:
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
+        # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
+        # checkpoint cannot call (it loses self), nor a callable object (not supported there).
+        self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
         for t in (*self.meta, self.token_slots):
             # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
             torch._dynamo.mark_static_address(t, guard=True)
@@ -243,10 +248,15 @@ class LoRAContext:
             copy = self._copy
         return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
 
-    def checkpoint_context(self):
-        """``context_fn`` for ``torch.utils.checkpoint(..., use_reentrant=False)``: the recompute of a
-        checkpointed forward reads the batch that forward read, whatever ``set_batch`` ran since (without it
-        such a recompute raises in the backward). Returns (forward context, recompute context)."""
+    def _checkpoint_contexts(self):
+        """``ctx.checkpoint_context()``, the ``context_fn`` for ``torch.utils.checkpoint(...,
+        use_reentrant=False)``: the recompute of a checkpointed forward reads the batch that forward read,
+        whatever ``set_batch`` ran since (without it such a recompute raises in the backward). Returns (forward
+        context, recompute context). Under torch.compile, which takes only TorchDispatchModes there, two
+        that do nothing: the compiled backward recomputes from the graph's saved inputs, the batch's copy
+        among them."""
+        if torch.compiler.is_compiling():
+            return _Passthrough(), _Passthrough()
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch
         else:
@@ -272,6 +282,17 @@ class LoRAContext:
         if x2d.shape[0] != num_tokens:
             raise ValueError(f"LoRALinear: the input has {x2d.shape[0]} tokens but the batch was set for "
                              f"{num_tokens}; call set_batch / set_token_slots for this step's tokens")
+
+
+def _checkpoint_contexts(context):
+    return context._checkpoint_contexts()
+
+
+class _Passthrough(TorchDispatchMode):
+    """A TorchDispatchMode that changes nothing (LoRAContext._checkpoint_contexts under torch.compile)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def _unpack_request(i, request):

@@ -221,6 +221,26 @@ def test_compiled_model_interleaves_without_recompiling(backend):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("mode", ["checkpoint", "checkpoint_context"])
+def test_compiled_checkpointing_recomputes_from_its_saved_inputs(backend, mode):
+    """Under torch.compile the checkpointed region's recompute runs in the compiled backward from the graph's
+    saved inputs, the batch's copy among them: right without the context_fn, and with it (which hands the
+    compiler two TorchDispatchModes that do nothing: all it takes there)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    model, ctx, trainer = make_model()
+    want = sequential(model, ctx, trainer)
+    model.mode = mode
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            for g, w in zip(interleaved(compiled, ctx, trainer), want):
+                for a, b in zip(g, w):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
 def test_bound_training_calls_replay_across_batches(triton_kernels):
     """The bound eager training calls (lora_ops.eager) replay on each batch's copy: a new batch every step
     takes no rebinding."""
