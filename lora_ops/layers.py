@@ -176,10 +176,11 @@ class LoRAContext:
     def model(self):
         return self._model() if self._model is not None else None
 
-    def train_slots(self, names, *, freeze_base=True):
+    def train_slots(self, names, *, freeze_base=True, process_group="default"):
         """Make the adapters ``names`` trainable: a :class:`lora_ops.training.SlotTrainer` (its
-        ``parameters()`` for the optimizer, its ``step(optimizer)`` changing only those slots)."""
-        return training.train_slots(self, names, freeze_base=freeze_base)
+        ``parameters()`` for the optimizer, its ``step(optimizer)`` changing only those slots; under
+        DistributedDataParallel the same slots on every rank of ``process_group``)."""
+        return training.train_slots(self, names, freeze_base=freeze_base, process_group=process_group)
 
     def save_adapter(self, name, directory):
         """Write adapter ``name`` as a PEFT adapter directory (lora_ops.adapters.save_peft_adapter)."""

@@ -99,9 +99,17 @@ class SlotTrainer:
     context's per-slot dropout table is filled from the adapters' configs. :meth:`close` (or leaving a
     ``with`` block) undoes the hooks, the stacks' ``requires_grad`` and the dropout table (the base stays
     frozen: unfreeze it yourself if you need to).
+
+    **Data parallel** (DistributedDataParallel: every rank holds the whole stacks, gradients averaged over
+    the ranks): a slot with tokens on any rank gets a gradient on every rank, so every rank must let the
+    optimizer move it. ``process_group`` (default: the default group, where torch.distributed is initialised
+    with more than one rank) ORs the ranks' "slots with tokens" in :meth:`step`, one small all-reduce; every
+    rank of the group must then call ``step`` alike. Without it the ranks' stacks drift apart (tests:
+    2 ranks, 3 steps). ``process_group=None`` keeps the ranks independent. Sharded parameters (FSDP) are not
+    supported: ``step`` masks whole stacks.
     """
 
-    def __init__(self, ctx, names, *, freeze_base=True):
+    def __init__(self, ctx, names, *, freeze_base=True, process_group="default"):
         names = list(names)
         if not names or any(n is None for n in names):
             raise ValueError(f"train_slots: expected one or more adapter names, got {names!r}")
@@ -111,6 +119,7 @@ class SlotTrainer:
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
         self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)   # slots with tokens since the last step
+        self.process_group = _data_parallel_group(process_group)
         model = ctx.model()
         if freeze_base and model is not None:
             model.requires_grad_(False)
@@ -139,6 +148,10 @@ class SlotTrainer:
         tokens since the last step is restored bit for bit."""
         snapshots = [p.detach().clone() for p in self.parameters()]
         optimizer.step()
+        if self.process_group is not None:   # a slot with tokens on any rank moves on every rank
+            seen = self._seen.to(torch.uint8)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+            self._seen.copy_(seen.bool())
         for layer in self._layers:
             updatable = self._trainable(layer) & self._seen[:, None]          # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
@@ -182,9 +195,19 @@ class SlotTrainer:
         return hook
 
 
-def train_slots(ctx, names, *, freeze_base=True):
+def train_slots(ctx, names, *, freeze_base=True, process_group="default"):
     """A :class:`SlotTrainer` for the adapters ``names`` of ``ctx``."""
-    return SlotTrainer(ctx, names, freeze_base=freeze_base)
+    return SlotTrainer(ctx, names, freeze_base=freeze_base, process_group=process_group)
+
+
+def _data_parallel_group(process_group):
+    """SlotTrainer's group: the default group where torch.distributed runs more than one rank, for "default"."""
+    if not (isinstance(process_group, str) and process_group == "default"):
+        return process_group
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
 
 def _dropout_table(ctx):
