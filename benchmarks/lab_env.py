@@ -98,14 +98,22 @@ def run_rank_loop_lab(run):
         return run(Timer(DEV))
 
 
-def checked_runner(i, y0, want, exact, rms):
-    """``run_checked(go)``: y reset to ``y0``, ``go()`` run, then (relative Frobenius error of y against
-    ``want``, float64, and how many values are off by more than y's dtype allows: tuning.off_mask)."""
+def checked_modes(p, i, modes):
+    """For each of the expand's ``modes`` ("accumulate": y += delta, add_lora_'s; "store": y = delta, the
+    write-first path's): (mode, accumulate, ``run_checked``). ``run_checked(go)`` resets y to its value now,
+    runs ``go()``, and returns (relative Frobenius error of y against the float64 result, how many values are
+    off by more than y's dtype allows: tuning.off_mask)."""
     from lora_ops.configs import tuning
+    y0 = i.y.clone()
+    exact = problems.reference_delta(p, i)
+    rms = float(exact.pow(2).mean().sqrt())
+    for mode in modes:
+        accumulate = mode == "accumulate"
+        want = (y0.double() if accumulate else 0) + exact   # the store mode writes y whole
 
-    def run_checked(go):
-        i.y.copy_(y0)
-        go()
-        err = float((i.y.double() - want).norm() / exact.norm())
-        return err, int(tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps).sum())
-    return run_checked
+        def run_checked(go, want=want):
+            i.y.copy_(y0)
+            go()
+            err = float((i.y.double() - want).norm() / exact.norm())
+            return err, int(tuning.off_mask(i.y, want, rms, torch.finfo(i.y.dtype).eps).sum())
+        yield mode, accumulate, run_checked

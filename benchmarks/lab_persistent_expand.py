@@ -31,8 +31,7 @@ import triton.language as tl
 
 import repo_path  # noqa: F401,E402
 import lab_env  # noqa: E402
-import problems  # noqa: E402
-from lab_env import DEV, TINY, checked_runner, ints, model_rows, rank_loop_rows  # noqa: E402
+from lab_env import DEV, TINY, checked_modes, ints, model_rows, rank_loop_rows  # noqa: E402
 from lora_ops import launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig, max_token_tiles, next_power_of_2, rank_align  # noqa: E402
 from lora_ops.kernels.expand import rank_loop  # noqa: E402
@@ -171,15 +170,7 @@ def run(timer):
         if h.dtype == torch.float32:
             print(f"| {layer.name} | {rank} | {M} | (h is not planes) |")
             continue
-        y0 = i.y.clone()
-        exact = problems.reference_delta(p, i)
-        rms = float(exact.pow(2).mean().sqrt())
-        for mode in MODES:
-            accumulate = mode == "accumulate"
-            start = y0.double() if accumulate else 0   # y before the delta: the store mode writes it whole
-            want = start + exact
-
-            run_checked = checked_runner(i, y0, want, exact, rms)
+        for mode, accumulate, run_checked in checked_modes(p, i, MODES):
             base_us = None
             table_lc = launch.launch_expand(i.y, h, i.lora_b, p.widths, p.rank, *p.meta, table, run=False,
                                             accumulate=accumulate)

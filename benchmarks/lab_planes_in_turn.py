@@ -37,8 +37,7 @@ import torch
 
 import repo_path  # noqa: F401,E402
 import lab_env  # noqa: E402
-import problems  # noqa: E402
-from lab_env import DEV, TINY, checked_runner, ints, model_rows, rank_loop_rows  # noqa: E402
+from lab_env import DEV, TINY, checked_modes, ints, model_rows, rank_loop_rows  # noqa: E402
 from lora_ops import launch  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
 
@@ -106,14 +105,7 @@ def walk(timer, ratios):
         if h.dim() != 4 or h.shape[0] != 2 or h.dtype == torch.float32:
             print(f"| {layer.model} {layer.name} | {rank} | {M} | (h is not two planes: {tuple(h.shape)} {h.dtype}) |")
             continue
-        y0 = i.y.clone()
-        exact = problems.reference_delta(p, i)
-        rms = float(exact.pow(2).mean().sqrt())
-        for mode in MODES:
-            accumulate = mode == "accumulate"
-            want = (y0.double() if accumulate else 0) + exact   # the store mode writes y whole
-
-            run_checked = checked_runner(i, y0, want, exact, rms)
+        for mode, accumulate, run_checked in checked_modes(p, i, MODES):
             label = "table " + "x".join(map(str, table[:3])) + f" w{table.num_warps} s{table.num_stages}"
             candidates = [(label, table, False)] + variants(table)
             base_us = None
