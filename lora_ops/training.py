@@ -119,7 +119,7 @@ class SlotTrainer:
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
         self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)   # slots with tokens since the last step
-        self.process_group = _data_parallel_group(process_group)
+        self.process_group = process_group     # resolved at each step: the group may be set up later
         model = ctx.model()
         if freeze_base and model is not None:
             model.requires_grad_(False)
@@ -148,9 +148,10 @@ class SlotTrainer:
         tokens since the last step is restored bit for bit."""
         snapshots = [p.detach().clone() for p in self.parameters()]
         optimizer.step()
-        if self.process_group is not None:   # a slot with tokens on any rank moves on every rank
+        group = _data_parallel_group(self.process_group)
+        if group is not None:   # a slot with tokens on any rank moves on every rank
             seen = self._seen.to(torch.uint8)
-            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=group)
             self._seen.copy_(seen.bool())
         for layer in self._layers:
             updatable = self._trainable(layer) & self._seen[:, None]          # [L, R]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lora_ops import training
 from test_batch_copies import inputs, make_model
 
 WORLD, STEPS = 2, 3
@@ -42,7 +43,7 @@ def worker(rank, init_file, process_group, out_dir):
         if process_group is None:
             trainer.process_group = None          # as ctx.train_slots(..., process_group=None)
         else:
-            assert trainer.process_group is dist.group.WORLD
+            assert training._data_parallel_group(trainer.process_group) is dist.group.WORLD
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         stacks = train(ddp, ctx, trainer, lambda step: rank_loss(ddp, ctx, step, rank).backward())
         torch.save(stacks, os.path.join(out_dir, f"rank{rank}.pt"))
