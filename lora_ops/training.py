@@ -143,11 +143,16 @@ class SlotTrainer:
         return [stack for layer in self._layers for stack in (layer.lora_a, layer.lora_b)]
 
     @torch.no_grad()
-    def step(self, optimizer):
-        """``optimizer.step()``, then every entry outside the chosen slots (within their ranks) that had
-        tokens since the last step is restored bit for bit."""
+    def step(self, optimizer, scaler=None):
+        """``optimizer.step()`` (``scaler.step(optimizer)`` with a ``torch.amp.GradScaler``, which unscales
+        the gradients and skips the step where one is inf or NaN; ``scaler.update()`` stays the caller's),
+        then every entry outside the chosen slots (within their ranks) that had tokens since the last step
+        is restored bit for bit."""
         snapshots = [p.detach().clone() for p in self.parameters()]
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
             seen = self._seen.to(torch.uint8)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from conftest import TOLERANCE, rel_err
+from conftest import DEVICE, TOLERANCE, rel_err
 from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, toy_lm
 from lora_ops import training
 from lora_ops.adapters import load_peft_adapter, save_peft_adapter
@@ -317,3 +317,36 @@ def test_per_slot_dropout_in_training_mode_only():
     assert rel_err(out[slots == 0][kept], 2 * x[slots == 0][kept]) <= 1e-7
     trainer.close()
     assert ctx.dropout_p is None
+
+
+def test_grad_scaler_steps_through_the_trainer():
+    """trainer.step(optimizer, scaler): a torch.amp.GradScaler unscales (a power of two: the same update bit for
+    bit as without it) and skips the step where a gradient is inf, every stack then unchanged."""
+    from test_batch_copies import BATCHES, inputs, make_model
+    stacks = {}
+    for use_scaler in (False, True):
+        model, ctx, trainer = make_model()
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+        scaler = torch.amp.GradScaler(torch.device(DEVICE).type, init_scale=2.0 ** 8) if use_scaler else None
+        initial = [p.detach().clone() for p in trainer.parameters()]
+        x, w = inputs(0)
+        ctx.set_batch(BATCHES[0])
+        loss = (model(x) * w).sum()
+        (scaler.scale(loss) if use_scaler else loss).backward()
+        trainer.step(optimizer, scaler)
+        stacks[use_scaler] = [p.detach().clone() for p in trainer.parameters()]
+        if use_scaler:
+            scaler.update()
+            optimizer.zero_grad()
+            ctx.set_batch(BATCHES[1])
+            scaler.scale((model(inputs(1)[0]) * w).sum()).backward()
+            trainer.parameters()[0].grad.view(-1)[0] = float("inf")
+            trainer.step(optimizer, scaler)             # skipped: nothing moves
+            for p, before in zip(trainer.parameters(), stacks[True]):
+                assert torch.equal(p, before)
+            scaler.update()
+            assert scaler.get_scale() < 2.0 ** 8
+        trainer.close()
+    for a, b in zip(stacks[False], stacks[True]):
+        assert torch.equal(a, b)
+    assert all(not torch.equal(p, q) for p, q in zip(stacks[True], initial)), "the first step moved nothing"
