@@ -1,4 +1,5 @@
-"""Lab (session 26, not yet run on a GPU): the rank loop's planes taking turns, one dot a step.
+"""Lab (session 26): the rank loop's planes taking turns, one dot a step. Found on the H200: slower everywhere
+(1.10-1.24x the table's configs; `benchmarks/results/lab-planes-in-turn-h200-2026-12-05-session26.md`).
 
 Why: in add_lora_'s rank loop over h's two bf16 planes (kernels.expand.rank_loop) each rank step holds two dots,
 hi·B then lo·B on one load of B. Compiled for sm_90 (Triton 3.6) only the step's last dot is asynchronous: the

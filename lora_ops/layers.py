@@ -256,7 +256,8 @@ class LoRAContext:
         context, recompute context). Under torch.compile, which takes only TorchDispatchModes there, two
         that do nothing: the compiled backward recomputes from the graph's saved inputs, the batch's copy
         among them."""
-        if torch.compiler.is_compiling():
+        # (torch 2.13 calls it while Dynamo traces; 2.11 while AOTAutograd traces on fake tensors.)
+        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
             return _Passthrough(), _Passthrough()
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch

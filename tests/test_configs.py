@@ -695,17 +695,12 @@ def test_float16_expands_take_tiles_that_hold_their_tf32_operands(pretend_gpu_ta
         assert values // (32 * tiles.num_warps) <= heuristics.F16_EXPAND_VALUES, tiles
 
 
-def test_planes_in_turn_is_a_tuner_candidate_and_a_table_field(pretend_gpu_table):
-    """The rank loop's planes in turn (ExpandConfig.planes_in_turn): the tuner tries it beside each wide
-    rank-loop tile (tuning.PLANES_IN_TURN_MIN_TILE), nowhere else; a table entry may hold it, and entries
-    written before the field load without it."""
+def test_planes_in_turn_is_a_table_field_but_no_tuner_candidate(pretend_gpu_table):
+    """The rank loop's planes in turn (ExpandConfig.planes_in_turn) lost on the H200 (1.10-1.24x the table's
+    time, session 26): the tuner does not try it; a table entry may still hold it, and entries written before
+    the field load without it."""
     for bucket in (256, 1024, 4096):
-        space = list(tuning.expand_candidates(bucket, 6144, 320))
-        turns = [c for c in space if c.planes_in_turn]
-        assert turns and all(c.block_m * c.block_n >= tuning.PLANES_IN_TURN_MIN_TILE and c.block_r < 320
-                             for c in turns), bucket
-        assert all(c._replace(planes_in_turn=False) in space for c in turns)
-    assert not any(c.planes_in_turn for c in tuning.expand_candidates(1024, 6144, 64))   # one rank block
+        assert not any(c.planes_in_turn for c in tuning.expand_candidates(bucket, 6144, 320)), bucket
     old_style = {k: v for k, v in heuristics.ExpandConfig(64, 256, 32, 4, 3)._asdict().items() if k != "planes_in_turn"}
     pretend_gpu_table([
         dict(kind="expand", features=4096, slices=1, rank=320, tokens=4096, config=old_style),

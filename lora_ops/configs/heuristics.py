@@ -43,7 +43,7 @@ class ExpandConfig(NamedTuple):
     num_stages: int
     n_loop: int = 1        # column blocks one program streams through (kernels.expand)
     m_loop: int = 1        # token tiles one program walks with its block of B held (n_loop 1, rank in one block)
-    planes_in_turn: bool = False   # the rank loop over h's two bf16 planes: one dot a step (kernels.expand)
+    planes_in_turn: bool = False   # the rank loop over h's planes, one dot a step (kernels.expand; slower)
 
 
 class FusedConfig(NamedTuple):

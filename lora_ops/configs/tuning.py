@@ -98,13 +98,6 @@ def token_loop_candidates(bucket, max_rank):
             yield ExpandConfig(bm, bn, heuristics.rank_block(max_rank), 4, 2, 1, m_loop)
 
 
-# The rank loop's planes taking turns (kernels.expand, PLANES_IN_TURN: one dot a step, pipelined where the
-# shipped loop's two dots a step wait for each other; B's block read twice from L2): a candidate on the wide
-# tiles, where a step's MMAs are long enough to hide (session 26, from sm_90 compiles; not yet timed). Only
-# bf16's planes h takes it; elsewhere the flag changes nothing.
-PLANES_IN_TURN_MIN_TILE = 64 * 256
-
-
 def expand_candidates(bucket, out_features, max_rank):
     # Up to rank 64 the whole rank is one block and from 256 tokens a program streams n_loop column blocks
     # (kernels.expand); above rank 64 the rank loop runs and large output tiles pay (fewer re-reads of h, B).
@@ -117,8 +110,6 @@ def expand_candidates(bucket, out_features, max_rank):
                 if warps == 4 and bm * bn > 128 * 128:
                     continue
                 yield ExpandConfig(bm, bn, br, warps, stages)
-                if bm * bn >= PLANES_IN_TURN_MIN_TILE:
-                    yield ExpandConfig(bm, bn, br, warps, stages, planes_in_turn=True)
         if bucket <= ONE_BLOCK_TUNE_MAX_BUCKET:
             br = heuristics.one_block_rank(max_rank)
             for bm, bn, warps in itertools.product(sorted({16, *_block_ms(bucket)}), (32, 64, 128), (4, 8)):

@@ -223,9 +223,9 @@ def rank_loop(h_rows, b_slot, offs_n, n_ok, rank, stride_hr, stride_hp, stride_b
     PLANES_IN_TURN (two planes): a step per (rank block, plane), hi then lo, so the same products in the same
     order (bit-identical). With both planes' dots in one step Triton makes only the last asynchronous (the
     hi plane's wgmmas end in wait_group 0, exposed); one dot a step pipelines like a plain GEMM (wait_group
-    1), at the price of loading B's block twice from L2 (DESIGN §4, "The planes' two dots"). Selected by
-    ExpandConfig.planes_in_turn: a tuner candidate on wide tiles, in no shipped table entry until timed
-    (benchmarks/lab_planes_in_turn.py).
+    1), at the price of loading B's block twice from L2 (DESIGN §4, "The planes' two dots"). Measured slower
+    on the H200 (1.10-1.24x the table's configs, session 26: the loop is L2-bound), so no table entry or tuner
+    candidate takes it; ExpandConfig.planes_in_turn selects it (benchmarks/lab_planes_in_turn.py).
     Full rank blocks load without a rank mask (16-byte vectors, pipelined; a run-time rank mask made every
     element a load of its own); rows of invalid tokens read token 0's h (in bounds, never stored). The last,
     partial block is masked to the rank (rounded up for vector loads, kernels.work.rank_ceil).
