@@ -256,8 +256,10 @@ class LoRAContext:
         context, recompute context). Under torch.compile, which takes only TorchDispatchModes there, two
         that do nothing: the compiled backward recomputes from the graph's saved inputs, the batch's copy
         among them."""
-        # (torch 2.13 calls it while Dynamo traces; 2.11 while AOTAutograd traces on fake tensors.)
-        if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        # Where torch.utils.checkpoint requires modes: while AOTAutograd traces (a proxy mode active: its own
+        # test), which torch 2.11 does outside Dynamo's is_compiling(); 2.13 calls it while Dynamo traces too.
+        tracing = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+        if torch.compiler.is_compiling() or tracing:
             return _Passthrough(), _Passthrough()
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch
