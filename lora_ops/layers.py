@@ -75,6 +75,11 @@ class _PinnedStaging:
         device_slots[:buf.shape[0]].copy_(buf, non_blocking=True)
         self._copied[i].record()
 
+    def __reduce__(self):
+        # The pinned buffers and events belong to this process and hold nothing worth keeping between
+        # steps (CUDA events cannot be pickled or deep-copied): a copy of a model gets fresh ones.
+        return type(self), (self._buffers[0].shape[0], len(self._buffers))
+
 
 class LoRAContext:
     """State shared by every :class:`LoRALinear` of a model: the slot table and the batch metadata.

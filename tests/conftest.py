@@ -180,6 +180,8 @@ def add_lora_paths(rank):
     config, expand config). One launch; two; two with split-K partial sums; two where the shrink sums its
     own splits (the expand's rank loop, block_r below the rank, takes h summed)."""
     from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig
+    # A GPU's tl.dot takes K >= 16 (the interpreter takes any): split_k_summed's rank block is rank // 2.
+    assert rank >= 32 and rank % 2 == 0, f"add_lora_paths needs an even rank >= 32, got {rank}"
     return {
         "fused": (FusedConfig(16, 32, rank, 32, 4, 1), None, None),
         "split": (None, ShrinkConfig(16, rank, 32, 1, 4, 1), ExpandConfig(16, 32, rank, 4, 1)),

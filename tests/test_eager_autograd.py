@@ -29,7 +29,7 @@ def dispatcher_autograd():
 
 
 def signed(shape, case):
-    return torch.randn(*shape, generator=case.gen).to(case.x.dtype)
+    return torch.randn(*shape, generator=case.gen).to(case.x.device, case.x.dtype)
 
 
 def layer_leaves(case, needs):

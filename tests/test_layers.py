@@ -312,3 +312,24 @@ def test_lora_ops_works_on_a_cpu_install_without_triton():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LORA_OPS_CPU_BACKEND")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_pinned_staging_is_copied_fresh(monkeypatch):
+    """A CUDA context stages per-token slots through pinned buffers with CUDA events, which cannot be pickled
+    or deep-copied: copy.deepcopy(model) failed on a GPU. A copy gets its own fresh buffers and events."""
+    import copy
+    import pickle
+
+    from lora_ops import layers
+
+    class Event:                       # as torch.cuda.Event: refuses to be copied
+        def __reduce__(self):
+            raise TypeError("cannot pickle 'Event' object")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)   # (a CPU-only torch cannot pin)
+    staging = layers._PinnedStaging(12, depth=3)
+    for twin in (copy.deepcopy(staging), pickle.loads(pickle.dumps(staging))):
+        assert [b.shape for b in twin._buffers] == [(12,)] * 3 and len(twin._copied) == 3
+        assert all(isinstance(e, Event) for e in twin._copied)
+        assert not any(a.data_ptr() == b.data_ptr() for a in twin._buffers for b in staging._buffers)
