@@ -665,36 +665,6 @@ def test_float32_takes_its_own_tiles_on_a_gpu_only():
                 assert on_gpu.block_r <= 16 and on_gpu.block_k <= 64 and on_gpu.split_k <= on_cpu.split_k, (M, R)
 
 
-def test_float16_expands_take_tiles_that_hold_their_tf32_operands(pretend_gpu_table):
-    """float16's expand widens B's block to float32 beside its accumulator and h's tile (TF32): on a GPU the
-    table's bf16-tuned tiles get 8 warps, then fewer columns, until each thread holds at most
-    F16_EXPAND_VALUES float32 values (heuristics.float16_tiles); the rank and token tiles stay. bf16, the
-    stacked path (h in y's dtype) and small tiles keep the table's config; the CPU keeps the heuristic's."""
-    rank_loop, wide = heuristics.ExpandConfig(64, 256, 32, 4, 3), heuristics.ExpandConfig(128, 256, 64, 8, 3)
-    small = heuristics.ExpandConfig(16, 64, 16, 4, 2)
-    pretend_gpu_table([
-        dict(kind="expand", features=4096, slices=1, rank=320, tokens=4096, config=rank_loop._asdict()),
-        dict(kind="expand", features=4096, slices=1, rank=320, tokens=1024, config=wide._asdict()),
-        dict(kind="expand", features=4096, slices=1, rank=16, tokens=64, config=small._asdict()),
-        dict(kind="stacked", features=4096, in_features=4096, slices=1, rank=320, tokens=4096,
-             config=rank_loop._asdict()),
-    ])
-    f16, bf16 = torch.float16, torch.bfloat16
-    assert configs.expand_config(4096, 4096, 1, 320, 4, CUDA, bf16) == rank_loop
-    assert configs.expand_config(4096, 4096, 1, 320, 4, CUDA, f16) == rank_loop._replace(num_warps=8)
-    assert configs.store_config(4096, 4096, 1, 320, 4, 4096, CUDA, f16) == rank_loop._replace(num_warps=8)
-    assert configs.expand_config(1024, 4096, 1, 320, 4, CUDA, f16) == wide._replace(block_n=128)
-    assert configs.expand_config(64, 4096, 1, 16, 4, CUDA, f16) == small
-    assert configs.stacked_config(4096, 4096, 1, 320, 4, 4096, CUDA, f16) == rank_loop
-    assert configs.expand_config(4096, 4096, 1, 320, 4, torch.device("cpu"), f16) == \
-        heuristics.expand_config(4096, 4096, 320, 4)
-    for cfg in (rank_loop, wide, small):
-        tiles = heuristics.float16_tiles(cfg)
-        assert (tiles.block_m, tiles.block_r) == (cfg.block_m, cfg.block_r)
-        values = tiles.block_m * tiles.block_n + tiles.block_r * tiles.block_n + tiles.block_m * tiles.block_r
-        assert values // (32 * tiles.num_warps) <= heuristics.F16_EXPAND_VALUES, tiles
-
-
 def test_planes_in_turn_is_a_table_field_but_no_tuner_candidate(pretend_gpu_table):
     """The rank loop's planes in turn (ExpandConfig.planes_in_turn) lost on the H200 (1.10-1.24x the table's
     time, session 26): the tuner does not try it; a table entry may still hold it, and entries written before

@@ -101,7 +101,6 @@ _CONFIG_TYPES = {"shrink": ShrinkConfig, "fused": FusedConfig, **dict.fromkeys(E
 # expand config there, so another key's entry says nothing of this one, whose own expand config (itself
 # looked up) serves it instead.
 EXACT_KINDS = ("store",)
-F32_H_KINDS = ("expand", "store")   # the expands that take add_lora_'s float32 h (the stacked one: h in y's dtype)
 
 # A table entry further than this (sum of |log2| ratios of features, rank and token bucket, plus 0.5 for
 # another slice count) is not "near": the heuristic serves instead, so a partial table never hands a
@@ -172,14 +171,6 @@ def _expand_at_rank(cfg, entry_rank, max_rank):
 
 def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features=None):
     """(config, whether to remember it)."""
-    cfg, keep = _resolve_any_dtype(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket,
-                                   out_features)
-    if dtype == torch.float16 and device.type == "cuda" and kind in F32_H_KINDS and not _autotune["on"]:
-        cfg = heuristics.float16_tiles(cfg)   # the table's bf16 tiles spill with float16's TF32 h
-    return cfg, keep
-
-
-def _resolve_any_dtype(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features):
     forced = _forced["path"] if kind == "fused" else None
     if forced == "split":
         return None, True

@@ -210,32 +210,6 @@ def float32_tiles(cfg):
     return cfg
 
 
-# float16 weights meet the expand's float32 h as TF32 (launch.F32_OPERAND_PRECISION): B's block is widened to
-# float32 in registers beside the accumulator and h's tile, where bf16 multiplies its h planes as loaded. The
-# table's tiles, tuned on bf16, spill there (sm_90 under Triton 3.6, 302 float16 launches of the Llama-3-8B and
-# Phi-4-mini grids: 32 spilled, the rank loop's 64 x 256 x 32 at 4 warps 168-208 B a thread, 128 x 256 x 64 at
-# 8 warps ~330 B, one-block tiles of rank 128-256 48-190 B). On a GPU float16's expand takes 8 warps where 4
-# would hold more than F16_EXPAND_VALUES float32 values a thread (accumulator + B's block + h's tile), then
-# halves its columns until 8 do; the rank tile and token tile stay (the path and split-K pairing depend on
-# them). Tests: sm90_codegen.float16_spills. Not yet timed on a GPU.
-F16_EXPAND_VALUES = 160
-
-
-def float16_tiles(cfg):
-    """An expand config (add_lora_'s or the store mode's) as float16 takes it on a GPU; others unchanged."""
-    if not isinstance(cfg, ExpandConfig):
-        return cfg
-
-    def values_per_thread(c):
-        return (c.block_m * c.block_n + c.block_r * c.block_n + c.block_m * c.block_r) // (32 * c.num_warps)
-    if values_per_thread(cfg) <= F16_EXPAND_VALUES:
-        return cfg
-    cfg = cfg._replace(num_warps=max(cfg.num_warps, 8))
-    while values_per_thread(cfg) > F16_EXPAND_VALUES and cfg.block_n > 16:
-        cfg = cfg._replace(block_n=cfg.block_n // 2)
-    return cfg
-
-
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
