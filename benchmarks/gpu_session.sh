@@ -39,13 +39,16 @@
 #     BASE=DIR bash benchmarks/gpu_session.sh float32   # session 25's float32 GPU tiles: the float32 GPU
 #                                              # tests of the launch paths and gradients, then the core
 #                                              # subset in float32 for the tree in DIR and this one (~7 min)
-#     BASE=DIR bash benchmarks/gpu_session.sh float16   # session 26's float16 expand tiles (8 warps / fewer
-#                                              # columns where bf16's tiles spilled): the float16 GPU tests,
+#     BASE=DIR bash benchmarks/gpu_session.sh float16   # float16's expand tiles: the float16 GPU tests,
 #                                              # then Llama's high-rank rows at 256-4096 tokens in float16
 #                                              # for the tree in DIR and this one (~8 min)
 #     bash benchmarks/gpu_session.sh turns     # the rank loop's planes in turn (session 26 lab, one dot a
 #                                              # step): its GPU test, then lab_planes_in_turn.py on the
 #                                              # high-rank rows at 1024 / 4096 tokens, both modes (~9 min)
+#     bash benchmarks/gpu_session.sh suite1    # every test file but the property tests on the GPU, file by
+#     bash benchmarks/gpu_session.sh suite2    # file (75 s each, short tracebacks), in two halves (~5 min
+#                                              # each): what the CPU suite cannot see (session 27 found six
+#                                              # GPU-only failures in files no mode ran on the GPU)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -62,7 +65,18 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $R/NAME.log, print the exi
     local rc=$?
     echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc"
 }
-if [ "$MODE" = quick ]; then
+suite_files() {  # suite_files HALF: the test files but the property tests (props), half 1 or 2 of them
+    ls tests/test_*.py | grep -v test_kernels_property | awk -v h="$1" '(NR % 2) == (h % 2)'
+}
+if [ "$MODE" = suite1 ] || [ "$MODE" = suite2 ]; then
+    for f in $(suite_files "${MODE#suite}"); do
+        name=$(basename "$f" .py)
+        step "$name" 75 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider \
+            -rf --tb=short "$f"
+        grep -E "^FAILED|^ERROR" "$R/$name.log" | head -5
+        tail -1 "$R/$name.log"
+    done
+elif [ "$MODE" = quick ]; then
     # 2026-12-03: 90-110 s did not finish the property subset on a cold machine (hypothesis + compiles;
     # 10-25 s a property test at 12 examples), hence the "gpu" profile's 4; the core grid takes 40-65 s.
     # 2026-12-04: with the property subset in front, 150-200 s cut this step at 53-58% on a cold machine
