@@ -24,8 +24,10 @@ parameter whose gradient is zero. So the trainer does both:
    the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
 2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
    back everywhere outside "chosen slot, within its rank, and with tokens in a batch since the last
-   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set). A chosen slot
-   absent from the batch stays put, as it would with its own optimizer and ``zero_grad(set_to_none=True)``.
+   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set with grad mode on,
+   and one set under ``torch.no_grad()``, an evaluation between steps, only for the slots it gave a
+   gradient). A chosen slot absent from the batches trained stays put, as it would with its own optimizer
+   and ``zero_grad(set_to_none=True)``.
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
@@ -118,7 +120,12 @@ class SlotTrainer:
         L = ctx.max_loras
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
-        self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)   # slots with tokens since the last step
+        # Slots with tokens since the last step: in batches set with grad mode on, and in batches set under
+        # no_grad (an evaluation between steps), which count only for slots whose gradient is not all zero.
+        self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
+        self._seen_no_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
+        self._has_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
+        self._no_grad_fills = False     # whether _seen_no_grad holds any batch (host side: skips the check)
         self.process_group = process_group     # resolved at each step: the group may be set up later
         model = ctx.model()
         if freeze_base and model is not None:
@@ -153,16 +160,19 @@ class SlotTrainer:
             optimizer.step()
         else:
             scaler.step(optimizer)
+        seen = self._seen | (self._seen_no_grad & self._has_grad) if self._no_grad_fills else self._seen
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
-            seen = self._seen.to(torch.uint8)
+            seen = seen.to(torch.uint8)
             torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=group)
-            self._seen.copy_(seen.bool())
+            seen = seen.bool()
         for layer in self._layers:
-            updatable = self._trainable(layer) & self._seen[:, None]          # [L, R]
+            updatable = self._trainable(layer) & seen[:, None]          # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
-        self._seen.zero_()
+        for mask in (self._seen, self._seen_no_grad, self._has_grad):
+            mask.zero_()
+        self._no_grad_fills = False
 
     def close(self):
         for hook in self._hooks:
@@ -184,7 +194,15 @@ class SlotTrainer:
     # ---- masks -----------------------------------------------------------------------------------------
 
     def _note_batch(self, meta):
-        self._seen |= meta.slot_counts[:self._seen.shape[0]] > 0
+        """A fill listener: the batch just set. One set under no_grad serves forwards that record no autograd
+        (an evaluation between steps, a reference model's forward), and its slots move only on evidence of a
+        gradient; a forward with autograd on it (allowed: LoRAContext) gives them one."""
+        with_tokens = meta.slot_counts[:self._seen.shape[0]] > 0
+        if torch.is_grad_enabled():
+            self._seen |= with_tokens
+        else:
+            self._seen_no_grad |= with_tokens
+            self._no_grad_fills = True
 
     def _trainable(self, layer):
         """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
@@ -197,7 +215,10 @@ class SlotTrainer:
         def hook(grad):
             mask = self._trainable(layer)
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
-            return grad * mask.to(grad.dtype)
+            grad = grad * mask.to(grad.dtype)
+            if self._no_grad_fills:     # (only then: one more pass over the gradient)
+                self._has_grad |= grad.flatten(1).ne(0).any(1)
+            return grad
         return hook
 
 

@@ -12,7 +12,9 @@ the other (forward, backward, next batch), bit for bit:
 - non-reentrant checkpointing with ``context_fn=ctx.checkpoint_context``; without it, a recompute on another
   batch raises in the backward instead of giving wrong gradients;
 - a batch set under no_grad (no copy): autograd refuses the stale backward, as before;
-- the compiled model (aot_eager): the same gradients, one compile; bound eager training calls still replay.
+- the compiled model (aot_eager): the same gradients, one compile; bound eager training calls still replay;
+- SlotTrainer's step: a batch set under no_grad between steps (an evaluation) moves no slot; one set under
+  no_grad that a forward with autograd then trains on counts as if set with grad mode on.
 """
 import pytest
 import torch
@@ -333,3 +335,49 @@ def test_only_autograd_reads_the_copy(backend, monkeypatch):
         assert ctx._copy is None
     finally:
         eager.set_enabled(True)
+
+
+# ---- SlotTrainer: which batches count ---------------------------------------------------------------------
+
+def slot_stacks(trainer, slot):
+    return [p.detach()[slot].clone() for p in trainer.parameters()]
+
+
+def train_step(model, ctx, trainer, optimizer, requests, seed, set_under_no_grad=False):
+    x, w = inputs(seed)
+    with torch.set_grad_enabled(not set_under_no_grad):
+        ctx.set_batch(requests)
+    (model(x) * w).sum().backward()
+    trainer.step(optimizer)
+    optimizer.zero_grad()
+
+
+def test_an_evaluation_between_steps_moves_no_slot(backend):
+    """A chosen slot absent from the batches trained stays put, bit for bit, even where an evaluation under
+    no_grad set a batch holding it between two steps: "b" has AdamW moments from step 1 and "c" none, and
+    either would move (momentum, weight decay) if that batch counted, as it did."""
+    model, ctx, trainer = make_model()
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    train_step(model, ctx, trainer, optimizer, [("a", 6), ("b", 6)], 0)
+    before = {name: slot_stacks(trainer, ctx.slot_of(name)) for name in "abc"}
+    with torch.no_grad():
+        ctx.set_batch([("b", 4), ("c", 4), ("a", 4)])
+        model(inputs(1)[0])
+    train_step(model, ctx, trainer, optimizer, [("a", 8), (None, 4)], 2)
+    after = {name: slot_stacks(trainer, ctx.slot_of(name)) for name in "abc"}
+    for name in "bc":
+        assert all(torch.equal(u, v) for u, v in zip(before[name], after[name])), name
+    assert not all(torch.equal(u, v) for u, v in zip(before["a"], after["a"]))
+
+
+def test_a_batch_set_under_no_grad_trains_where_a_forward_records_autograd_on_it(backend):
+    """A batch set under no_grad, then a forward with autograd on it (allowed): its slots move as if it had
+    been set with grad mode on, bit for bit."""
+    stacks = []
+    for set_under_no_grad in (False, True):
+        model, ctx, trainer = make_model()
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+        for step, requests in enumerate(BATCHES):
+            train_step(model, ctx, trainer, optimizer, requests, step, set_under_no_grad)
+        stacks.append(torch.cat([p.detach().flatten() for p in trainer.parameters()]))
+    assert torch.equal(stacks[0], stacks[1])
