@@ -343,13 +343,22 @@ def slot_stacks(trainer, slot):
     return [p.detach()[slot].clone() for p in trainer.parameters()]
 
 
-def train_step(model, ctx, trainer, optimizer, requests, seed, set_under_no_grad=False):
+def adamw_steps(trainer, step_grads, steps):
+    """``steps`` AdamW steps through the trainer (weight decay on: it moves any slot the optimizer is let
+    move), ``step_grads(step)`` making each step's gradients; returns the stacks, flattened."""
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        step_grads(step)
+        trainer.step(optimizer)
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in trainer.parameters()])
+
+
+def backward_on(model, ctx, requests, seed, set_under_no_grad=False):
     x, w = inputs(seed)
     with torch.set_grad_enabled(not set_under_no_grad):
         ctx.set_batch(requests)
     (model(x) * w).sum().backward()
-    trainer.step(optimizer)
-    optimizer.zero_grad()
 
 
 def test_an_evaluation_between_steps_moves_no_slot(backend):
@@ -357,13 +366,16 @@ def test_an_evaluation_between_steps_moves_no_slot(backend):
     no_grad set a batch holding it between two steps: "b" has AdamW moments from step 1 and "c" none, and
     either would move (momentum, weight decay) if that batch counted, as it did."""
     model, ctx, trainer = make_model()
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
-    train_step(model, ctx, trainer, optimizer, [("a", 6), ("b", 6)], 0)
-    before = {name: slot_stacks(trainer, ctx.slot_of(name)) for name in "abc"}
-    with torch.no_grad():
-        ctx.set_batch([("b", 4), ("c", 4), ("a", 4)])
-        model(inputs(1)[0])
-    train_step(model, ctx, trainer, optimizer, [("a", 8), (None, 4)], 2)
+    before = {}
+
+    def step_grads(step):
+        if step == 1:
+            before.update({name: slot_stacks(trainer, ctx.slot_of(name)) for name in "abc"})
+            with torch.no_grad():
+                ctx.set_batch([("b", 4), ("c", 4), ("a", 4)])
+                model(inputs(1)[0])
+        backward_on(model, ctx, [("a", 8), (None, 4)] if step else [("a", 6), ("b", 6)], 2 * step)
+    adamw_steps(trainer, step_grads, 2)
     after = {name: slot_stacks(trainer, ctx.slot_of(name)) for name in "abc"}
     for name in "bc":
         assert all(torch.equal(u, v) for u, v in zip(before[name], after[name])), name
@@ -376,8 +388,6 @@ def test_a_batch_set_under_no_grad_trains_where_a_forward_records_autograd_on_it
     stacks = []
     for set_under_no_grad in (False, True):
         model, ctx, trainer = make_model()
-        optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
-        for step, requests in enumerate(BATCHES):
-            train_step(model, ctx, trainer, optimizer, requests, step, set_under_no_grad)
-        stacks.append(torch.cat([p.detach().flatten() for p in trainer.parameters()]))
+        stacks.append(adamw_steps(trainer, lambda step: backward_on(model, ctx, BATCHES[step], step,
+                                                                    set_under_no_grad), len(BATCHES)))
     assert torch.equal(stacks[0], stacks[1])

@@ -14,20 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora_ops import training
-from test_batch_copies import inputs, make_model
+from test_batch_copies import adamw_steps, inputs, make_model
 
 WORLD, STEPS = 2, 3
 BATCHES = ([("a", 7), (None, 5)], [("b", 6), ("c", 6)])   # rank 0's slots and rank 1's: none shared
-
-
-def train(model, ctx, trainer, step_grads):
-    """STEPS AdamW steps (weight decay on: it moves any slot the optimizer is let move)."""
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(STEPS):
-        step_grads(step)
-        trainer.step(optimizer)
-        optimizer.zero_grad()
-    return torch.cat([p.detach().flatten() for p in trainer.parameters()])
 
 
 def rank_loss(model, ctx, step, rank):
@@ -45,7 +35,7 @@ def worker(rank, init_file, process_group, out_dir):
         else:
             assert training._data_parallel_group(trainer.process_group) is dist.group.WORLD
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        stacks = train(ddp, ctx, trainer, lambda step: rank_loss(ddp, ctx, step, rank).backward())
+        stacks = adamw_steps(trainer, lambda step: rank_loss(ddp, ctx, step, rank).backward(), STEPS)
         torch.save(stacks, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()                    # both ranks' results written
     except BaseException:
@@ -72,7 +62,7 @@ def test_data_parallel_ranks_step_the_same_slots(tmp_path):
     def both_ranks(step):      # DDP's gradient: the mean over the ranks
         for rank in range(WORLD):
             (rank_loss(model, ctx, step, rank) / WORLD).backward()
-    one_process = train(model, ctx, trainer, both_ranks)
+    one_process = adamw_steps(trainer, both_ranks, STEPS)
     torch.testing.assert_close(rank0, one_process, rtol=1e-5, atol=1e-6)
 
 
