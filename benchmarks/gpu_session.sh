@@ -49,6 +49,9 @@
 #     bash benchmarks/gpu_session.sh suite2    # file (75 s each, short tracebacks), in two halves (~5 min
 #                                              # each): what the CPU suite cannot see (session 27 found six
 #                                              # GPU-only failures in files no mode ran on the GPU)
+#     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
+#                                              # adds, with and without stack_a) for the tree in DIR and this
+#                                              # one, in turn three times (~3 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -64,6 +67,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run, log to $R/NAME.log, print the exi
     timeout "$limit" "$@" > "$R/$name.log" 2>&1
     local rc=$?
     echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc"
+}
+in_trees() {  # in_trees NAME LIMIT COMMAND...: step NAME_base, then NAME_new: COMMAND run for the tree in $BASE,
+              # then this one, with @TREE@ in its words replaced by the tree and @TAG@ by base / new
+    local name=$1 limit=$2 tree tag word; shift 2
+    for tree in "${BASE:?BASE=the tree to compare}" .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        local words=()
+        for word in "$@"; do word=${word//@TREE@/$tree}; words+=("${word//@TAG@/$tag}"); done
+        step "${name}_$tag" "$limit" "${words[@]}"
+    done
 }
 suite_files() {  # suite_files HALF: the test files but the property tests (props), half 1 or 2 of them
     ls tests/test_*.py | grep -v test_kernels_property | awk -v h="$1" '(NR % 2) == (h % 2)'
@@ -98,39 +111,34 @@ elif [ "$MODE" = train ]; then
     step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py tests/test_batch_copies.py
     for i in 1 2; do   # the trees in turn: the GPU's clock and the host drift between runs
-        for tree in "${BASE:?BASE=the tree to compare}" .; do
-            tag=$([ "$tree" = . ] && echo new || echo base)
-            step "grad_${tag}$i" $([ $i = 1 ] && echo 150 || echo 90) python "$tree/benchmarks/grad_check.py" --dtypes bf16 --tokens 256 \
-                --out "$R/grad_${tag}$i"
-        done
+        in_trees "grad$i" $([ $i = 1 ] && echo 150 || echo 90) python @TREE@/benchmarks/grad_check.py --dtypes bf16 \
+            --tokens 256 --out "$R/grad${i}_@TAG@"
     done
-    for tree in "$BASE" .; do
-        tag=$([ "$tree" = . ] && echo new || echo base)
-        mkdir -p "$R/profile_$tag"
-        step "profile_$tag" 60 python "$tree/benchmarks/train_profile.py" --tokens 1024 --layers qkv,o \
-            --out "$R/profile_$tag"
-    done
+    mkdir -p "$R/profile_base" "$R/profile_new"
+    in_trees profile 60 python @TREE@/benchmarks/train_profile.py --tokens 1024 --layers qkv,o --out "$R"/profile_@TAG@
 elif [ "$MODE" = float32 ]; then
     step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_autograd.py tests/test_write_first.py tests/test_fast_launch.py -k fp32
-    for tree in "${BASE:?BASE=the tree to compare}" .; do
-        tag=$([ "$tree" = . ] && echo new || echo base)
-        step "f32_$tag" 150 python "$tree/benchmarks/bench_lora.py" --grid core --subset --dtype float32 \
-            --peers '' --time-budget 120 --out "$R/f32_$tag"
-    done
+    in_trees f32 150 python @TREE@/benchmarks/bench_lora.py --grid core --subset --dtype float32 --peers '' \
+        --time-budget 120 --out "$R"/f32_@TAG@
 elif [ "$MODE" = float16 ]; then
     step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_autograd.py tests/test_write_first.py tests/test_fast_launch.py -k fp16
-    for tree in "${BASE:?BASE=the tree to compare}" .; do
-        tag=$([ "$tree" = . ] && echo new || echo base)
-        step "f16_$tag" 170 python "$tree/benchmarks/bench_lora.py" --grid highrank --models llama3-8b \
-            --ms 256,1024,4096 --dtype float16 --peers '' --time-budget 150 --out "$R/f16_$tag"
-    done
+    in_trees f16 170 python @TREE@/benchmarks/bench_lora.py --grid highrank --models llama3-8b --ms 256,1024,4096 \
+        --dtype float16 --peers '' --time-budget 150 --out "$R"/f16_@TAG@
 elif [ "$MODE" = turns ]; then
     step tests 90 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py -k "planes_in_turn or takes_h_as_bf16_planes"
     # Store mode first (lora_linear's path from 1024 tokens), Llama's rows before Phi-4-mini's.
     step turns 470 env BUDGET=440 python benchmarks/lab_planes_in_turn.py
+elif [ "$MODE" = hostab ]; then
+    # One timing script for both trees (the base tree's copy replaced), the trees in turn three times:
+    # the host's speed drifts between runs by more than what a change of a few Python calls moves.
+    cp benchmarks/host_overhead.py "${BASE:?BASE=the tree to compare}/benchmarks/"
+    for i in 1 2 3; do
+        in_trees "host$i" 60 python @TREE@/benchmarks/host_overhead.py --subset --out "$R/host${i}_@TAG@"
+    done
+    grep -H "LoRA adds" "$R"/host*.log
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -170,7 +178,7 @@ else
     step mixed 120 python benchmarks/bench_lora.py --grid mixed --time-budget 105 --out "$R"   # 70 s left rows out
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
-for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad_base2 grad_new2 \
+for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
         profile_base profile_new f32_base f32_new f16_base f16_new turns; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"

@@ -18,7 +18,7 @@ host is the bottleneck. Rows, each the median of --rounds rounds of --calls call
   ... plans replayed through Triton's CudaLauncher   not its C launch function (triton_launch.direct_launch)
   and the pieces: the argument checks, the config lookups, one expand launch each way.
 
-Usage: python benchmarks/host_overhead.py [--device cpu --tiny]  (results to benchmarks/results/)
+Usage: python benchmarks/host_overhead.py [--device cpu --tiny] [--subset]  (results to benchmarks/results/)
 """
 import argparse
 import datetime
@@ -42,6 +42,9 @@ from lora_ops import configs, eager, launch, ops, plan, triton_launch  # noqa: E
 # Calls per enqueue-time sample: at most 3 launches each, far below the ~1000 launches CUDA queues before a
 # launch blocks, so the loop never waits for the GPU.
 ENQUEUE_CALLS = 50
+# --subset: what LoRA adds, with and without stack_a (an A/B of two trees runs this in turns).
+SUBSET = ("F.linear", "LoRALinear", "F.linear over the stack (stack_a's GEMM)",
+          "LoRALinear, stack_a (lora_linear_stacked)")
 
 
 def enqueue_us_per_call(fn, device):
@@ -104,6 +107,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="also write a cProfile of LoRALinear calls")
+    ap.add_argument("--subset", action="store_true", help=f"only the rows {', '.join(SUBSET)} (A/B of trees)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -172,6 +176,8 @@ def main(argv=None):
         variants["launch.add_lora_ without plans"] = (dict(plans=False), lambda: launch.add_lora_(*op_args))
         variants["one expand launch, fast"] = ({}, expand)
         variants["one expand launch, Triton's path"] = (dict(fast=False), expand)
+    if args.subset:
+        variants = {name: variants[name] for name in SUBSET}
     samples = {name: [] for name in variants}
     enqueue = {name: [] for name in variants}
     with torch.no_grad():

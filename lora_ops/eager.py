@@ -89,7 +89,7 @@ class EagerCalls:
     def replay(self, layer, x):
         """The layer's output for ``x`` [M, K] through a bound call, or None where none applies (the caller
         then takes the op's own path). ``layer.context.check_input(x)`` has passed; not while compiling."""
-        if not _enabled[0] or ops.wrapped(x):
+        if not _enabled[0] or ops.wrapped_untraced(x):
             return None
         context = layer.context
         base = layer._modules["base"]
@@ -133,7 +133,7 @@ class EagerCalls:
         forward has run and returned ``y`` [M, N]): add the delta into ``y`` in place through a bound add_lora_
         call and return True, or return False where none applies (the caller then calls add_lora_). Without
         autograd and dropout only (the caller's conditions); the base's own forward is never bound."""
-        if not _enabled[0] or ops.wrapped(x) or type(y) is not torch.Tensor:
+        if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor:
             return False
         bound = self._calls.get(("delta", *_shaped(x), *_shaped(y)))
         if bound is None:

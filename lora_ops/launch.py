@@ -18,6 +18,7 @@ from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
 from lora_ops.kernels import shrink as shrink_kernels
 from lora_ops.kernels.work import gdc_wait
+from lora_ops import triton_launch
 from lora_ops.triton_launch import FastLauncher
 
 SHRINK = FastLauncher(shrink_kernels.shrink_kernel)
@@ -528,7 +529,7 @@ def set_overlap(mode):
 def _overlaps(x):
     """Streams are CUDA's: CPU tensors (the interpreter) run the two launches in order."""
     mode = _overlap["mode"]
-    return x.is_cuda and (mode == "always" or (mode == "auto" and torch.cuda.is_current_stream_capturing()))
+    return x.is_cuda and (mode == "always" or (mode == "auto" and triton_launch.capturing()))
 
 
 def _side_stream(device):

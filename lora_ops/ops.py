@@ -107,8 +107,14 @@ def kernel_for(name, t):
 def wrapped(first):
     """Whether an op call whose first argument is ``first`` must go through torch.ops for a reason other
     than autograd: tracing, a tensor subclass, a TorchDispatchMode or a functorch transform."""
-    return (torch.compiler.is_compiling() or type(first) is not torch.Tensor
-            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active())
+    return torch.compiler.is_compiling() or wrapped_untraced(first)
+
+
+def wrapped_untraced(first):
+    """:func:`wrapped` for a call its caller knows is not traced (lora_ops.eager's bound calls, which
+    LoRALinear makes only outside torch.compile): is_compiling costs two Python frames a call."""
+    return (type(first) is not torch.Tensor or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active())
 
 
 def set_eager_autograd(on):

@@ -113,7 +113,7 @@ def workspace_layout(specs):
 
 def _capturing(x):
     """Whether a CUDA graph is being captured on the current stream (CPU tensors: never)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and triton_launch.capturing()
 
 
 def workspace_address(device_index, stream, device):
