@@ -62,33 +62,56 @@ ops.KERNELS["add_lora"] = {"cuda": _add_lora_functional, "cpu": _add_lora_functi
 
 # -- backward kernels ----------------------------------------------------------------------------------
 
-ops.register_kernels("lora_ops::lora_grad_x", _triton_grad, checks.check_lora_grad_x, cpu_grad.lora_grad_x)
+ops.register_kernels("lora_ops::lora_grad_x", _triton_grad, checks.check_lora_grad_x, cpu_grad.lora_grad_x, trusted=True)
 ops.register_kernels("lora_ops::segment_outer", _triton_grad, checks.check_segment_outer, cpu_grad.segment_outer)
-ops.register_kernels("lora_ops::lora_grad_h", _triton_grad, checks.check_lora_grad_h, cpu_grad.lora_grad_h)
-ops.register_kernels("lora_ops::lora_grad_a", _triton_grad, checks.check_lora_grad_a, cpu_grad.lora_grad_a)
-ops.register_kernels("lora_ops::lora_grad_b", _triton_grad, checks.check_lora_grad_b, cpu_grad.lora_grad_b)
+ops.register_kernels("lora_ops::lora_grad_h", _triton_grad, checks.check_lora_grad_h, cpu_grad.lora_grad_h, trusted=True)
+ops.register_kernels("lora_ops::lora_grad_a", _triton_grad, checks.check_lora_grad_a, cpu_grad.lora_grad_a, trusted=True)
+ops.register_kernels("lora_ops::lora_grad_b", _triton_grad, checks.check_lora_grad_b, cpu_grad.lora_grad_b, trusted=True)
 
 
 # -- the backward formula ------------------------------------------------------------------------------
 
-def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta):
+def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta, call=ops.call):
     """dh [M, S, R] float32 = scale * dy[:, C_i] @ B[slot, C_i]: every slice in one op (lora_grad_h)."""
-    return ops.call("lora_grad_h", grad_out, lora_b, scale, rank, slice_widths, *meta)
+    return call("lora_grad_h", grad_out, lora_b, scale, rank, slice_widths, *meta)
 
 
-def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b):
-    """(dx, dA, dB) of the LoRA delta for the incoming gradient ``grad_out`` (None where not needed)."""
+def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b, trusted=False):
+    """(dx, dA, dB) of the LoRA delta for the incoming gradient ``grad_out`` (None where not needed).
+    ``trusted``: the inputs are the forward's, unchanged (:func:`_unchanged`), so every op's arguments are
+    valid by construction and its checks are skipped (ops.call_trusted)."""
+    call = ops.call_trusted if trusted else ops.call
     dx = da = db = None
     if need_x or need_a:
-        dh = grad_h(grad_out, lora_b, scale, rank, widths, meta)
+        dh = grad_h(grad_out, lora_b, scale, rank, widths, meta, call)
         if need_x:
-            dx = ops.call("lora_grad_x", dh, lora_a, rank, *meta)
+            dx = call("lora_grad_x", dh, lora_a, rank, *meta)
         if need_a:
-            da = ops.call("lora_grad_a", dh, x, rank, *meta)
+            da = call("lora_grad_a", dh, x, rank, *meta)
     if need_b:
-        h = ops.call("shrink", x, lora_a, scale, rank, *meta)
-        db = ops.call("lora_grad_b", grad_out, h, rank, widths, *meta)
+        h = call("shrink", x, lora_a, scale, rank, *meta)
+        db = call("lora_grad_b", grad_out, h, rank, widths, *meta)
     return dx, da, db
+
+
+def _signature(tensors):
+    """The shapes, dtypes and devices of an op call's saved inputs (``tensors``), or None while tracing or
+    for a tensor subclass. The forward's checks passed on these; autograd's version counters catch writes
+    in place between forward and backward, not ``param.data = ...``, which can change all three."""
+    if torch.compiler.is_compiling():
+        return None
+    signature = []
+    for t in tensors:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return None
+        signature += (t.shape, t.dtype, t.device)
+    return tuple(signature)
+
+
+def _unchanged(ctx, tensors):
+    """Whether the saved inputs ``tensors`` are as the forward's checks saw them (so the backward's op calls
+    may skip their own checks); False where no signature was taken."""
+    return ctx.signature is not None and ctx.signature == _signature(tensors)
 
 
 def _batch_key(sorted_token_ids):
@@ -112,16 +135,20 @@ def _check_batch(ctx, sorted_token_ids):
 
 def _setup_context(ctx, inputs, output):
     _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
-    ctx.save_for_backward(x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    saved = (x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+    ctx.save_for_backward(*saved)
     ctx.slice_widths = list(slice_widths)
     ctx.batch_key = _batch_key(sorted_token_ids)
+    ctx.signature = _signature(saved)
 
 
 def _backward(ctx, grad_out):
-    x, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    x, lora_a, lora_b, scale, rank, *meta = saved
     _check_batch(ctx, meta[0])
     need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
+    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b,
+                            _unchanged(ctx, saved))
     dy = grad_out if need_y else None
     return dy, dx, da, db, None, None, None, None, None, None
 
@@ -136,13 +163,15 @@ def _setup_lora_linear(ctx, inputs, output):
     ctx.save_for_backward(x, weight, lora_a, lora_b, scale, rank, *meta)
     ctx.slice_widths = list(slice_widths)
     ctx.batch_key = _batch_key(meta[0])
+    ctx.signature = _signature((x, lora_a, lora_b, scale, rank, *meta))   # (the weight: not in the delta's ops)
 
 
 def _backward_lora_linear(ctx, grad_out):
     x, weight, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
     _check_batch(ctx, meta[0])
     need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b)
+    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b,
+                            _unchanged(ctx, (x, lora_a, lora_b, scale, rank, *meta)))
     if need_x:
         # The base layer's dx = grad_out @ W, added to the delta's in the GEMM's epilogue (no extra pass).
         dx = torch.addmm(dx, grad_out, weight)

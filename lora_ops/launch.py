@@ -321,8 +321,9 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     ).run_if(run)
 
 
-def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
+def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):
+    if checked:    # (False: ops.call_trusted, the backward formula's call)
+        checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     if M == 0:

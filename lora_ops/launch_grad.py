@@ -164,8 +164,9 @@ def _planned(name, out_spec, shaped, values, meta, make_launch):
                     build)[0]
 
 
-def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
+def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):
+    if checked:
+        checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
     M = dh.shape[0]
     K = lora_a.shape[3]
     # Rows of tokens without an adapter (or of rank-0 slots) are never visited: they keep these zeros.
@@ -191,10 +192,14 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
 
 # The backward of the delta, every packed slice in one launch per op (lora_ops.autograd): one op call and
 # one C launch where a call per slice, and a torch.cat or torch.stack of their outputs, were before.
+# checked=False (these, lora_grad_x and launch.shrink): no argument checks, for the backward formula's
+# calls, whose arguments are valid by construction (ops.call_trusted).
 
-def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
-                             slot_counts)
+def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                checked=True):
+    if checked:
+        checks.check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                                 slot_counts)
     M, N = grad_out.shape
     L, _, R = lora_b.shape
     widths = tuple(slice_widths)
@@ -220,8 +225,9 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
                     (grad_out, a, scale, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
 
 
-def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts)
+def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):
+    if checked:
+        checks.check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts)
     L = rank.shape[0]
     _, S, R = dh.shape
     K = x.shape[1]
@@ -233,8 +239,9 @@ def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
         out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x)), run=False))
 
 
-def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, checked=True):
+    if checked:
+        checks.check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
     L = rank.shape[0]
     N = grad_out.shape[1]
     R = h.shape[2]

@@ -235,6 +235,54 @@ def test_metadata_refilled_before_backward_raises(backend):
         out.sum().backward()
 
 
+def _swap_rank(t, rank):
+    """``t`` [..., R] cut to its first ``rank`` entries of the last axis (a new tensor)."""
+    return t[..., :rank].contiguous()
+
+
+@pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
+def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypatch, op):
+    """The backward formula's op calls skip their argument checks (ops.call_trusted) while the saved inputs
+    are as the forward's checks saw them: the same gradients bit for bit as with the checks. A ``.data`` swap
+    between forward and backward (autograd's version counters do not see one) takes the checked calls,
+    which refuse it, rather than kernels reading past the smaller tensor."""
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=19)
+    M, K, N = case.shape[:3]
+    device = "cuda" if case.x.is_cuda else "cpu"
+    trusted = []
+    for name, kernels in lora_ops.ops.TRUSTED.items():
+        monkeypatch.setitem(kernels, device, lambda *a, _k=kernels[device], _n=name: trusted.append(_n) or _k(*a))
+    weight = signed((N, K), case)
+    grad_out = signed((M, N), case)
+
+    def grads(swap=None):
+        leaves = leaves_of(case, signed((M, N), case))
+        if op == "lora_forward":
+            out = forward(case, leaves)
+        else:
+            out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
+                                                 case.scale, case.rank, case.slice_widths, *case.meta)
+        if swap:
+            swap(leaves)
+        out.backward(grad_out)
+        return [leaves[n].grad for n in ("x", "lora_a", "lora_b")]
+
+    fast = grads()
+    assert sorted(trusted) == ["lora_grad_a", "lora_grad_b", "lora_grad_h", "lora_grad_x", "shrink"]
+    trusted.clear()
+    monkeypatch.setattr(lora_ops.autograd, "_unchanged", lambda ctx, tensors: False)
+    checked = grads()
+    assert trusted == []
+    for got, want in zip(fast, checked):
+        assert torch.equal(got, want)
+    monkeypatch.undo()
+
+    def swap_b(leaves):     # lora_b [L, N, R] -> [L, N, R / 2]: its rank no longer lora_a's
+        leaves["lora_b"].data = _swap_rank(leaves["lora_b"].detach(), case.lora_b.shape[2] // 2)
+    with pytest.raises(ValueError, match="lora_a"):
+        grads(swap_b)
+
+
 # -- the backward ops on their own ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("wide", [False, True], ids=["heuristic", "wide_q_config"])
