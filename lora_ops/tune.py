@@ -358,6 +358,8 @@ def _table(args, out, gpu, entries, compile_s, t0):
         history = old.get("merged_from") or []
         history = [history] if isinstance(history, dict) else list(history)   # tables before session 23: one
         table["merged_from"] = history + [{k: old.get(k) for k in ("date", "torch", "triton", "seconds")}]
+    from lora_ops import configs
+    configs.check_table(table, out)     # what the library will refuse to load, refused before it is written
     return table
 
 

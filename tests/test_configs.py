@@ -103,6 +103,64 @@ def fake_gpu_table(pretend_gpu_table):
 CUDA = torch.device("cuda", 0)
 
 
+def test_shipped_tables_pass_the_table_check():
+    tables = sorted(configs.TUNED_DIR.glob("*.json"))
+    assert tables, "no tuned table in the package"
+    for path in tables:
+        configs.check_table(json.loads(path.read_text()), path)
+
+
+_GOOD_EXPAND = dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
+                    config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict())
+
+
+def _with(entry=_GOOD_EXPAND, config=(), **fields):
+    """``entry`` with ``fields`` replaced and its config's fields updated by ``config`` (a None drops one)."""
+    config = {k: v for k, v in {**entry["config"], **dict(config)}.items() if v is not None}
+    return {**entry, **fields, "config": config}
+
+
+@pytest.mark.parametrize("entry, message", [
+    (_with(config=dict(block_r=8)), "block_r must be a power of two >= 16"),
+    (_with(config=dict(block_n=48)), "block_n must be a power of two >= 16"),
+    (_with(config=dict(num_warps=3)), "num_warps must be one of"),
+    (_with(config=dict(num_stages=0)), "num_stages must be >= 1"),
+    (_with(config=dict(block_m=32.0)), "block_m must be an int"),
+    (_with(config=dict(block_k=64)), r"unknown fields \['block_k'\]"),
+    (_with(config=dict(block_n=None)), r"missing fields \['block_n'\]"),
+    (_with(config=dict(planes_in_turn=1)), "planes_in_turn must be true or false"),
+    (_with(dict(kind="shrink", features=4096, slices=3, rank=16, tokens=64,
+                config=heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)._asdict()), config=dict(slice_group=3)),
+     "slice_group must be a power of two"),
+    (_with(config=dict(n_loop=0)), "n_loop must be >= 1"),
+    (_with(rank=0), "rank must be an int >= 1"),
+    (_with(tokens="64"), "tokens must be an int >= 1"),
+    (_with(kind="expnad"), "unknown kind 'expnad'"),
+    ({**_GOOD_EXPAND, "config": None}, "a expand entry needs a config"),
+    ({**_GOOD_EXPAND, "config": [32, 256]}, "config must be an object or null"),
+    (dict(kind="stack_limit", features=4096, in_features=4096, slices=1, rank=16, rows=64, tokens=1,
+          buckets=[1, 16]), "max_tokens must be an int"),
+    (dict(kind="stack_pad", features=4096, in_features=4096, slices=1, rank=16, rows=64, tokens=1, pad=-64),
+     "pad must be an int >= 0"),
+    (dict(kind="stack_pad", features=4096, in_features=4096, rows=0, pad=64), "rows must be an int >= 1"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_table_check_names_the_file_the_entry_and_the_problem(entry, message):
+    """A table entry whose config a GPU could not compile (the interpreter takes any tile), or that the
+    lookup could not read, is refused when the table loads, with the file, the entry and why."""
+    table = dict(entries=[_GOOD_EXPAND, entry])
+    with pytest.raises(ValueError, match=f"some/table.json: entry 1 .*{message}"):
+        configs.check_table(table, "some/table.json")
+    configs.check_table(dict(entries=[_GOOD_EXPAND]), "some/table.json")     # the good entry passes
+    with pytest.raises(ValueError, match="a list of 'entries'"):
+        configs.check_table(dict(entry=[]), "some/table.json")
+
+
+def test_a_bad_table_is_refused_when_it_loads(pretend_gpu_table):
+    pretend_gpu_table([_with(config=dict(block_r=8))])
+    with pytest.raises(ValueError, match=r"Pretend_GPU_9000.json: entry 0 \(kind expand, features 6144.*block_r"):
+        configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16)
+
+
 def test_table_entry_is_used_on_its_gpu(fake_gpu_table):
     cfg = configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144)
     assert cfg == heuristics.ShrinkConfig(32, 16, 256, 4, 8, 3)

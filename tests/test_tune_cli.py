@@ -210,3 +210,15 @@ def test_stack_limit_times_with_the_table_being_written(tmp_path):
     with tune._lookups_from(table, name):
         assert configs.load_table(name) == table and configs.TUNED_DIR != package_dir
     assert configs.TUNED_DIR == package_dir and configs.load_table(name) is None
+
+
+def test_the_tuner_refuses_to_write_a_table_the_library_would_refuse(tmp_path):
+    """tune._table checks what it is about to write (configs.check_table), as the library checks it on load."""
+    import argparse
+    args = argparse.Namespace(dtype="bf16", slots=4, merge=False)
+    bad = dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
+               config=heuristics.ExpandConfig(32, 256, 8, 8, 2)._asdict())
+    with pytest.raises(ValueError, match=r"out.json: entry 0 .*block_r must be a power of two >= 16 .*got 8"):
+        tune._table(args, str(tmp_path / "out.json"), "Pretend GPU", [bad], 0, 0)
+    good = dict(bad, config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict())
+    assert tune._table(args, str(tmp_path / "out.json"), "Pretend GPU", [good], 0, 0)["entries"] == [good]

@@ -86,7 +86,87 @@ def load_table(gpu_name):
     if not path.exists():
         return None
     with open(path) as f:
-        return json.load(f)
+        table = json.load(f)
+    check_table(table, path)
+    return table
+
+
+# What a config's fields must be for the kernels to compile on a GPU: the tile sizes are tl.arange lengths
+# (powers of two) and, but for the shrink's block_r, operands of tl.dot, which takes no dimension below 16
+# on a GPU (the interpreter takes any, so the CPU tests would not notice).
+_TILE_FIELDS = ("block_m", "block_n", "block_r", "block_k")
+_COUNT_FIELDS = ("split_k", "num_stages", "n_loop", "m_loop")
+_WARPS = (1, 2, 4, 8, 16, 32)
+_LOOKUP_FIELDS = ("features", "slices", "rank", "tokens")    # log2 distances are taken over them
+_STACK_LOOKUP_FIELDS = ("features", "in_features", "rows")    # stack_a's entries match them exactly
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _config_problem(kind, config):
+    """What is wrong with the table config ``config`` (a dict) of ``kind``, or None."""
+    fields = _CONFIG_TYPES[kind]._fields
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        return f"unknown fields {unknown} (a {kind} config has {list(fields)})"
+    missing = [f for f in _CONFIG_TYPES[kind]._fields if f not in config
+               and f not in _CONFIG_TYPES[kind]._field_defaults]
+    if missing:
+        return f"missing fields {missing}"
+    for name, v in config.items():
+        if name == "planes_in_turn":
+            if not isinstance(v, bool):
+                return f"planes_in_turn must be true or false, got {v!r}"
+        elif not _is_int(v):
+            return f"{name} must be an int, got {v!r}"
+        elif name in _TILE_FIELDS and (v < 16 or v & (v - 1)):
+            return f"{name} must be a power of two >= 16 (a tile of tl.dot on a GPU), got {v}"
+        elif name == "num_warps" and v not in _WARPS:
+            return f"num_warps must be one of {_WARPS}, got {v}"
+        elif name == "slice_group" and (v < 1 or v & (v - 1)):
+            return f"slice_group must be a power of two >= 1, got {v}"
+        elif name in _COUNT_FIELDS and v < 1:
+            return f"{name} must be >= 1, got {v}"
+    return None
+
+
+def _entry_problem(entry):
+    if not isinstance(entry, dict) or "kind" not in entry:
+        return "expected an object with a 'kind'"
+    kind = entry["kind"]
+    if kind not in _CONFIG_TYPES and kind not in STACK_KINDS:
+        return f"unknown kind {kind!r} (expected one of {sorted((*_CONFIG_TYPES, *STACK_KINDS))})"
+    for name in _STACK_LOOKUP_FIELDS if kind in STACK_KINDS else _LOOKUP_FIELDS:   # what lookups compare
+        if not (_is_int(entry.get(name)) and entry[name] >= 1):
+            return f"{name} must be an int >= 1, got {entry.get(name)!r}"
+    if kind in STACK_KINDS:
+        if kind == "stack_pad" and not (_is_int(entry.get("pad")) and entry["pad"] >= 0):
+            return f"pad must be an int >= 0, got {entry.get('pad')!r}"
+        if kind == "stack_limit" and not (_is_int(entry.get("max_tokens")) and entry.get("buckets")):
+            return "max_tokens must be an int and buckets a non-empty list"
+        return None
+    config = entry.get("config")
+    if config is None:
+        return None if kind == "fused" else f"a {kind} entry needs a config"
+    if not isinstance(config, dict):
+        return f"config must be an object or null, got {config!r}"
+    return _config_problem(kind, config)
+
+
+def check_table(table, where):
+    """Raise ValueError naming ``where`` (the file) and the first bad entry of a tuned table: one whose configs
+    would fail to compile on a GPU (or fail to build), or whose lookup fields are not positive ints. A
+    table is written by ``python -m lora_ops.tune``, which checks it too, but it is a file a user can edit."""
+    if not isinstance(table, dict) or not isinstance(table.get("entries"), list):
+        raise ValueError(f"{where}: a tuned table is an object with a list of 'entries'")
+    for i, entry in enumerate(table["entries"]):
+        problem = _entry_problem(entry)
+        if problem:
+            what = ", ".join(f"{k} {entry[k]}" for k in ("kind", *_LOOKUP_FIELDS, "in_features", "rows")
+                             if isinstance(entry, dict) and k in entry)
+            raise ValueError(f"{where}: entry {i} ({what}): {problem}")
 
 
 # The expand's other modes, each with table entries of its own kind: the stacked path's
@@ -94,6 +174,7 @@ def load_table(gpu_name):
 # ExpandConfig; where a mode has no entry, add_lora_'s expand config serves it.
 EXPAND_MODES = ("stacked", "store")
 EXPAND_KINDS = ("expand", *EXPAND_MODES)
+STACK_KINDS = ("stack_pad", "stack_limit")   # stack_a's entries: a pad and a token limit, no config
 _CONFIG_TYPES = {"shrink": ShrinkConfig, "fused": FusedConfig, **dict.fromkeys(EXPAND_KINDS, ExpandConfig)}
 
 # Kinds whose entries serve only their own key (layer shape, rank, token bucket): the store mode is tuned only
