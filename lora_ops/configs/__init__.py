@@ -92,8 +92,8 @@ def load_table(gpu_name):
 
 
 # What a config's fields must be for the kernels to compile on a GPU: the tile sizes are tl.arange lengths
-# (powers of two) and, but for the shrink's block_r, operands of tl.dot, which takes no dimension below 16
-# on a GPU (the interpreter takes any, so the CPU tests would not notice).
+# (powers of two) and dimensions of tl.dot's operands, which a GPU's tl.dot takes no smaller than 16 (the
+# interpreter takes any, so the CPU tests would not notice).
 _TILE_FIELDS = ("block_m", "block_n", "block_r", "block_k")
 _COUNT_FIELDS = ("split_k", "num_stages", "n_loop", "m_loop")
 _WARPS = (1, 2, 4, 8, 16, 32)
