@@ -52,6 +52,9 @@
 #     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
 #                                              # adds, with and without stack_a) for the tree in DIR and this
 #                                              # one, in turn three times (~3 min)
+#     bash benchmarks/gpu_session.sh fill      # the one-launch batch metadata fill (session 28, opt-in): its
+#                                              # GPU tests, then lab_batch_fill.py (host and GPU µs of
+#                                              # LoRABatch.update by either path, metadata compared) (~4 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -139,6 +142,13 @@ elif [ "$MODE" = hostab ]; then
         in_trees "host$i" 60 python @TREE@/benchmarks/host_overhead.py --subset --out "$R/host${i}_@TAG@"
     done
     grep -H "LoRA adds" "$R"/host*.log
+elif [ "$MODE" = fill ]; then
+    step tests 60 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_batch.py
+    # The layers, compiled models and CUDA graphs with every fill through the kernel.
+    step tests_on 180 env LORA_OPS_ONE_LAUNCH_FILL=1 LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
+        -q -p no:cacheprovider -rf tests/test_layers.py tests/test_model_compile.py
+    step fill 240 python benchmarks/lab_batch_fill.py
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -179,7 +189,7 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
-        profile_base profile_new f32_base f32_new f16_base f16_new turns; do
+        profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

@@ -8,16 +8,45 @@ From per-token slots (``-1`` = no adapter) we build, with no host synchronisatio
 
 Counts come from ``scatter_add_`` into a fixed-size buffer (never ``bincount``/``unique``/``nonzero``,
 whose output sizes depend on data). The kernels derive their work list (slot, token tile) from
-``slot_counts`` themselves, so one metadata serves kernels of any tile size.
+``slot_counts`` themselves, so one metadata serves kernels of any tile size. Opt-in
+(:func:`set_one_launch_fill`): the same metadata from one Triton launch (a counting sort in one program,
+lora_ops.kernels.batch) instead of those dozen torch ops.
 
 :class:`LoRABatch` owns buffers allocated once at a capacity and refills them in place, so a captured
 CUDA graph replays with new batches and a compiled model sees the same tensors every step.
 """
+import os
 from typing import NamedTuple
 
 import torch
 
 SLOT_DTYPES = (torch.int32, torch.int64)
+# The one-launch fill (lora_ops.kernels.batch), opt-in until timed on a GPU: see set_one_launch_fill.
+_one_launch = [os.environ.get("LORA_OPS_ONE_LAUNCH_FILL", "0") == "1"]
+
+
+def set_one_launch_fill(on):
+    """Fill the metadata of a batch on the Triton side (CUDA tensors, or CPU tensors under
+    ``ops.set_cpu_backend("triton")``) with one launch of lora_ops.kernels.batch where it serves the batch's
+    shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches; or not (default,
+    also ``LORA_OPS_ONE_LAUNCH_FILL=1``). The same metadata bit for bit either way (tests/test_batch.py).
+    Opt-in: built in session 28 without a GPU (checked under the interpreter and compiled for sm_90), not
+    yet timed on one."""
+    _one_launch[0] = bool(on)
+
+
+def _launch_batch(device, num_tokens, max_loras):
+    """lora_ops.launch_batch where the one-launch fill serves this call, else None (imported only then:
+    it imports Triton, which a CPU-only install lacks)."""
+    if not _one_launch[0]:
+        return None
+    if device.type != "cuda":
+        from lora_ops import ops
+        if device.type != "cpu" or ops.get_cpu_backend() != "triton":
+            return None
+        ops._check_interpreter()
+    from lora_ops import launch_batch
+    return launch_batch if launch_batch.fits(num_tokens, max_loras) else None
 
 
 class BatchMeta(NamedTuple):
@@ -56,6 +85,16 @@ def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_
     ``ones`` is an int32 buffer of at least M ones (the scatter source), allocated once by the caller.
     """
     M = token_slots.shape[0]
+    one_launch = _launch_batch(slot_counts.device, M, max_loras)
+    if one_launch is not None:
+        slots = token_slots.to(device=slot_counts.device, non_blocking=True)
+        one_launch.fill_batch_meta(slots, max_loras, sorted_token_ids, slot_starts, slot_counts)
+        # The torch ops below bump the buffers' version counters, and autograd refuses a backward whose
+        # saved metadata was refilled since (lora_ops.autograd): a kernel's writes must say so too.
+        for t in (sorted_token_ids, slot_starts, slot_counts):
+            if not t.is_inference():    # (inference tensors have no version counter)
+                torch.autograd.graph.increment_version(t)
+        return
     slots = token_slots.to(device=slot_counts.device, dtype=torch.int64, non_blocking=True)
     # Out-of-range slots fall into bucket L ('no adapter'): safe on the GPU, where we cannot check.
     keys = torch.where((slots >= 0) & (slots < max_loras), slots, max_loras)

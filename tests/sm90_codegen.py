@@ -180,7 +180,8 @@ def summary(compiled):
 
 def cases():
     """(name, launcher, launch) at bf16: the expand's two paths, the shrink (split-K partials), the one-launch
-    kernel and the two backward kernels, each with the configs a Llama-like layer gets."""
+    kernel and the two backward kernels, each with the configs a Llama-like layer gets; the batch metadata
+    fill."""
     from lora_ops import configs, launch, launch_grad
     from lora_ops.configs import tuning
     from lora_ops.configs.heuristics import ExpandConfig
@@ -283,6 +284,17 @@ def cases():
         launch.launch_shrink(grad_out, a, p["scale"], p["rank"], *p["meta"], torch.zeros(256, 3, 64), cfg,
                              sum_scratch=sums, slice_k=launch.slice_layout([512, 128, 128], 1)[0])
     yield "grad_h_r64", launch.SHRINK, grad_h
+
+    # The one-launch batch metadata fill (lora_ops.kernels.batch): a decode batch of 4 slots (int32 slots, one
+    # wide step) and a 64-slot one (int64 slots, narrow steps).
+    from lora_ops import launch_batch
+    from lora_ops.batch import LoRABatch
+    for name, M, L, dtype in (("batch_meta_l4", 64, 4, torch.int32), ("batch_meta_l64", 1000, 64, torch.int64)):
+        b = LoRABatch(M, L)
+
+        def fill(M=M, L=L, dtype=dtype, b=b):
+            launch_batch.fill_batch_meta(torch.zeros(M, dtype=dtype), L, *b.meta)
+        yield name, launch_batch.BATCH_META, fill
 
 
 def float32_launches():

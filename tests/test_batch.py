@@ -121,3 +121,92 @@ def test_cuda_batch_from_cuda_or_cpu_slots():
     assert_meta_matches(type(batch.meta)(*[t.cpu() for t in batch.meta]), slots, 4)
     with pytest.raises(ValueError, match="token_slots: slot 7 at token 1"):  # CPU slots are checked
         batch.update(torch.tensor(slots))
+
+
+# -- the one-launch fill (lora_ops.kernels.batch, opt-in: batch.set_one_launch_fill) ----------------------
+
+@pytest.fixture
+def one_launch_fill(triton_kernels):
+    """The one-launch fill switched on, CPU tensors through the Triton side (the interpreter)."""
+    from lora_ops import batch
+    batch.set_one_launch_fill(True)
+    yield triton_kernels
+    batch.set_one_launch_fill(False)
+
+
+def _poisoned_batch(max_tokens, max_loras, device):
+    batch = LoRABatch(max_tokens, max_loras, device=device)
+    for t in batch.meta:
+        t.fill_(-77)      # every entry the fill must write shows if it is not written
+    return batch
+
+
+@pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
+@given(problem=slot_lists(), out_of_range=st.lists(st.integers(-1000, 1000), max_size=6))
+def test_one_launch_fill_groups_stably_and_completely(one_launch_fill, slot_dtype, problem, out_of_range):
+    """The kernel's metadata is the plain count's, out-of-range slots in 'no adapter' (unchecked on the
+    device), every entry of counts and starts and the first M token ids written, the rest left alone."""
+    from lora_ops import launch_batch
+    num_slots, slots = problem
+    slots = slots + out_of_range
+    batch = _poisoned_batch(len(slots) + 3, num_slots, one_launch_fill.device)
+    launch_batch.fill_batch_meta(torch.tensor(slots, dtype=slot_dtype, device=one_launch_fill.device), num_slots,
+                                 *batch.meta)
+    meta = type(batch.meta)(*[t.cpu() for t in batch.meta])
+    assert_meta_matches(meta, slots, num_slots)
+    assert (meta.sorted_token_ids[len(slots):] == -77).all()
+
+
+@pytest.mark.parametrize("num_tokens, num_slots", [(1500, 4), (1000, 64), (300, 300), (0, 5), (1, 1)],
+                         ids=["several_steps", "64_slots", "300_slots", "no_tokens", "one_token"])
+def test_one_launch_fill_at_larger_shapes(one_launch_fill, num_tokens, num_slots):
+    """Several steps of the two passes (1500 tokens, 4 slots: 2 steps of 1024), many slots (narrow steps),
+    and the edges; strided token slots (every other element of a longer tensor)."""
+    from lora_ops import launch_batch
+    assert launch_batch.fits(num_tokens, num_slots)
+    gen = torch.Generator().manual_seed(num_tokens + num_slots)
+    strided = torch.randint(-3, num_slots + 3, (2 * num_tokens,), generator=gen, dtype=torch.int64)
+    slots = strided.to(one_launch_fill.device)[::2]
+    batch = _poisoned_batch(max(num_tokens, 1), num_slots, one_launch_fill.device)
+    launch_batch.fill_batch_meta(slots, num_slots, *batch.meta)
+    assert_meta_matches(type(batch.meta)(*[t.cpu() for t in batch.meta]), slots.tolist(), num_slots)
+
+
+def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch_fill, monkeypatch):
+    """LoRABatch.update and a LoRAContext take the kernel where launch_batch.fits (shapes only), the torch
+    ops elsewhere and when switched off; the metadata is the same either way."""
+    from lora_ops import batch as batch_module
+    from lora_ops import launch_batch
+    assert launch_batch.fits(64, 4) and launch_batch.fits(32768, 4) and not launch_batch.fits(32769, 4)
+    assert launch_batch.fits(2048, 64) and not launch_batch.fits(2049, 64) and not launch_batch.fits(1, 1000)
+    launches = []
+    real = launch_batch.fill_batch_meta
+    monkeypatch.setattr(launch_batch, "fill_batch_meta", lambda *a: launches.append(a[0].shape[0]) or real(*a))
+    slots = torch.tensor([2, -1, 0, 3, 3, 1, -1, 0], device=one_launch_fill.device)
+    small = LoRABatch(16, 4, device=one_launch_fill.device)
+    small.update(slots)
+    assert launches == [8]
+    assert_meta_matches(type(small.meta)(*[t.cpu() for t in small.meta]), slots.tolist(), 4)
+    wide = LoRABatch(16, 1000, device=one_launch_fill.device)      # 1024 keys: past the kernel's one-hot
+    wide.update(slots)
+    assert launches == [8]
+    assert_meta_matches(type(wide.meta)(*[t.cpu() for t in wide.meta]), slots.tolist(), 1000)
+    batch_module.set_one_launch_fill(False)
+    small.update(slots.flip(0))
+    assert launches == [8]
+    assert_meta_matches(type(small.meta)(*[t.cpu() for t in small.meta]), slots.flip(0).tolist(), 4)
+
+
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_path", "one_launch"])
+def test_a_refill_bumps_every_buffers_version(triton_kernels, one_launch):
+    """Autograd refuses a backward whose saved metadata was refilled since its forward (lora_ops.autograd):
+    both paths must bump the buffers' version counters (a kernel's writes do not by themselves)."""
+    from lora_ops import batch as batch_module
+    batch = LoRABatch(16, 4, device=triton_kernels.device)
+    batch_module.set_one_launch_fill(one_launch)
+    try:
+        before = [t._version for t in batch.meta]
+        batch.update(torch.tensor([1, 0, -1, 3], device=triton_kernels.device))
+        assert all(t._version > v for t, v in zip(batch.meta, before)), [t._version for t in batch.meta]
+    finally:
+        batch_module.set_one_launch_fill(False)

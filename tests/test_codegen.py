@@ -56,7 +56,8 @@ CASES = ["expand_one_block_r16", "expand_one_block_r64_n_loop", "expand_rank_loo
          "expand_rank_loop_planes_r320", "expand_rank_loop_planes_store_r320",
          "expand_rank_loop_planes_in_turn_r320", "expand_pdl_r16",
          "expand_stacked_pdl_r16", "expand_stacked_pdl_rank_loop_r320", "shrink_split_k_r16", "fused_r16",
-         "grad_x_r64", "segment_outer_r64", "grad_a_r64", "grad_b_r64", "grad_h_r64"]
+         "grad_x_r64", "segment_outer_r64", "grad_a_r64", "grad_b_r64", "grad_h_r64", "batch_meta_l4",
+         "batch_meta_l64"]
 
 
 def test_every_compiled_case_is_checked(codegen):

@@ -1,0 +1,57 @@
+"""The batch metadata in one launch (lora_ops.batch): a counting sort of the tokens by slot in one program.
+Its launcher is lora_ops.launch_batch."""
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def batch_meta_kernel(
+    slots_ptr, sorted_ids_ptr, slot_starts_ptr, slot_counts_ptr,
+    num_tokens, num_slots,
+    stride_slots, stride_ids, stride_starts, stride_counts,
+    BLOCK_T: tl.constexpr, KEYS: tl.constexpr,
+):
+    """sorted_token_ids, slot_starts and slot_counts from per-token slots, as lora_ops.batch.fill_batch_meta's
+    torch ops compute them (a stable sort by key; key = the slot where it lies in [0, L), else L, 'no
+    adapter'), in one program of one launch: two passes over the tokens, BLOCK_T at a time.
+
+    slots_ptr: int32 or int64 [num_tokens] at stride_slots (any value: out of range means 'no adapter').
+    sorted_ids_ptr: int32 [>= num_tokens] at stride_ids: entry i is the token at place i (first num_tokens
+    entries written, the rest left as they are). slot_starts_ptr, slot_counts_ptr: int32 [L + 1] at
+    stride_starts / stride_counts, every entry written. num_tokens: M; num_slots: L.
+    BLOCK_T: tokens per step (a power of two); KEYS: a power of two >= L + 1 (keys past L unused; masked-off
+    tokens take key KEYS, which no column matches).
+
+    Pass 1 counts the tokens per key (a one-hot [BLOCK_T, KEYS] summed over tokens); the starts are the
+    counts' exclusive prefix sum. Pass 2 places each token at its key's start + the tokens of its key
+    before it: those of earlier steps (``seen``) and of this step (the one-hot's inclusive prefix sum down
+    the tokens, read in the token's own column). No atomics, so the order is the tokens' own: stable.
+    """
+    keys = tl.arange(0, KEYS)
+    counts = tl.zeros([KEYS], dtype=tl.int32)
+    for t0 in range(0, num_tokens, BLOCK_T):
+        onehot = _one_hot(slots_ptr, t0, num_tokens, num_slots, stride_slots, keys, BLOCK_T, KEYS)
+        counts += tl.sum(onehot, axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    written = keys <= num_slots
+    tl.store(slot_counts_ptr + keys * stride_counts, counts, mask=written)
+    tl.store(slot_starts_ptr + keys * stride_starts, starts, mask=written)
+    seen = starts
+    for t0 in range(0, num_tokens, BLOCK_T):
+        onehot = _one_hot(slots_ptr, t0, num_tokens, num_slots, stride_slots, keys, BLOCK_T, KEYS)
+        before = tl.cumsum(onehot, axis=0) - onehot           # tokens of the same key earlier in this step
+        place = tl.sum((before + seen[None, :]) * onehot, axis=1)
+        t = t0 + tl.arange(0, BLOCK_T)
+        tl.store(sorted_ids_ptr + place * stride_ids, t, mask=t < num_tokens)
+        seen += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _one_hot(slots_ptr, t0, num_tokens, num_slots, stride_slots, keys, BLOCK_T: tl.constexpr, KEYS: tl.constexpr):
+    """int32 [BLOCK_T, KEYS]: row i is the one-hot key of token t0 + i (all zero past num_tokens)."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    inside = t < num_tokens
+    slot = tl.load(slots_ptr + t * stride_slots, mask=inside, other=-1)
+    key = tl.where((slot >= 0) & (slot < num_slots), slot, num_slots).to(tl.int32)
+    key = tl.where(inside, key, KEYS)
+    return (key[:, None] == keys[None, :]).to(tl.int32)

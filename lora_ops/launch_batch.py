@@ -1,0 +1,36 @@
+"""Launcher of the batch metadata kernel (lora_ops.kernels.batch): lora_ops.batch.fill_batch_meta's one-launch
+path on a GPU, where its torch path is about a dozen small launches (argsort, scatter_add, cumsum, ...)."""
+from lora_ops.configs.heuristics import cdiv, next_power_of_2
+from lora_ops.kernels import batch as batch_kernels
+from lora_ops.triton_launch import FastLauncher
+
+BATCH_META = FastLauncher(batch_kernels.batch_meta_kernel)
+# A step's one-hot [BLOCK_T, KEYS] int32: at most this many elements (64 registers a thread at 4 warps).
+ONE_HOT_ELEMENTS = 8192
+MIN_BLOCK_T, MAX_BLOCK_T = 16, 1024
+# One program walks the tokens twice, BLOCK_T at a time: past this many steps a pass, the torch path's
+# parallel sort serves (e.g. 4 slots: up to 32768 tokens; 64 slots: up to 2048).
+MAX_STEPS = 32
+
+
+def _keys(num_slots):
+    return next_power_of_2(num_slots + 1)
+
+
+def _block_t(num_slots):
+    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, ONE_HOT_ELEMENTS // _keys(num_slots)))
+
+
+def fits(num_tokens, num_slots):
+    """Whether the one-program kernel serves a batch of this many tokens and slots (shapes only)."""
+    return (_keys(num_slots) * MIN_BLOCK_T <= ONE_HOT_ELEMENTS
+            and cdiv(num_tokens, _block_t(num_slots)) <= MAX_STEPS)
+
+
+def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts):
+    """The metadata of ``token_slots`` [M] (int32 / int64, on the buffers' device) into the buffers, in one
+    launch of one program (grid (1,), whatever the data). Where :func:`fits` holds."""
+    BATCH_META((1,), (token_slots, sorted_token_ids, slot_starts, slot_counts),
+               (token_slots.shape[0], num_slots, token_slots.stride(0), sorted_token_ids.stride(0),
+                slot_starts.stride(0), slot_counts.stride(0)),
+               BLOCK_T=_block_t(num_slots), KEYS=_keys(num_slots), num_warps=4)
