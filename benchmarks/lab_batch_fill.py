@@ -7,6 +7,9 @@ path:
     host µs     enqueue time alone (host_overhead.enqueue_us_per_call: 50 calls from an idle GPU), median of
                 7 rounds, the paths in turn
     GPU µs      one update captured in a CUDA graph, the median of 200 replays (event-timed)
+    set_batch   LoRAContext.set_batch host µs alone (as host µs; under no_grad), what a server calls: the
+                requests (one token each up to 256 tokens, else 8 requests; every L+1-th without an adapter)
+                to per-token slots on the host, the pinned copy, the fill
 
 A server calls set_batch once a step, outside its CUDA graph: both columns are on its critical path.
 
@@ -26,6 +29,7 @@ from host_overhead import enqueue_us_per_call  # noqa: E402
 from lora_ops import batch as batch_module  # noqa: E402
 from lora_ops import launch_batch, ops  # noqa: E402
 from lora_ops.batch import LoRABatch  # noqa: E402
+from lora_ops.layers import LoRAContext  # noqa: E402
 
 DEV = torch.device(os.environ.get("DEV", "cuda"))
 CUDA = DEV.type == "cuda"
@@ -63,6 +67,20 @@ def update_with(one_launch, batch, slots):
     return fn
 
 
+def set_batch_with(one_launch, L, M):
+    """A call of LoRAContext.set_batch on M tokens over L adapters, by the chosen fill (under no_grad)."""
+    ctx = LoRAContext(L, M, device=DEV)
+    ctx.slot_names = [f"adapter{i}" for i in range(L)]
+    sizes = [1] * M if M <= 256 else [M // 8] * 7 + [M - 7 * (M // 8)]
+    requests = [(None if i % (L + 1) == L else f"adapter{i % (L + 1)}", n) for i, n in enumerate(sizes)]
+
+    def fn():
+        batch_module.set_one_launch_fill(one_launch)
+        with torch.no_grad():
+            ctx.set_batch(requests)
+    return fn
+
+
 def row(L, M, gen):
     slots = torch.randint(-1, L, (M,), generator=gen, dtype=torch.int32).to(DEV)
     batches = {path: LoRABatch(max(M, 1), L, device=DEV) for path in ("torch", "one_launch")}
@@ -73,12 +91,15 @@ def row(L, M, gen):
                for name, a, b in zip(batches["torch"].meta._fields, batches["torch"].meta, batches["one_launch"].meta))
     out = dict(slots=L, tokens=M, same=same)
     if CUDA:
-        host = {path: [] for path in calls}
+        set_batch = {path: set_batch_with(path == "one_launch", L, M) for path in calls}
+        host = {(kind, path): [] for kind in ("update", "set_batch") for path in calls}
         for _ in range(ROUNDS):
-            for path, fn in calls.items():
-                host[path].append(enqueue_us_per_call(fn, DEV))
+            for path in calls:
+                host[("update", path)].append(enqueue_us_per_call(calls[path], DEV))
+                host[("set_batch", path)].append(enqueue_us_per_call(set_batch[path], DEV))
         for path, fn in calls.items():
-            out[f"{path}_host_us"] = round(statistics.median(host[path]), 2)
+            out[f"{path}_host_us"] = round(statistics.median(host[("update", path)]), 2)
+            out[f"{path}_set_batch_us"] = round(statistics.median(host[("set_batch", path)]), 2)
             batch_module.set_one_launch_fill(path == "one_launch")
             try:
                 out[f"{path}_gpu_us"] = round(graph_us(lambda b=batches[path]: b.update(slots)), 2)
@@ -106,12 +127,15 @@ def main():
              f"{__import__('triton').__version__}, {date})", "",
              "LoRABatch.update on random int32 slots in [-1, L) on the device; host µs: enqueue time alone (50 calls "
              "from an idle GPU, median of 7 rounds, paths in turn); GPU µs: one update in a CUDA graph, median of "
-             "200 replays.", "",
-             "| L | M | same | torch host µs | one launch host µs | torch GPU µs | one launch GPU µs |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['slots']} | {r['tokens']} | {'yes' if r['same'] else 'NO'} | {r.get('torch_host_us', '')} | "
-              f"{r.get('one_launch_host_us', '')} | {r.get('torch_gpu_us', '')} | {r.get('one_launch_gpu_us', '')} |"
-              for r in rows]
+             "200 replays; set_batch µs: LoRAContext.set_batch's host time alone (requests to slots on the host, "
+             "the pinned copy, the fill; under no_grad).", "",
+             "| L | M | same | torch host µs | one launch host µs | torch GPU µs | one launch GPU µs | "
+             "torch set_batch µs | one launch set_batch µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    columns = ("torch_host_us", "one_launch_host_us", "torch_gpu_us", "one_launch_gpu_us", "torch_set_batch_us",
+               "one_launch_set_batch_us")
+    lines += [f"| {r['slots']} | {r['tokens']} | {'yes' if r['same'] else 'NO'} | "
+              + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
     text = "\n".join(lines)
     print(text)
     if CUDA:

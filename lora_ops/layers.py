@@ -204,16 +204,28 @@ class LoRAContext:
         Builds the per-token slots on the host and copies them through a pinned buffer, so no host
         synchronisation happens even on a GPU. Returns the token count.
         """
+        # One dict lookup a request (a server's decode step has one request a token): a request that is not
+        # a loaded name or None with an int count takes the checks below, which name what is wrong.
+        slot_of = {name: slot for slot, name in enumerate(self.slot_names) if name is not None}
+        slot_of[None] = -1
         slots, counts = [], []
         for i, request in enumerate(requests):
-            name, n = _unpack_request(i, request)
-            slots.append(self.slot_of(name))
+            try:
+                name, n = request
+                slot = slot_of[name]
+            except (TypeError, ValueError, KeyError):
+                name, n = _unpack_request(i, request)
+                slot = self.slot_of(name)
+            if type(n) is not int or n < 0:
+                _unpack_request(i, request)
+            slots.append(slot)
             counts.append(n)
         total = sum(counts)
         if total > self.max_tokens:
             raise ValueError(f"set_batch: {total} tokens exceed the context's capacity max_tokens={self.max_tokens}")
-        host = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
-                                       torch.tensor(counts, dtype=torch.int64), output_size=total)
+        host = torch.tensor(slots, dtype=torch.int32)
+        if counts.count(1) != len(counts):   # (one token a request, as at decode: the slots as they are)
+            host = torch.repeat_interleave(host, torch.tensor(counts, dtype=torch.int64), output_size=total)
         self._fill(host)
         return total
 

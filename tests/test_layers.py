@@ -150,6 +150,21 @@ def test_set_batch_is_request_major_and_in_place():
     assert data_ptrs(ctx) == ptrs, "set_batch must refill the metadata in place"
 
 
+@pytest.mark.parametrize("requests", [
+    [("a", 1), (None, 1), ("c", 1), ("a", 1), ("b", 1)],          # decode: one token a request
+    [("a", 1), ("b", 0), ("c", 2), (None, 1), ("b", 1)],          # as many tokens as requests, not one each
+    [],
+], ids=["one_token_each", "a_request_without_tokens", "no_requests"])
+def test_set_batch_gives_the_slots_of_set_token_slots(requests):
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    slots = torch.tensor([ctx.slot_of(name) for name, n in requests for _ in range(n)], dtype=torch.int32)
+    assert ctx.set_batch(requests) == len(slots)
+    assert ctx.token_slots[:len(slots)].tolist() == slots.tolist()
+    got = [t.clone() for t in ctx.meta]
+    ctx.set_token_slots(slots)
+    assert all(torch.equal(a, b) for a, b in zip(got, ctx.meta))
+
+
 @pytest.mark.parametrize("requests, match", [
     ([("nope", 2)], r"adapter 'nope' is not loaded \(loaded: 'a', 'b', 'c'\)"),
     ([("a", 40)], r"40 tokens exceed the context's capacity max_tokens=32"),
