@@ -433,6 +433,11 @@ class LoRALinear(nn.Module):
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         context = self.context
         eager = not torch.compiler.is_compiling()
+        if eager and x.is_cuda:
+            other = ops.on_other_device(x)
+            if other is not None:       # (a model spread over several GPUs: launches go to the current one)
+                with torch.cuda.device(other):
+                    return self.forward(x)
         cast_to = autocast_dtype(x2d)
         if cast_to is not None and self._in_dtype(x2d, cast_to):
             cast_to = None        # autocast would cast nothing: the usual path (bound calls, the stack)

@@ -74,6 +74,14 @@ any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_p
 MUTATES_FIRST = set()
 
 
+def on_other_device(t):
+    """The index of ``t``'s CUDA device where it is not the current one, else None (CPU tensors: None).
+    Triton launches on the current device, as do our plans: a call on a tensor of another GPU (a model
+    spread over the GPUs of one process) must run with its device made current (``torch.cuda.device``)."""
+    index = t.get_device()
+    return index if index >= 0 and index != torch._C._cuda_getDevice() else None
+
+
 def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     """Register ``op``'s kernels: CUDA tensors go to the Triton launcher of the same name in the module
     ``launchers()`` returns (imported on first use); CPU tensors to ``cpu_kernel`` after ``check``, or to
@@ -87,6 +95,10 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     def on_cuda(*args):
         if not launcher:
             launcher.append(getattr(launchers(), name))
+        other = on_other_device(args[0])
+        if other is not None:
+            with torch.cuda.device(other):
+                return launcher[0](*args)
         return launcher[0](*args)
 
     def on_cpu(*args):
@@ -99,6 +111,10 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     def on_cuda_trusted(*args):
         if not launcher:
             launcher.append(getattr(launchers(), name))
+        other = on_other_device(args[0])
+        if other is not None:
+            with torch.cuda.device(other):
+                return launcher[0](*args, checked=False)
         return launcher[0](*args, checked=False)
 
     def on_cpu_trusted(*args):

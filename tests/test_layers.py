@@ -348,3 +348,42 @@ def test_pinned_staging_is_copied_fresh(monkeypatch):
         assert [b.shape for b in twin._buffers] == [(12,)] * 3 and len(twin._copied) == 3
         assert all(isinstance(e, Event) for e in twin._copied)
         assert not any(a.data_ptr() == b.data_ptr() for a in twin._buffers for b in staging._buffers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("one_launch_fill", [False, True], ids=["torch_fill", "one_launch_fill"])
+def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
+    """A model spread over the GPUs of one process (Hugging Face's device_map): a layer's tensors need not
+    be on the current device, where Triton launches. Forward (op path, then bound calls), backward and the
+    batch fill run on the tensors' GPU: outputs and gradients as with that GPU current, the current one
+    left as it was."""
+    from lora_ops import batch
+    model, ctx = one_layer_model(None, torch.float32, "cuda:1")
+    layer = model["proj"]
+    layer.lora_a.requires_grad_(True)
+    layer.lora_b.requires_grad_(True)
+    x = torch.randn(12, K, device="cuda:1")
+    grad_out = torch.randn(12, N, device="cuda:1")
+
+    def run():
+        ctx.set_batch(REQUESTS)
+        leaf = x.clone().requires_grad_(True)
+        outs = [layer(leaf) for _ in range(3)]     # the op's path, then bound calls
+        outs[-1].backward(grad_out)
+        with torch.no_grad():
+            outs += [layer(x) for _ in range(3)]
+        return outs, leaf.grad, layer.lora_b.grad.clone()
+    batch.set_one_launch_fill(one_launch_fill)
+    try:
+        with torch.cuda.device(1):
+            want = run()
+        layer.lora_b.grad = None
+        torch.cuda.set_device(0)
+        got = run()
+        assert torch.cuda.current_device() == 0
+    finally:
+        batch.set_one_launch_fill(False)
+    for a, b in zip(want[0] + [want[1], want[2]], got[0] + [got[1], got[2]]):
+        assert torch.equal(a, b)
+    ref = layer_reference(layer, x, request_slots(ctx, REQUESTS))
+    assert rel_err(got[0][-1].cpu(), ref) <= TOLERANCE[torch.float32]
