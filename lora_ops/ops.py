@@ -82,6 +82,9 @@ def on_other_device(t):
     return index if index >= 0 and index != torch._C._cuda_getDevice() else None
 
 
+_UNCHECKED = {"checked": False}
+
+
 def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     """Register ``op``'s kernels: CUDA tensors go to the Triton launcher of the same name in the module
     ``launchers()`` returns (imported on first use); CPU tensors to ``cpu_kernel`` after ``check``, or to
@@ -92,36 +95,35 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
 
     launcher = []   # resolved on first use: importing the launchers imports Triton
 
-    def on_cuda(*args):
+    def launch(args, unchecked):
         if not launcher:
             launcher.append(getattr(launchers(), name))
+        kwargs = _UNCHECKED if unchecked else {}
         other = on_other_device(args[0])
-        if other is not None:
-            with torch.cuda.device(other):
-                return launcher[0](*args)
-        return launcher[0](*args)
+        if other is None:
+            return launcher[0](*args, **kwargs)
+        with torch.cuda.device(other):
+            return launcher[0](*args, **kwargs)
+
+    def on_cpu_tensors(args, unchecked):
+        if _cpu_backend == "triton":
+            _check_interpreter()
+            return launch(args, unchecked)
+        if not unchecked:
+            check(*args)
+        return cpu_kernel(*args)
+
+    def on_cuda(*args):
+        return launch(args, False)
 
     def on_cpu(*args):
-        if _cpu_backend == "triton":
-            _check_interpreter()
-            return on_cuda(*args)
-        check(*args)
-        return cpu_kernel(*args)
+        return on_cpu_tensors(args, False)
 
     def on_cuda_trusted(*args):
-        if not launcher:
-            launcher.append(getattr(launchers(), name))
-        other = on_other_device(args[0])
-        if other is not None:
-            with torch.cuda.device(other):
-                return launcher[0](*args, checked=False)
-        return launcher[0](*args, checked=False)
+        return launch(args, True)
 
     def on_cpu_trusted(*args):
-        if _cpu_backend == "triton":
-            _check_interpreter()
-            return on_cuda_trusted(*args)
-        return cpu_kernel(*args)
+        return on_cpu_tensors(args, True)
 
     torch.library.impl(op, "CUDA")(on_cuda)
     torch.library.impl(op, "CPU")(on_cpu)
