@@ -435,7 +435,7 @@ class LoRALinear(nn.Module):
         eager = not torch.compiler.is_compiling()
         if eager and x.is_cuda:
             other = ops.on_other_device(x)
-            if other is not None:       # (a model spread over several GPUs: launches go to the current one)
+            if other is not None:       # (a model on another GPU than the current one, where launches go)
                 with torch.cuda.device(other):
                     return self.forward(x)
         cast_to = autocast_dtype(x2d)

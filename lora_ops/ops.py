@@ -76,8 +76,8 @@ MUTATES_FIRST = set()
 
 def on_other_device(t):
     """The index of ``t``'s CUDA device where it is not the current one, else None (CPU tensors: None).
-    Triton launches on the current device, as do our plans: a call on a tensor of another GPU (a model
-    spread over the GPUs of one process) must run with its device made current (``torch.cuda.device``)."""
+    Triton launches on the current device, as do our plans: a call on a tensor of another GPU (models on
+    several GPUs of one process) must run with its device made current (``torch.cuda.device``)."""
     index = t.get_device()
     return index if index >= 0 and index != torch._C._cuda_getDevice() else None
 

@@ -353,10 +353,9 @@ def test_pinned_staging_is_copied_fresh(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("one_launch_fill", [False, True], ids=["torch_fill", "one_launch_fill"])
 def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
-    """A model spread over the GPUs of one process (Hugging Face's device_map): a layer's tensors need not
-    be on the current device, where Triton launches. Forward (op path, then bound calls), backward and the
-    batch fill run on the tensors' GPU: outputs and gradients as with that GPU current, the current one
-    left as it was."""
+    """Models on several GPUs of one process (a LoRAContext each): a layer's tensors need not be on the
+    current device, where Triton launches. Forward (op path, then bound calls), backward and the batch fill
+    run on the tensors' GPU: outputs and gradients as with that GPU current, the current one left as it was."""
     from lora_ops import batch
     model, ctx = one_layer_model(None, torch.float32, "cuda:1")
     layer = model["proj"]
