@@ -29,8 +29,9 @@ _one_launch = [os.environ.get("LORA_OPS_ONE_LAUNCH_FILL", "0") == "1"]
 def set_one_launch_fill(on):
     """Fill the metadata of a batch on the Triton side (CUDA tensors, or CPU tensors under
     ``ops.set_cpu_backend("triton")``) with one launch of lora_ops.kernels.batch where it serves the batch's
-    shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches; or not (default,
-    also ``LORA_OPS_ONE_LAUNCH_FILL=1``). The same metadata bit for bit either way (tests/test_batch.py).
+    shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches. Off by default;
+    ``LORA_OPS_ONE_LAUNCH_FILL=1`` turns it on at import. The same metadata bit for bit either way
+    (tests/test_batch.py).
     Opt-in: built in session 28 without a GPU (checked under the interpreter and compiled for sm_90), not
     yet timed on one."""
     _one_launch[0] = bool(on)
