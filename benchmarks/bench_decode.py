@@ -11,6 +11,11 @@ row ran rank-64 configs.)
 Host cost: eager calls of one qkv LoRALinear at `--batch` tokens, back to back, wall time per call,
 against the bare nn.Linear; the difference is what LoRA adds on the host per layer.
 
+Synced step (since session 28): a server that reads each step's output (sampling) runs the next batch's host
+work, the replay and a synchronize in turn, so LoRA's set_token_slots (the pinned copy and the metadata
+fill, outside the graph) and the launch latency count too: wall per step, median of 200, base (no batch
+work) against LoRA.
+
     python benchmarks/bench_decode.py                        # the H200 run (writes to $OUT or benchmarks/results)
     python benchmarks/bench_decode.py --device cpu --tiny    # logic check on a CPU
 """
@@ -82,6 +87,36 @@ def graph_step_us(fn, replays):
     return graph_time_us([fn], launches=1, replays=replays)
 
 
+def synced_step_us(fn, before=None, steps=200):
+    """Median wall µs of a step as a server that reads every step's output runs it: ``before()`` (the next
+    batch's host work: LoRA's set_token_slots), the step's CUDA-graph replay, a synchronize. Unlike the
+    replay median this counts the host's work before the step and the launch latency; None (the error
+    printed) where the step cannot be captured."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        print(f"synced_step_us: not captured: {e}", flush=True)
+        return None
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if before is not None:
+            before()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def host_us_per_call(fn, calls, device, rounds=5):
     """Wall µs per call of back-to-back eager calls (host bound when the GPU work is small): the median
     over `rounds` rounds of `calls // rounds` calls, so one slow stretch of the host does not decide it."""
@@ -133,6 +168,7 @@ def main(argv=None):
     base_lin = model[0].qkv_proj
     time_step = (lambda: graph_step_us(step, args.replays)) if cuda else (lambda: host_us_per_call(step, 5, device))
     base_step = time_step()
+    base_synced = synced_step_us(step) if cuda else None
     with torch.no_grad():
         base_host = host_us_per_call(lambda: base_lin(x), args.calls, device)
     for i, rank in enumerate(args.ranks):
@@ -147,6 +183,12 @@ def main(argv=None):
         lora_lin = model[0].qkv_proj
         fill_adapters(ctx, rank, 4, gen)
         lora_step = time_step()
+        host_slots = slots.cpu()
+
+        def next_batch():
+            with torch.no_grad():
+                ctx.set_token_slots(host_slots)
+        lora_synced = synced_step_us(step, next_batch) if cuda else None
         with torch.no_grad():
             lora_host = host_us_per_call(lambda: lora_lin(x), args.calls, device)
         row = {"rank": rank, "capacity": rank, "stack_a": args.stack_a, "base_step_us": round(base_step, 1),
@@ -155,19 +197,27 @@ def main(argv=None):
                "lora_tokens_per_s": round(args.batch / lora_step * 1e6),
                "slowdown": round(lora_step / base_step, 3),
                "base_linear_host_us": round(base_host, 1), "lora_linear_host_us": round(lora_host, 1),
-               "lora_added_host_us": round(lora_host - base_host, 1)}
+               "lora_added_host_us": round(lora_host - base_host, 1),
+               "base_synced_step_us": base_synced and round(base_synced, 1),
+               "lora_synced_step_us": lora_synced and round(lora_synced, 1),
+               "synced_slowdown": round(lora_synced / base_synced, 3) if base_synced and lora_synced else None}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
 
     lines = [f"# Decode step, {args.layers} Llama-3-8B-shaped blocks, batch {args.batch}, 4 adapters "
              f"({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, {result['date']})", "",
-             "CUDA-graph replay of one step (median); each rank in a stack of its own capacity; host: eager qkv layer calls back to back, wall per call.", "",
+             "CUDA-graph replay of one step (median); each rank in a stack of its own capacity; host: eager qkv layer "
+             "calls back to back, wall per call; synced: a server's step (LoRA: set_token_slots from the host, then "
+             "the replay, then a synchronize), wall, median of 200.", "",
              "| rank | base step µs | LoRA step µs | base tok/s | LoRA tok/s | LoRA/base | base Linear host µs | "
-             "LoRALinear host µs | LoRA adds µs |", "|---|---|---|---|---|---|---|---|---|"]
+             "LoRALinear host µs | LoRA adds µs | synced base µs | synced LoRA µs | synced LoRA/base |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        synced = r["synced_slowdown"]
         lines.append(f"| {r['rank']} | {r['base_step_us']} | {r['lora_step_us']} | {r['base_tokens_per_s']} | "
                      f"{r['lora_tokens_per_s']} | {r['slowdown']:.3f} | {r['base_linear_host_us']} | "
-                     f"{r['lora_linear_host_us']} | {r['lora_added_host_us']} |")
+                     f"{r['lora_linear_host_us']} | {r['lora_added_host_us']} | {r['base_synced_step_us']} | "
+                     f"{r['lora_synced_step_us']} | {'' if synced is None else f'{synced:.3f}'} |")
     text = "\n".join(lines)
     print(text)
     report.write_run_files(args.out or os.environ.get("OUT") or os.path.join(HERE, "results"),
