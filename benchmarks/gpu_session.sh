@@ -54,7 +54,8 @@
 #                                              # one, in turn three times (~3 min)
 #     bash benchmarks/gpu_session.sh fill      # the one-launch batch metadata fill (session 28, opt-in): its
 #                                              # GPU tests, then lab_batch_fill.py (host and GPU µs of
-#                                              # LoRABatch.update by either path, metadata compared) (~4 min)
+#                                              # LoRABatch.update by either path, metadata compared), then the
+#                                              # decode step's synced column by either fill (~7 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -146,9 +147,13 @@ elif [ "$MODE" = fill ]; then
     step tests 60 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_batch.py
     # The layers, compiled models and CUDA graphs with every fill through the kernel.
-    step tests_on 180 env LORA_OPS_ONE_LAUNCH_FILL=1 LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
+    step tests_on 150 env LORA_OPS_ONE_LAUNCH_FILL=1 LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
         -q -p no:cacheprovider -rf tests/test_layers.py tests/test_model_compile.py
-    step fill 240 python benchmarks/lab_batch_fill.py
+    step fill 200 python benchmarks/lab_batch_fill.py
+    # The decode step's synced column (set_token_slots, replay, synchronize) by either fill.
+    step decode_fill_off 80 python benchmarks/bench_decode.py --stack-a --out "$R/decode_fill_off"
+    step decode_fill_on 80 env LORA_OPS_ONE_LAUNCH_FILL=1 python benchmarks/bench_decode.py --stack-a \
+        --out "$R/decode_fill_on"
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}
@@ -189,7 +194,7 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
-        profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill; do
+        profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
