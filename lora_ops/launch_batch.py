@@ -17,14 +17,18 @@ def _keys(num_slots):
     return next_power_of_2(num_slots + 1)
 
 
-def _block_t(num_slots):
-    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, ONE_HOT_ELEMENTS // _keys(num_slots)))
+def _block_t(num_tokens, num_slots):
+    """Tokens a step: as many as the one-hot's budget allows, but no more than the batch's power of two (a
+    decode batch of 64 takes one step of 64, not of 1024 lanes mostly masked; one compile per power of two,
+    as the other kernels' configs go by token bucket)."""
+    widest = max(MIN_BLOCK_T, min(MAX_BLOCK_T, ONE_HOT_ELEMENTS // _keys(num_slots)))
+    return min(widest, max(MIN_BLOCK_T, next_power_of_2(num_tokens)))
 
 
 def fits(num_tokens, num_slots):
     """Whether the one-program kernel serves a batch of this many tokens and slots (shapes only)."""
     return (_keys(num_slots) * MIN_BLOCK_T <= ONE_HOT_ELEMENTS
-            and cdiv(num_tokens, _block_t(num_slots)) <= MAX_STEPS)
+            and cdiv(num_tokens, _block_t(num_tokens, num_slots)) <= MAX_STEPS)
 
 
 def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts):
@@ -33,4 +37,4 @@ def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_
     BATCH_META((1,), (token_slots, sorted_token_ids, slot_starts, slot_counts),
                (token_slots.shape[0], num_slots, token_slots.stride(0), sorted_token_ids.stride(0),
                 slot_starts.stride(0), slot_counts.stride(0)),
-               BLOCK_T=_block_t(num_slots), KEYS=_keys(num_slots), num_warps=4)
+               BLOCK_T=_block_t(token_slots.shape[0], num_slots), KEYS=_keys(num_slots), num_warps=4)
