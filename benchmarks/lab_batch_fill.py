@@ -34,7 +34,7 @@ from lora_ops.layers import LoRAContext  # noqa: E402
 DEV = torch.device(os.environ.get("DEV", "cuda"))
 CUDA = DEV.type == "cuda"
 SLOTS = (4, 16, 64) if CUDA else (3,)
-TOKENS = (1, 16, 64, 256, 1024, 4096) if CUDA else (1, 37)
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384, 32768) if CUDA else (1, 37)
 ROUNDS = 7
 
 
