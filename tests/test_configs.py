@@ -3,6 +3,7 @@ of the lookup is exercised with a fake GPU name and table); the tuner's runner a
 run their kernels on the test device (the interpreter, or the GPU with LORA_OPS_TEST_DEVICE=cuda)."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def _with(entry=_GOOD_EXPAND, config=(), **fields):
     return {**entry, **fields, "config": config}
 
 
-@pytest.mark.parametrize("entry, message", [
+BAD_ENTRIES = [
     (_with(config=dict(block_r=8)), "block_r must be a power of two >= 16"),
     (_with(config=dict(block_n=48)), "block_n must be a power of two >= 16"),
     (_with(config=dict(num_warps=3)), "num_warps must be one of"),
@@ -136,14 +137,18 @@ def _with(entry=_GOOD_EXPAND, config=(), **fields):
     (_with(rank=0), "rank must be an int >= 1"),
     (_with(tokens="64"), "tokens must be an int >= 1"),
     (_with(kind="expnad"), "unknown kind 'expnad'"),
-    ({**_GOOD_EXPAND, "config": None}, "a expand entry needs a config"),
+    ({**_GOOD_EXPAND, "config": None}, "an entry of kind 'expand' needs a config"),
     ({**_GOOD_EXPAND, "config": [32, 256]}, "config must be an object or null"),
     (dict(kind="stack_limit", features=4096, in_features=4096, slices=1, rank=16, rows=64, tokens=1,
           buckets=[1, 16]), "max_tokens must be an int"),
     (dict(kind="stack_pad", features=4096, in_features=4096, slices=1, rank=16, rows=64, tokens=1, pad=-64),
      "pad must be an int >= 0"),
     (dict(kind="stack_pad", features=4096, in_features=4096, rows=0, pad=64), "rows must be an int >= 1"),
-], ids=lambda v: v if isinstance(v, str) else None)
+]
+
+
+@pytest.mark.parametrize("entry, message", BAD_ENTRIES,
+                         ids=[re.sub(r"\W+", "_", m.replace("\\", "")).strip("_") for _, m in BAD_ENTRIES])
 def test_table_check_names_the_file_the_entry_and_the_problem(entry, message):
     """A table entry whose config a GPU could not compile (the interpreter takes any tile), or that the
     lookup could not read, is refused when the table loads, with the file, the entry and why."""

@@ -149,7 +149,7 @@ def _entry_problem(entry):
         return None
     config = entry.get("config")
     if config is None:
-        return None if kind == "fused" else f"a {kind} entry needs a config"
+        return None if kind == "fused" else f"an entry of kind {kind!r} needs a config"
     if not isinstance(config, dict):
         return f"config must be an object or null, got {config!r}"
     return _config_problem(kind, config)
