@@ -34,6 +34,7 @@ from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
+from timing import Timer  # noqa: E402
 
 LLAMA = dict(hidden=4096, q=4096, kv=1024, inter=14336)
 TINY = dict(hidden=64, q=64, kv=16, inter=128)
@@ -93,15 +94,7 @@ def synced_step_us(fn, before=None, steps=200):
     replay median this counts the host's work before the step and the launch latency; None (the error
     printed) where the step cannot be captured."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        replay = Timer(torch.device("cuda", torch.cuda.current_device())).capture([fn])
     except RuntimeError as e:
         print(f"synced_step_us: not captured: {e}", flush=True)
         return None
@@ -111,7 +104,7 @@ def synced_step_us(fn, before=None, steps=200):
         t0 = time.perf_counter()
         if before is not None:
             before()
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)

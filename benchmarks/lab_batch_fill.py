@@ -26,6 +26,7 @@ from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
 
 import report  # noqa: E402
 from host_overhead import enqueue_us_per_call  # noqa: E402
+from timing import Timer  # noqa: E402
 from lora_ops import batch as batch_module  # noqa: E402
 from lora_ops import launch_batch, ops  # noqa: E402
 from lora_ops.batch import LoRABatch  # noqa: E402
@@ -40,20 +41,12 @@ ROUNDS = 7
 
 def graph_us(fn):
     """Median µs of 200 replays of a CUDA graph holding one call of ``fn``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    replay = Timer(DEV).capture([fn])
     times = []
     for _ in range(200):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
