@@ -15,7 +15,6 @@ lora_ops.kernels.batch) instead of those dozen torch ops.
 :class:`LoRABatch` owns buffers allocated once at a capacity and refills them in place, so a captured
 CUDA graph replays with new batches and a compiled model sees the same tensors every step.
 """
-import contextlib
 import os
 from typing import NamedTuple
 
@@ -90,10 +89,7 @@ def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_
     one_launch = _launch_batch(slot_counts.device, M, max_loras)
     if one_launch is not None:
         slots = token_slots.to(device=slot_counts.device, non_blocking=True)
-        from lora_ops.ops import on_other_device
-        other = on_other_device(slot_counts)
-        with torch.cuda.device(other) if other is not None else contextlib.nullcontext():
-            one_launch.fill_batch_meta(slots, max_loras, sorted_token_ids, slot_starts, slot_counts)
+        one_launch.fill_batch_meta(slots, max_loras, sorted_token_ids, slot_starts, slot_counts)
         # The torch ops below bump the buffers' version counters, and autograd refuses a backward whose
         # saved metadata was refilled since (lora_ops.autograd): a kernel's writes must say so too.
         for t in (sorted_token_ids, slot_starts, slot_counts):

@@ -1,7 +1,10 @@
 """Launcher of the batch metadata kernel (lora_ops.kernels.batch): lora_ops.batch.fill_batch_meta's one-launch
 path on a GPU, where its torch path is about a dozen small launches (argsort, scatter_add, cumsum, ...)."""
+import torch
+
 from lora_ops.configs.heuristics import cdiv, next_power_of_2
 from lora_ops.kernels import batch as batch_kernels
+from lora_ops.ops import on_other_device
 from lora_ops.triton_launch import FastLauncher
 
 BATCH_META = FastLauncher(batch_kernels.batch_meta_kernel)
@@ -33,7 +36,11 @@ def fits(num_tokens, num_slots):
 
 def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts):
     """The metadata of ``token_slots`` [M] (int32 / int64, on the buffers' device) into the buffers, in one
-    launch of one program (grid (1,), whatever the data). Where :func:`fits` holds."""
+    launch of one program (grid (1,), whatever the data), on the buffers' GPU. Where :func:`fits` holds."""
+    other = on_other_device(slot_counts)
+    if other is not None:
+        with torch.cuda.device(other):
+            return fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts)
     BATCH_META((1,), (token_slots, sorted_token_ids, slot_starts, slot_counts),
                (token_slots.shape[0], num_slots, token_slots.stride(0), sorted_token_ids.stride(0),
                 slot_starts.stride(0), slot_counts.stride(0)),

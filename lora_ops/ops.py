@@ -13,7 +13,7 @@ import torch
 
 import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
 from csrc_meta import checks
-from lora_ops import cpu
+from lora_ops import cpu, triton_launch
 
 _CPU_BACKENDS = ("torch", "triton")
 _cpu_backend = os.environ.get("LORA_OPS_CPU_BACKEND", "torch")
@@ -79,7 +79,7 @@ def on_other_device(t):
     Triton launches on the current device, as do our plans: a call on a tensor of another GPU (models on
     several GPUs of one process) must run with its device made current (``torch.cuda.device``)."""
     index = t.get_device()
-    return index if index >= 0 and index != torch._C._cuda_getDevice() else None
+    return index if index >= 0 and index != triton_launch._current_device() else None
 
 
 _UNCHECKED = {"checked": False}
@@ -135,9 +135,11 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
         MUTATES_FIRST.add(name)
 
 
-def kernel_for(name, t):
-    """The kernel registered for op ``name`` on ``t``'s device (CUDA or CPU), or None for another device."""
-    return KERNELS[name].get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None)
+def kernel_for(name, t, table=KERNELS):
+    """The kernel registered for op ``name`` on ``t``'s device (CUDA or CPU), or None for another device
+    (``table``: :data:`KERNELS`, or :data:`TRUSTED`, where an op without trusted kernels has none)."""
+    kernels = table.get(name)
+    return kernels.get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None) if kernels else None
 
 
 def wrapped(first):
@@ -228,8 +230,7 @@ def call_trusted(name, *args):
     backward ops' checks took ~20 µs of a LoRALinear training step's host time on this repository's CPU
     machine, benchmarks/host_python.py). Otherwise, or for an op without trusted kernels, :func:`call`."""
     first = args[0]
-    kernels = TRUSTED.get(name)
-    kernel = kernels.get("cuda" if first.is_cuda else "cpu" if first.is_cpu else None) if kernels else None
+    kernel = kernel_for(name, first, TRUSTED)
     if kernel is None or wrapped(first) or (torch.is_grad_enabled() and any_requires_grad(*args)):
         return call(name, *args)
     return kernel(*args)
