@@ -9,8 +9,9 @@ Rows (µs per call, the median of --rounds rounds, each the best of 3 x --calls 
 interleaved): F.linear; LoRALinear with and without bound calls; the same with stack_a against F.linear
 over its stack; a LoRALinear whose base runs its own forward (a hook; a quantized subclass alike) against
 that base; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
-of nn.Linear and of LoRALinear: with bound calls (lora_ops.autograd.BoundLoRALinear), without, and with
-neither them nor ops.AUTOGRAD (the dispatcher's autograd). "adds" = the row minus its base.
+of nn.Linear and of LoRALinear: with bound calls (lora_ops.autograd.BoundLoRALinear) and the bound backward
+(lora_ops.autograd._delta_grads), with the backward's ops called, without bound calls, and with neither them
+nor ops.AUTOGRAD (the dispatcher's autograd). "adds" = the row minus its base.
 
 Usage: python benchmarks/host_python.py [--rounds 9 --calls 2000 --out DIR]   (markdown + JSON with --out)
 """
@@ -27,7 +28,7 @@ from repo_path import HERE  # noqa: F401  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
-from lora_ops import eager, ops  # noqa: E402
+from lora_ops import autograd, eager, ops  # noqa: E402
 from launch_stubs import stub_launches  # noqa: E402
 from lora_ops.layers import LoRALinear  # noqa: E402
 
@@ -64,8 +65,9 @@ def main(argv=None):
     def bound(on):
         return lambda: eager.set_enabled(on)
 
-    def training_setup(bound_calls, eager_autograd):
-        return lambda: (eager.set_enabled(bound_calls), ops.set_eager_autograd(eager_autograd))
+    def training_setup(bound_calls, eager_autograd, bound_backward=True):
+        return lambda: (eager.set_enabled(bound_calls), ops.set_eager_autograd(eager_autograd),
+                        autograd.set_bound_backward(bound_backward))
 
     def train_step(module):
         return lambda: module(x_grad).backward(grad_out)
@@ -82,6 +84,8 @@ def main(argv=None):
                                                                       "nn.Linear with a forward hook"),
         "nn.Linear train step": (training_setup(True, True), train_step(linear), None),
         "LoRALinear train step": (training_setup(True, True), train_step(trained), "nn.Linear train step"),
+        "LoRALinear train step, backward's ops called": (training_setup(True, True, False), train_step(trained),
+                                                         "nn.Linear train step"),
         "LoRALinear train step without bound calls": (training_setup(False, True), train_step(trained),
                                                       "nn.Linear train step"),
         "LoRALinear train step, dispatcher's autograd": (training_setup(False, False), train_step(trained),
@@ -100,6 +104,7 @@ def main(argv=None):
     finally:
         eager.set_enabled(True)
         ops.set_eager_autograd(True)
+        autograd.set_bound_backward(True)
     assert layer._eager.replays > 0 and stacked._eager.replays > 0, "the bound calls never replayed"
     median = {name: statistics.median(v) for name, v in times.items()}
     adds = {name: median[name] - median[base] for name, (_, _, base) in variants.items() if base}

@@ -31,11 +31,14 @@ eager only: a compiled backward checks nothing.
 
 Double backward is not supported (the backward ops have no autograd formula of their own).
 """
+import operator
+from typing import NamedTuple
+
 import torch
 
 import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
 from csrc_meta import checks
-from lora_ops import cpu_grad, ops
+from lora_ops import configs, cpu_grad, ops, plan, triton_launch
 
 
 def _triton_grad():
@@ -76,11 +79,11 @@ def grad_h(grad_out, lora_b, scale, rank, slice_widths, meta, call=ops.call):
     return call("lora_grad_h", grad_out, lora_b, scale, rank, slice_widths, *meta)
 
 
-def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b, trusted=False):
-    """(dx, dA, dB) of the LoRA delta for the incoming gradient ``grad_out`` (None where not needed).
-    ``trusted``: the inputs are the forward's, unchanged (:func:`_unchanged`), so every op's arguments are
-    valid by construction and its checks are skipped (ops.call_trusted)."""
-    call = ops.call_trusted if trusted else ops.call
+def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, need_a, need_b, call=ops.call):
+    """(dx, dA, dB) of the LoRA delta for the incoming gradient ``grad_out`` (None where not needed), through
+    ``call(op name, *args)``: ops.call; ops.call_trusted where the inputs are the forward's, unchanged
+    (:func:`_unchanged`), so every op's arguments are valid by construction and its checks are skipped; or a
+    bound backward's recorder or replay (:func:`_delta_grads`)."""
     dx = da = db = None
     if need_x or need_a:
         dh = grad_h(grad_out, lora_b, scale, rank, widths, meta, call)
@@ -95,16 +98,16 @@ def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, n
 
 
 def _signature(tensors):
-    """The shapes, dtypes and devices of an op call's saved inputs (``tensors``), or None while tracing or
+    """The shapes, strides, dtypes and devices of an op call's saved inputs (``tensors``), or None while tracing or
     for a tensor subclass. The forward's checks passed on these; autograd's version counters catch writes
-    in place between forward and backward, not ``param.data = ...``, which can change all three."""
+    in place between forward and backward, not ``param.data = ...``, which can change all four."""
     if torch.compiler.is_compiling():
         return None
     signature = []
     for t in tensors:
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return None
-        signature += (t.shape, t.dtype, t.device)
+        signature += (t.shape, t.stride(), t.dtype, t.device)
     return tuple(signature)
 
 
@@ -137,7 +140,7 @@ def _setup_context(ctx, inputs, output):
     _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
     saved = (x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     ctx.save_for_backward(*saved)
-    ctx.slice_widths = list(slice_widths)
+    ctx.slice_widths = tuple(slice_widths)
     ctx.batch_key = _batch_key(sorted_token_ids)
     ctx.signature = _signature(saved)
 
@@ -147,8 +150,7 @@ def _backward(ctx, grad_out):
     x, lora_a, lora_b, scale, rank, *meta = saved
     _check_batch(ctx, meta[0])
     need_y, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b,
-                            _unchanged(ctx, saved))
+    dx, da, db = _delta_grads(ctx, saved, grad_out, (need_x, need_a, need_b))
     dy = grad_out if need_y else None
     return dy, dx, da, db, None, None, None, None, None, None
 
@@ -161,7 +163,7 @@ torch.library.register_autograd("lora_ops::add_lora", _backward, setup_context=_
 def _setup_lora_linear(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, *meta = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b, scale, rank, *meta)
-    ctx.slice_widths = list(slice_widths)
+    ctx.slice_widths = tuple(slice_widths)
     ctx.batch_key = _batch_key(meta[0])
     ctx.signature = _signature((x, lora_a, lora_b, scale, rank, *meta))   # (the weight: not in the delta's ops)
 
@@ -170,8 +172,7 @@ def _backward_lora_linear(ctx, grad_out):
     x, weight, lora_a, lora_b, scale, rank, *meta = ctx.saved_tensors
     _check_batch(ctx, meta[0])
     need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
-    dx, da, db = lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, need_x, need_a, need_b,
-                            _unchanged(ctx, (x, lora_a, lora_b, scale, rank, *meta)))
+    dx, da, db = _delta_grads(ctx, (x, lora_a, lora_b, scale, rank, *meta), grad_out, (need_x, need_a, need_b))
     if need_x:
         # The base layer's dx = grad_out @ W, added to the delta's in the GEMM's epilogue (no extra pass).
         dx = torch.addmm(dx, grad_out, weight)
@@ -181,6 +182,126 @@ def _backward_lora_linear(ctx, grad_out):
 
 
 torch.library.register_autograd("lora_ops::lora_linear", _backward_lora_linear, setup_context=_setup_lora_linear)
+
+
+# -- bound backwards: a backward's op calls replayed from their plans ------------------------------------
+
+MAX_BOUND = 4096        # bound backwards kept (the key holds the token count); the table is cleared when full
+_BOUND = {}             # backward key (_backward_key) -> the op calls' _Steps, in call order
+_bound_enabled = [True]
+
+
+def set_bound_backward(on):
+    """Replay a backward's op calls from their plans (default; :func:`_delta_grads`), or call each op on
+    every backward (benchmarks and tests compare)."""
+    _bound_enabled[0] = bool(on)
+
+
+class _Step(NamedTuple):
+    """One op call of a bound backward: the plan it ran, and ``pick``: its arguments -> the plan's tensors."""
+    plan: object
+    pick: object
+
+
+def _delta_grads(ctx, saved, grad_out, needs):
+    """lora_grads for a backward whose saved delta inputs are ``saved`` (x, lora_a, lora_b, scale, rank, then
+    the batch metadata). With the inputs the forward's checks saw, the op calls skip their checks
+    (ops.call_trusted); where they would also run on their plans (Triton kernels, nothing that needs the
+    dispatcher), the whole backward is bound: the first backward of a key records each op call's plan, later
+    ones replay the plans directly. A backward's launches are a function of its key, the same quantities the
+    op calls' plan keys name, so a replay launches what the op calls would (bit for bit, tests/test_autograd.py).
+    On the CPU machine, C launches stubbed, the backward's five op calls cost ~41 µs through
+    ops.call_trusted and ~18 µs as plan replays (benchmarks/host_python.py; DESIGN §4)."""
+    x, lora_a, lora_b, scale, rank, *meta = saved
+    args = (grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, *needs)
+    if not _unchanged(ctx, saved):
+        return lora_grads(*args, ops.call)
+    if not _bindable(grad_out, x):
+        return lora_grads(*args, ops.call_trusted)
+    key = _backward_key(ctx, grad_out, needs, x)
+    steps = _BOUND.get(key)
+    if steps is not None:
+        return lora_grads(*args, _Replay(steps))
+    recorder = _Recorder()
+    grads = lora_grads(*args, recorder)
+    if recorder.steps is not None and key == _backward_key(ctx, grad_out, needs, x):
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.clear()
+        _BOUND[key] = tuple(recorder.steps)
+    return grads
+
+
+def _bindable(grad_out, x):
+    """Whether a trusted backward's op calls would run on their plans: Triton kernels (CUDA tensors on the
+    current device, or CPU tensors under set_cpu_backend("triton")), not traced or wrapped, grad mode off
+    (ops.call_trusted's own conditions)."""
+    if not _bound_enabled[0] or torch.is_grad_enabled() or ops.wrapped(grad_out):
+        return False
+    return ops.on_other_device(x) is None if x.is_cuda else ops.get_cpu_backend() == "triton"
+
+
+def _backward_key(ctx, grad_out, needs, x):
+    """What a bound backward's launches derive from: the union of its op calls' plan keys (the saved inputs'
+    shapes, strides, dtypes and devices in ctx.signature, the incoming gradient's, the slice widths, which
+    gradients are needed, the launch device, the config state and launch switches) and the plan table's
+    epoch (the recorded plans are that table's)."""
+    return (ctx.signature, grad_out.shape, grad_out.stride(), grad_out.dtype, ctx.slice_widths, needs,
+            plan.launch_device(x), configs.generation(), triton_launch.switches(), plan.epoch())
+
+
+def _pick(name, args):
+    """``args`` -> the tensors op ``name``'s plan takes: its tensor arguments in order (the launchers pass
+    plan.run those), lora_grad_h's B as the operand its shrink reads (launch_grad.b_as_shrink_a)."""
+    where = operator.itemgetter(*[i for i, a in enumerate(args) if isinstance(a, torch.Tensor)])
+    if name != "lora_grad_h":
+        return where
+    num_slices = len(args[4])
+
+    def pick(call_args):
+        grad_out, lora_b, *rest = where(call_args)
+        return (grad_out, _triton_grad().b_as_shrink_a(lora_b, num_slices), *rest)
+    return pick
+
+
+class _Recorder:
+    """lora_grads' ``call`` for a backward's first run: each op through ops.call_trusted, its plan recorded
+    (plan.recording). ``steps`` ends None where an op call ran no kept plan or on other tensors than
+    :func:`_pick` gives (then nothing is bound)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, name, *args):
+        with plan.recording() as runs:
+            out = ops.call_trusted(name, *args)
+        if self.steps is not None:
+            pick = _pick(name, args)
+            if len(runs) == 1 and runs[0][0] is not None and _same_tensors(runs[0][1], pick(args), args):
+                self.steps.append(_Step(runs[0][0], pick))
+            else:
+                self.steps = None
+        return out
+
+
+def _same_tensors(ran, picked, args):
+    """Whether a plan ran on the tensors ``picked``: the arguments' own by identity, a tensor made from them
+    (lora_grad_h's B^T) by shape, strides and dtype."""
+    def same(r, p):
+        if r is p:
+            return True
+        return all(p is not a for a in args) and (r.shape, r.stride(), r.dtype) == (p.shape, p.stride(), p.dtype)
+    return len(ran) == len(picked) and all(same(r, p) for r, p in zip(ran, picked))
+
+
+class _Replay:
+    """lora_grads' ``call`` for a bound backward: the recorded plans in turn, on this call's tensors."""
+
+    def __init__(self, steps):
+        self.steps = iter(steps)
+
+    def __call__(self, name, *args):
+        step = next(self.steps)
+        return step.plan.run(step.pick(args))[0]
 
 
 # -- the same formulas for eager calls, without the dispatcher (ops.call) --------------------------------

@@ -208,11 +208,7 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
     dh_spec = Scratch((M, S, R), torch.float32, zero=True)
     if M == 0:
         return dh_spec.alloc(grad_out.device)
-    # Every slice's A is B^T (stride 0 between slices), each slice's programs reading only its own columns of
-    # grad_out and of B^T (launch.launch_shrink's slice_k). B^T is copied with the features contiguous, as a
-    # forward A lies: read in B's own layout (rank contiguous), the shrink took 1.7-4x the time (H200, gate_up
-    # r64 at 4096 tokens: 66-179 µs a slice by config against 40 contiguous; the copy 25 µs).
-    a = lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, S, R, N)
+    a = b_as_shrink_a(lora_b, S)
 
     def build():
         cfg = configs.shrink_config(M, max(widths), S, R, L, grad_out.device, grad_out.dtype)._replace(slice_group=1)
@@ -223,6 +219,16 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
     return plan.run(plan.op_key("lora_grad_h", (grad_out, a), widths, sorted_token_ids.shape[0],
                                 plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
                     (grad_out, a, scale, rank, sorted_token_ids, slot_starts, slot_counts), build)[0]
+
+
+def b_as_shrink_a(lora_b, num_slices):
+    """lora_grad_h's shrink operand [L, S, R, N]: every slice's A is B^T (stride 0 between slices), each
+    slice's programs reading only its own columns of grad_out and of B^T (launch.launch_shrink's slice_k)."""
+    # B^T is copied with the features contiguous, as a forward A lies: read in B's own layout (rank
+    # contiguous), the shrink took 1.7-4x the time (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by
+    # config against 40 contiguous; the copy 25 µs).
+    L, N, R = lora_b.shape
+    return lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, num_slices, R, N)
 
 
 def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):

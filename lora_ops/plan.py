@@ -27,6 +27,7 @@ launched with PDL waits (``gdc_wait``) for the kernel before it to finish before
 call's scratch is dead once the next call's first kernel writes. Not while a CUDA graph is captured (a graph
 keeps addresses; its scratch comes from its own pool), and not for scratch that must start zeroed.
 """
+import contextlib
 import functools
 import operator
 
@@ -45,6 +46,7 @@ _epoch = [0]          # bumped whenever plans are dropped: what holds a Plan out
 WORKSPACE_BYTES = 1 << 20
 _WORKSPACE_ALIGN = 256
 _WORKSPACES = {}      # (device index, raw stream) -> uint8 tensor of WORKSPACE_BYTES
+_RECORDERS = []       # the lists recording() hands out: each plan run appends (plan or None, tensors)
 
 
 def set_enabled(on):
@@ -183,13 +185,29 @@ def run(plan_key, tensors, build, scratch_out=True):
     stream's workspace (and return none)."""
     known = _PLANS.get(plan_key)
     if known is not None:
+        if _RECORDERS:
+            _RECORDERS[-1].append((known, tensors))
         return known.run(tensors)
     launches, scratch, buffers = build()
     for launch in launches:
         launch()
-    if _enabled[0]:
-        remember(plan_key, launches, tensors, scratch, buffers, scratch_out)
+    kept = remember(plan_key, launches, tensors, scratch, buffers, scratch_out) if _enabled[0] else None
+    if _RECORDERS:
+        _RECORDERS[-1].append((kept, tensors))
     return buffers
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, every op call's :func:`run` appends to the list it yields ``(plan, tensors)``: the plan it
+    ran or kept (None where none was kept) and the call's tensors, in launch order (lora_ops.autograd binds
+    a backward's op calls to their plans this way)."""
+    calls = []
+    _RECORDERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDERS.pop()
 
 
 def remember(plan_key, launches, tensors, scratch, buffers, scratch_out=True):

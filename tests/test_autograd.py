@@ -267,6 +267,7 @@ def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypa
         out.backward(grad_out)
         return [leaves[n].grad for n in ("x", "lora_a", "lora_b")]
 
+    monkeypatch.setattr(lora_ops.autograd, "_bound_enabled", [False])   # (a bound backward calls no op: next test)
     fast = grads()
     assert sorted(trusted) == ["lora_grad_a", "lora_grad_b", "lora_grad_h", "lora_grad_x", "shrink"]
     trusted.clear()
@@ -281,6 +282,80 @@ def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypa
         leaves["lora_b"].data = _swap_rank(leaves["lora_b"].detach(), case.lora_b.shape[2] // 2)
     with pytest.raises(ValueError, match="lora_a"):
         grads(swap_b)
+
+
+def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeypatch):
+    """A backward whose op calls ran on plans is bound (lora_ops.autograd._delta_grads): later backwards of
+    its key replay the plans without calling the ops, and give the op calls' gradients bit for bit. A new
+    key (other gradients needed, another incoming-gradient layout, an adapter swapped for one of the same
+    shape but other strides, the plans dropped) records again; a swap of shape takes the checked calls."""
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=triton_kernels.device,
+                     seed=23)
+    M, K, N = case.shape[:3]
+    weight = signed((N, K), case)
+    calls = []
+    device = "cuda" if case.x.is_cuda else "cpu"
+    for name, kernels in lora_ops.ops.TRUSTED.items():
+        monkeypatch.setitem(kernels, device, lambda *a, _k=kernels[device], _n=name: calls.append(_n) or _k(*a))
+
+    def grads(grad_out, needs=LEAVES[1:], swap=None):
+        leaves = leaves_of(case, signed((M, N), case), needs)
+        if swap:
+            swap(leaves)
+        out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
+                                             case.scale, case.rank, case.slice_widths, *case.meta)
+        out.backward(grad_out)
+        return [leaves[n].grad for n in ("x", "lora_a", "lora_b")]
+
+    def unbound(**kw):
+        lora_ops.autograd.set_bound_backward(False)
+        try:
+            return grads(**kw)
+        finally:
+            lora_ops.autograd.set_bound_backward(True)
+
+    def check(want, got):
+        for w, g in zip(want, got):
+            assert (w is None and g is None) or torch.equal(w, g)
+
+    monkeypatch.setattr(lora_ops.autograd, "_BOUND", {})
+    bound = lora_ops.autograd._BOUND
+    grad_out = signed((M, N), case)
+    first = grads(grad_out=grad_out)
+    assert len(bound) == 1 and sorted(calls) == ["lora_grad_a", "lora_grad_b", "lora_grad_h", "lora_grad_x", "shrink"]
+    calls.clear()
+    check(first, grads(grad_out=grad_out))
+    assert calls == [], "the bound backward called its ops"
+    check(unbound(grad_out=grad_out), first)
+
+    transposed = grad_out.t().contiguous().t()
+    for kw in (dict(needs=("lora_b",), grad_out=grad_out), dict(grad_out=transposed)):
+        want = unbound(**kw)
+        calls.clear()
+        check(want, grads(**kw))      # records
+        check(want, grads(**kw))      # replays
+        assert calls.count("shrink") == 1
+    assert len(bound) == 3
+
+    def strided_a(leaves):   # the same shape and values, other strides: a key of its own
+        leaves["lora_a"].data = leaves["lora_a"].detach().transpose(2, 3).contiguous().transpose(2, 3)
+    want = unbound(swap=strided_a, grad_out=grad_out)
+    check(want, grads(swap=strided_a, grad_out=grad_out))
+    assert len(bound) == 4
+    check(first, unbound(grad_out=grad_out))
+    lora_ops.plan.clear()
+    calls.clear()
+    check(first, grads(grad_out=grad_out))
+    assert "shrink" in calls and len(bound) == 5
+
+    def swap_b(leaves):      # after the forward: the checked calls refuse it
+        leaves["lora_b"].data = _swap_rank(leaves["lora_b"].detach(), case.lora_b.shape[2] // 2)
+    leaves = leaves_of(case, signed((M, N), case))
+    out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
+                                         case.scale, case.rank, case.slice_widths, *case.meta)
+    swap_b(leaves)
+    with pytest.raises(ValueError, match="lora_a"):
+        out.backward(grad_out)
 
 
 # -- the backward ops on their own ---------------------------------------------------------------------
