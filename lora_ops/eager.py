@@ -15,7 +15,7 @@ these guards hold (DESIGN §4 Host cost):
 - the layer's tensors are the objects the op checked (the base weight and bias, lora_a, lora_b, scale,
   rank, the context's metadata tuple, the slice widths; stack_a's stack and its views still intact), and
   the ones a kernel indexes by the layer's shape (lora_a, lora_b, scale, rank) still have the shapes,
-  strides and dtypes they had (``param.data = ...`` keeps a tensor's identity, not its shape);
+  strides, dtypes and devices they had (``param.data = ...`` keeps a tensor's identity, not its shape);
 - the config state, the launch switches, the plan table and the current CUDA device are the ones the
   plan was built under (``configs.generation()``, ``triton_launch.switches()``, ``plan.epoch()``);
 - the base GEMM's output has the shape and strides the plan was built for (checked after it runs; a
@@ -199,18 +199,21 @@ def _adapters(layer):
 
 
 def _adapter_shapes(lora_a, lora_b, scale, rank):
-    return (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank))
+    # (get_device: ``param.data = t.cpu()`` keeps the identity, shape and dtype; a kernel must not get its pointer)
+    return (*_shaped(lora_a), *_shaped(lora_b), *_shaped(scale), *_shaped(rank),
+            lora_a.get_device(), lora_b.get_device(), scale.get_device(), rank.get_device())
 
 
 def _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
     """Whether the adapter tensors, the metadata and the slice widths are the objects ``bound`` was bound to,
-    with the shapes, strides and dtypes it saw (:func:`_adapter_shapes`, written out: a helper call per
+    with the shapes, strides, dtypes and devices it saw (:func:`_adapter_shapes`, written out: a helper call per
     tensor costs more than the reads), under the same config state and on the same device."""
     objects = bound.objects
     return (lora_a is objects[2] and lora_b is objects[3] and scale is objects[4] and rank is objects[5]
             and layer.context.meta is objects[6] and layer.slice_widths is objects[7]
             and (lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
-                 scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype) == bound.shapes
+                 scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype,
+                 lora_a.get_device(), lora_b.get_device(), scale.get_device(), rank.get_device()) == bound.shapes
             and _state() == bound.state and plan.launch_device(x) == bound.device)
 
 

@@ -149,6 +149,22 @@ def test_data_swapped_under_a_parameter_reaches_the_ops_checks(triton_kernels, n
         call(layer, x)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA layer: its adapters' data moved to the CPU")
+@pytest.mark.parametrize("name", ["lora_a", "lora_b", "scale", "rank"])
+def test_data_swapped_to_another_device_reaches_the_ops_checks(triton_kernels, name):
+    """``param.data = t.cpu()`` keeps the identity, shape, strides and dtype: the bound call must not hand a
+    kernel the CPU tensor's address (the guard holds devices too); the op's checks name it."""
+    layer = make_layer(4)
+    x = fresh_input(10, 0)
+    call(layer, x)
+    call(layer, x)
+    assert layer._eager.replays == 1
+    tensor = getattr(layer, name)
+    tensor.data = tensor.data.cpu()
+    with pytest.raises(ValueError, match=f"^{name}: .*device"):
+        call(layer, x)
+
+
 @pytest.mark.parametrize("name", ["scale", "rank"])
 def test_data_swapped_to_another_stride_takes_the_op_path(triton_kernels, name):
     layer = make_layer(4)
