@@ -11,7 +11,7 @@ over its stack; a LoRALinear whose base runs its own forward (a hook; a quantize
 that base; a training step (forward + backward, x and the adapters requiring grad, the base frozen)
 of nn.Linear and of LoRALinear: with bound calls (lora_ops.autograd.BoundLoRALinear) and the bound backward
 (lora_ops.autograd._delta_grads), with the backward's ops called, without bound calls, and with neither them
-nor ops.AUTOGRAD (the dispatcher's autograd). "adds" = the row minus its base.
+nor ops.AUTOGRAD (the dispatcher's autograd); a hooked base's training step with and without bound calls. "adds" = the row minus its base.
 
 Usage: python benchmarks/host_python.py [--rounds 9 --calls 2000 --out DIR]   (markdown + JSON with --out)
 """
@@ -53,11 +53,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     stub_launches()
     layer, stacked, trained, hooked = make_layer(False), make_layer(True), make_layer(False), make_layer(False)
-    hooked.base.register_forward_hook(lambda module, args, out: None)   # the base runs its own forward
-    for p in (trained.lora_a, trained.lora_b):
-        p.requires_grad_(True)
-    trained.base.weight.requires_grad_(False)
+    hooked_trained = make_layer(False)
+    for module in (hooked, hooked_trained):
+        module.base.register_forward_hook(lambda module, args, out: None)   # the base runs its own forward
+    for module in (trained, hooked_trained):
+        for p in (module.lora_a, module.lora_b):
+            p.requires_grad_(True)
+        module.base.weight.requires_grad_(False)
     linear = nn.Linear(K, sum(WIDTHS), bias=False).requires_grad_(False)
+    hooked_linear = nn.Linear(K, sum(WIDTHS), bias=False).requires_grad_(False)
+    hooked_linear.register_forward_hook(lambda module, args, out: None)
     x = torch.randn(M, K)
     x_grad = torch.randn(M, K, requires_grad=True)
     grad_out = torch.randn(M, sum(WIDTHS))
@@ -90,6 +95,11 @@ def main(argv=None):
                                                       "nn.Linear train step"),
         "LoRALinear train step, dispatcher's autograd": (training_setup(False, False), train_step(trained),
                                                           "nn.Linear train step"),
+        "nn.Linear with a forward hook, train step": (training_setup(True, True), train_step(hooked_linear), None),
+        "LoRALinear, base with a forward hook, train step": (training_setup(True, True), train_step(hooked_trained),
+                                                            "nn.Linear with a forward hook, train step"),
+        "LoRALinear, base with a forward hook, train step without bound calls": (
+            training_setup(False, True), train_step(hooked_trained), "nn.Linear with a forward hook, train step"),
     }
     times = {name: [] for name in variants}
     training = {name for name in variants if "train step" in name}

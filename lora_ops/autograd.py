@@ -348,3 +348,22 @@ class BoundLoRALinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         return (*_backward_lora_linear(ctx, grad_out), None)
+
+
+class BoundAddLora(torch.autograd.Function):
+    """add_lora's autograd for a LoRALinear delta replayed from its bound plan (lora_ops.eager: a base that
+    runs its own forward, trainable adapters or input): the inputs are add_lora's, then ``run(out)``, which
+    adds the delta into ``out``, y's contiguous copy, through the bound add_lora_ launches; setup_context and
+    backward are add_lora's, so the output and gradients are the op's, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        run, args = args[-1], args[:-1]
+        out = args[0].clone(memory_format=torch.contiguous_format)     # (as _add_lora_functional)
+        run(out)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_backward(ctx, grad_out), None)

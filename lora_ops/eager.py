@@ -128,37 +128,45 @@ class EagerCalls:
             self.replays += 1
         return out
 
-    def replay_delta(self, layer, x, y):
+    def replay_delta(self, layer, x, y, grad=False):
         """For a layer whose base is not a bare nn.Linear (hooks, a subclass such as a quantized linear: its own
-        forward has run and returned ``y`` [M, N]): add the delta into ``y`` in place through a bound add_lora_
-        call and return True, or return False where none applies (the caller then calls add_lora_). Without
-        autograd and dropout only (the caller's conditions); the base's own forward is never bound."""
+        forward has run and returned ``y`` [M, N]): the delta through a bound add_lora_ call, or None where none
+        applies (the caller then calls the op). Without autograd (``grad`` False) the delta is added into ``y``
+        in place (add_lora_) and y is returned; with it, y + delta as add_lora computes it, through
+        lora_ops.autograd.BoundAddLora (add_lora's autograd). Without dropout only (the caller's condition);
+        the base's own forward is never bound."""
         if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor:
-            return False
-        bound = self._calls.get(("delta", *_shaped(x), *_shaped(y)))
-        if bound is None:
-            return False
+            return None
+        bound = self._calls.get(("delta", *_shaped(x), *_shaped(y), grad))
+        if bound is None or (grad and not ops.eager_autograd()):
+            return None
         lora_a, lora_b, scale, rank = _adapters(layer)
         if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
-            return False
-        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *layer.context.batch_for(False)[0]))
+            return None
+        meta = layer.context.batch_for(grad)[0]
+        self.replays += 1
+        if grad:
+            return autograd.BoundAddLora.apply(y, x, lora_a, lora_b, scale, rank, layer.slice_widths, *meta,
+                                               lambda out: bound.plan.run((out, x, lora_a, lora_b, scale, rank, *meta)))
+        bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
         if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
             torch.autograd.graph.increment_version(y)
-        self.replays += 1
-        return True
+        return y
 
-    def bind_delta(self, layer, x, y):
-        """After add_lora_ ran on ``y`` (the base layer's output) and ``x`` without the dispatcher: keep the
-        call for their signatures where the op has a plan (:meth:`replay_delta`)."""
+    def bind_delta(self, layer, x, y, out):
+        """After the delta op ran without the dispatcher on ``x`` and ``y`` (the base layer's output), giving
+        ``out`` (add_lora_: y itself; add_lora, under autograd: y's contiguous copy plus the delta): keep the
+        call for their signatures where the op's add_lora_ launches have a plan (:meth:`replay_delta`)."""
         if not _enabled[0] or not (x.is_cuda or ops.get_cpu_backend() == "triton"):
             return
         lora_a, lora_b, scale, rank = _adapters(layer)
         if lora_a is None or lora_b is None or scale is None or rank is None:
             return
+        grad = out is not y
         meta, widths = layer.context.meta, layer.slice_widths
-        found = plan.lookup(plan.key(y, x, lora_a, lora_b, scale, rank, widths, *meta))
+        found = plan.lookup(plan.key(out, x, lora_a, lora_b, scale, rank, widths, *layer.context.batch_for(grad)[0]))
         if found is not None:
-            self._keep(("delta", *_shaped(x), *_shaped(y)), _Bound(
+            self._keep(("delta", *_shaped(x), *_shaped(y), grad), _Bound(
                 "delta", found, (None, None, lora_a, lora_b, scale, rank, meta, widths, None),
                 _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(y), plan.launch_device(x)))
 

@@ -500,17 +500,18 @@ class LoRALinear(nn.Module):
         if cast_to is not None:       # the base layer ran under autocast: the delta goes in its output's dtype
             x_lora = autocast_cast(x_lora, y.dtype)
             args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
-        if grad:
-            # Something needs gradients through this layer (x, the base or the adapters): the out-of-place
-            # op has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
-            return ops.call("add_lora", y2d, x_lora, *args).view(y.shape)
+        # Where something needs gradients through this layer (x, the base or the adapters), the out-of-place
+        # op, which has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
+        name = "add_lora" if grad else "add_lora_"
         bindable = eager and cast_to is None and not dropout
-        if bindable and self._eager.replay_delta(self, x2d, y2d):
+        out = self._eager.replay_delta(self, x2d, y2d, grad) if bindable else None
+        if out is None:
+            out = ops.call(name, y2d, x_lora, *args)
+            if bindable and ops.direct(name, (y2d, x_lora, *args)):
+                self._eager.bind_delta(self, x2d, y2d, y2d if out is None else out)
+        if out is None or out is y2d:
             return y
-        ops.call("add_lora_", y2d, x_lora, *args)
-        if bindable and ops.direct("add_lora_", (y2d, x_lora, *args)):
-            self._eager.bind_delta(self, x2d, y2d)
-        return y
+        return out if y.dim() == 2 else out.view(y.shape)
 
     def _in_dtype(self, x, dtype):
         """Whether x and every floating parameter the layer computes with are in ``dtype`` already (False

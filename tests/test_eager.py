@@ -388,6 +388,37 @@ def test_a_base_with_its_own_forward_binds_the_delta(triton_kernels, kind):
             assert rel_err(out.reshape(M, N), expected) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("kind", ["forward_hook", "subclass"])
+def test_a_base_with_its_own_forward_binds_the_training_delta(triton_kernels, kind):
+    """Where autograd needs the delta of such a base (a quantized base with trainable adapters), add_lora's call
+    binds too (lora_ops.autograd.BoundAddLora): its output and every gradient equal the op path's bit for bit."""
+    layer = trainable(hooked_layer(17, kind))
+    for M in (10, 7):
+        set_slots(layer, M, M)
+        grad_out = fresh_input(M, 50)[:, :1].expand(M, N).contiguous() * torch.linspace(-1, 1, N, device=DEVICE)
+        train_step(layer, fresh_input(M, 0), grad_out)        # binds this signature
+        for seed in (1, 2):
+            x = fresh_input(M, seed)
+            replays = layer._eager.replays
+            got = train_step(layer, x, grad_out)
+            assert layer._eager.replays == replays + 1 and got[4] == "BoundAddLoraBackward", (M, seed)
+            eager.set_enabled(False)
+            try:
+                want = train_step(layer, x, grad_out)
+            finally:
+                eager.set_enabled(True)
+            assert want[4] == "Eager_lora_ops_add_loraBackward"
+            for i, name in enumerate(("out", "dx", "dA", "dB")):
+                assert torch.equal(got[i], want[i]), (M, seed, name)
+            expected = reference(layer, x) - 0.5 * x.double().cpu() @ layer.base.weight.detach().double().cpu().T
+            assert rel_err(got[0], expected) <= TOLERANCE[torch.float32]
+    with torch.no_grad():                                      # the in-place delta keeps a binding of its own
+        call(layer, x)
+        replays = layer._eager.replays
+        call(layer, x)
+    assert layer._eager.replays == replays + 1 and len(layer._eager._calls) == 3
+
+
 def test_a_bound_delta_follows_the_layers_state(triton_kernels):
     layer = hooked_layer(16, "forward_hook")
     x = fresh_input(10, 0)
