@@ -30,9 +30,10 @@
 #                                              # 1 token, the decode step with stack_a (~7 min; host_python
 #                                              # runs on the CPU machine only: Triton 3.6's interpreter there
 #                                              # refuses numpy 2)
-#     BASE=DIR bash benchmarks/gpu_session.sh train   # session 25's training path (eager autograd without
-#                                              # the dispatcher, one backward op per role) and session 26's
-#                                              # batch copies for autograd: their GPU tests,
+#     BASE=DIR bash benchmarks/gpu_session.sh train   # the training path's host work (session 25: eager
+#                                              # autograd without the dispatcher, one backward op per role;
+#                                              # 26: batch copies; 28: unchecked backward ops; 29: bound
+#                                              # backwards and training deltas): their GPU tests,
 #                                              # then grad_check's timing rows and train_profile at 1024
 #                                              # tokens for the tree in DIR (git archive of the commit
 #                                              # before, carried in .scratch) and this one in turn (~9 min)
@@ -113,7 +114,8 @@ elif [ "$MODE" = host ]; then
     step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R"
 elif [ "$MODE" = train ]; then
     step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py tests/test_batch_copies.py
+        tests/test_eager_autograd.py tests/test_autograd.py tests/test_training.py tests/test_batch_copies.py \
+        tests/test_eager.py
     for i in 1 2; do   # the trees in turn: the GPU's clock and the host drift between runs
         in_trees "grad$i" $([ $i = 1 ] && echo 150 || echo 90) python @TREE@/benchmarks/grad_check.py --dtypes bf16 \
             --tokens 256 --out "$R/grad${i}_@TAG@"
