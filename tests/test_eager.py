@@ -238,6 +238,14 @@ def test_training_calls_replay_with_the_ops_output_and_gradients(triton_kernels,
         monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
         monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
     layer = trainable(make_layer(7, **opts))
+    assert_training_replays(layer, "BoundLoRALinearBackward", "Eager_lora_ops_lora_linearBackward", reference)
+    assert len(layer._eager._calls) == 2
+
+
+def assert_training_replays(layer, bound_backward, op_backward, expected):
+    """At two token counts: a training call binds, and the next ones replay (their output's grad_fn a
+    ``bound_backward``) with the output and every gradient of the op path (``op_backward``) bit for bit, and
+    within tolerance of ``expected(layer, x)`` (float64)."""
     for M in (10, 7):
         set_slots(layer, M, M)
         grad_out = fresh_input(M, 50)[:, :1].expand(M, N).contiguous() * torch.linspace(-1, 1, N, device=DEVICE)
@@ -246,17 +254,16 @@ def test_training_calls_replay_with_the_ops_output_and_gradients(triton_kernels,
             x = fresh_input(M, seed)
             replays = layer._eager.replays
             got = train_step(layer, x, grad_out)
-            assert layer._eager.replays == replays + 1 and got[4] == "BoundLoRALinearBackward", (M, seed)
+            assert layer._eager.replays == replays + 1 and got[4] == bound_backward, (M, seed)
             eager.set_enabled(False)
             try:
                 want = train_step(layer, x, grad_out)
             finally:
                 eager.set_enabled(True)
-            assert want[4] == "Eager_lora_ops_lora_linearBackward"
+            assert want[4] == op_backward
             for i, name in enumerate(("out", "dx", "dA", "dB")):
                 assert torch.equal(got[i], want[i]), (M, seed, name)
-            assert rel_err(got[0], reference(layer, x)) <= TOLERANCE[torch.float32]
-    assert len(layer._eager._calls) == 2
+            assert rel_err(got[0], expected(layer, x)) <= TOLERANCE[torch.float32]
 
 
 def test_stack_a_keeps_its_binding_beside_the_training_one(triton_kernels):
@@ -367,6 +374,11 @@ def hooked_layer(seed, kind):
     return layer
 
 
+def hooked_reference(layer, x):
+    """float64: a hooked_layer's output for ``x`` [M, K] (its base's output halved, then the delta)."""
+    return reference(layer, x) - 0.5 * x.double().cpu() @ layer.base.weight.detach().double().cpu().T
+
+
 @pytest.mark.parametrize("kind", ["forward_hook", "subclass"])
 def test_a_base_with_its_own_forward_binds_the_delta(triton_kernels, kind):
     """A base that is not a bare nn.Linear runs its own forward on every call (hooks fire); the add_lora_ call
@@ -383,9 +395,7 @@ def test_a_base_with_its_own_forward_binds_the_delta(triton_kernels, kind):
             assert layer._eager.replays == replays + 1, (shape, seed)
             want = op_output(layer, x)
             assert torch.equal(out, want) and out._version == want._version, (shape, seed)
-            expected = reference(layer, x.reshape(M, K)) - 0.5 * x.reshape(M, K).double().cpu() @ \
-                layer.base.weight.detach().double().cpu().T
-            assert rel_err(out.reshape(M, N), expected) <= TOLERANCE[torch.float32]
+            assert rel_err(out.reshape(M, N), hooked_reference(layer, x.reshape(M, K))) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("kind", ["forward_hook", "subclass"])
@@ -393,25 +403,8 @@ def test_a_base_with_its_own_forward_binds_the_training_delta(triton_kernels, ki
     """Where autograd needs the delta of such a base (a quantized base with trainable adapters), add_lora's call
     binds too (lora_ops.autograd.BoundAddLora): its output and every gradient equal the op path's bit for bit."""
     layer = trainable(hooked_layer(17, kind))
-    for M in (10, 7):
-        set_slots(layer, M, M)
-        grad_out = fresh_input(M, 50)[:, :1].expand(M, N).contiguous() * torch.linspace(-1, 1, N, device=DEVICE)
-        train_step(layer, fresh_input(M, 0), grad_out)        # binds this signature
-        for seed in (1, 2):
-            x = fresh_input(M, seed)
-            replays = layer._eager.replays
-            got = train_step(layer, x, grad_out)
-            assert layer._eager.replays == replays + 1 and got[4] == "BoundAddLoraBackward", (M, seed)
-            eager.set_enabled(False)
-            try:
-                want = train_step(layer, x, grad_out)
-            finally:
-                eager.set_enabled(True)
-            assert want[4] == "Eager_lora_ops_add_loraBackward"
-            for i, name in enumerate(("out", "dx", "dA", "dB")):
-                assert torch.equal(got[i], want[i]), (M, seed, name)
-            expected = reference(layer, x) - 0.5 * x.double().cpu() @ layer.base.weight.detach().double().cpu().T
-            assert rel_err(got[0], expected) <= TOLERANCE[torch.float32]
+    assert_training_replays(layer, "BoundAddLoraBackward", "Eager_lora_ops_add_loraBackward", hooked_reference)
+    x = fresh_input(7, 3)
     with torch.no_grad():                                      # the in-place delta keeps a binding of its own
         call(layer, x)
         replays = layer._eager.replays
