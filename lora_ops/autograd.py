@@ -330,40 +330,46 @@ _eager_function("add_lora", _setup_context, _backward)
 _eager_function("lora_linear", _setup_lora_linear, _backward_lora_linear)
 
 
+# The bound calls' Functions take the op's differentiable inputs as tensors and the rest (scale, rank, the
+# slice widths, the batch metadata) in one tuple, which autograd does not look into: Function.apply costs
+# ~0.4 µs a tensor argument (CPU machine), and those get no gradient from the op anyway. setup_context saves
+# them as it does for the op (saved tensors need not be inputs; their version counters are checked alike).
+
 class BoundLoRALinear(torch.autograd.Function):
-    """lora_linear's autograd for a LoRALinear call replayed from its bound plan (lora_ops.eager): the inputs
-    are lora_linear's, then ``run``, which computes the output through the bound launches (or returns None,
-    and the op's kernel computes it); setup_context and backward are lora_linear's, so the gradients are the
-    op's, bit for bit."""
+    """lora_linear's autograd for a LoRALinear call replayed from its bound plan (lora_ops.eager): inputs x,
+    weight, bias, lora_a, lora_b, then ``rest`` = the op's other arguments (scale, rank, slice_widths, the
+    metadata) and ``run``, which computes the output through the bound launches (or returns None, and the
+    op's kernel computes it); setup_context and backward are lora_linear's, so the gradients are the op's,
+    bit for bit."""
 
     @staticmethod
-    def forward(ctx, *args):
-        run, args = args[-1], args[:-1]
+    def forward(ctx, x, weight, bias, lora_a, lora_b, rest, run):
+        args = (x, weight, bias, lora_a, lora_b, *rest)
         out = run()
         if out is None:
-            out = ops.kernel_for("lora_linear", args[0])(*args)
+            out = ops.kernel_for("lora_linear", x)(*args)
         _setup_lora_linear(ctx, args, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward_lora_linear(ctx, grad_out), None)
+        return (*_backward_lora_linear(ctx, grad_out)[:5], None, None)
 
 
 class BoundAddLora(torch.autograd.Function):
     """add_lora's autograd for a LoRALinear delta replayed from its bound plan (lora_ops.eager: a base that
-    runs its own forward, trainable adapters or input): the inputs are add_lora's, then ``run(out)``, which
-    adds the delta into ``out``, y's contiguous copy, through the bound add_lora_ launches; setup_context and
-    backward are add_lora's, so the output and gradients are the op's, bit for bit."""
+    runs its own forward, trainable adapters or input): inputs y, x, lora_a, lora_b, then ``rest`` = the op's
+    other arguments and ``run(out)``, which adds the delta into ``out``, y's contiguous copy, through the
+    bound add_lora_ launches; setup_context and backward are add_lora's, so the output and gradients are the
+    op's, bit for bit."""
 
     @staticmethod
-    def forward(ctx, *args):
-        run, args = args[-1], args[:-1]
-        out = args[0].clone(memory_format=torch.contiguous_format)     # (as _add_lora_functional)
+    def forward(ctx, y, x, lora_a, lora_b, rest, run):
+        out = y.clone(memory_format=torch.contiguous_format)     # (as _add_lora_functional)
         run(out)
-        _setup_context(ctx, args, out)
+        _setup_context(ctx, (y, x, lora_a, lora_b, *rest), out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward(ctx, grad_out), None)
+        return (*_backward(ctx, grad_out)[:4], None, None)

@@ -120,9 +120,9 @@ class EagerCalls:
             return out[:, :weight.shape[0]]
         if grad:
             self.replays += 1
-            return autograd.BoundLoRALinear.apply(x, weight, bias, lora_a, lora_b, scale, rank, layer.slice_widths,
-                                                  *meta, lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale,
-                                                                      rank, meta))
+            return autograd.BoundLoRALinear.apply(x, weight, bias, lora_a, lora_b, (scale, rank, layer.slice_widths,
+                                                                                    *meta),
+                                                  lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta))
         out = _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta)
         if out is not None:
             self.replays += 1
@@ -146,7 +146,7 @@ class EagerCalls:
         meta = layer.context.batch_for(grad)[0]
         self.replays += 1
         if grad:
-            return autograd.BoundAddLora.apply(y, x, lora_a, lora_b, scale, rank, layer.slice_widths, *meta,
+            return autograd.BoundAddLora.apply(y, x, lora_a, lora_b, (scale, rank, layer.slice_widths, *meta),
                                                lambda out: bound.plan.run((out, x, lora_a, lora_b, scale, rank, *meta)))
         bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
         if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
