@@ -136,13 +136,20 @@ def _check_batch(ctx, sorted_token_ids):
             "torch.utils.checkpoint(..., use_reentrant=False), or run the backward before the next set_batch")
 
 
-def _setup_context(ctx, inputs, output):
-    _, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts = inputs
-    saved = (x, lora_a, lora_b, scale, rank, sorted_token_ids, slot_starts, slot_counts)
-    ctx.save_for_backward(*saved)
+def delta_signature(x, lora_a, lora_b, scale, rank, meta):
+    """:func:`_signature` of the delta's saved inputs, in the order both backwards save them (a bound eager
+    call takes it once when it binds: lora_ops.eager)."""
+    return _signature((x, lora_a, lora_b, scale, rank, *meta))
+
+
+def _setup_context(ctx, inputs, output, signature=None):
+    """add_lora's setup_context; ``signature``: the delta's signature where the caller knows it (a bound call,
+    whose guards hold it), else taken here."""
+    _, x, lora_a, lora_b, scale, rank, slice_widths, *meta = inputs
+    ctx.save_for_backward(x, lora_a, lora_b, scale, rank, *meta)
     ctx.slice_widths = tuple(slice_widths)
-    ctx.batch_key = _batch_key(sorted_token_ids)
-    ctx.signature = _signature(saved)
+    ctx.batch_key = _batch_key(meta[0])
+    ctx.signature = signature if signature is not None else delta_signature(x, lora_a, lora_b, scale, rank, meta)
 
 
 def _backward(ctx, grad_out):
@@ -160,12 +167,14 @@ torch.library.register_autograd("lora_ops::add_lora", _backward, setup_context=_
 
 # -- lora_linear: the base layer's gradients plus the delta's -------------------------------------------
 
-def _setup_lora_linear(ctx, inputs, output):
+def _setup_lora_linear(ctx, inputs, output, signature=None):
+    """lora_linear's setup_context; ``signature`` as in :func:`_setup_context` (the weight is not in it: the
+    delta's ops do not read it)."""
     x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, *meta = inputs
     ctx.save_for_backward(x, weight, lora_a, lora_b, scale, rank, *meta)
     ctx.slice_widths = tuple(slice_widths)
     ctx.batch_key = _batch_key(meta[0])
-    ctx.signature = _signature((x, lora_a, lora_b, scale, rank, *meta))   # (the weight: not in the delta's ops)
+    ctx.signature = signature if signature is not None else delta_signature(x, lora_a, lora_b, scale, rank, meta)
 
 
 def _backward_lora_linear(ctx, grad_out):
@@ -338,38 +347,39 @@ _eager_function("lora_linear", _setup_lora_linear, _backward_lora_linear)
 class BoundLoRALinear(torch.autograd.Function):
     """lora_linear's autograd for a LoRALinear call replayed from its bound plan (lora_ops.eager): inputs x,
     weight, bias, lora_a, lora_b, then ``rest`` = the op's other arguments (scale, rank, slice_widths, the
-    metadata) and ``run``, which computes the output through the bound launches (or returns None, and the
-    op's kernel computes it); setup_context and backward are lora_linear's, so the gradients are the op's,
-    bit for bit."""
+    metadata), ``run``, which computes the output through the bound launches (or returns None, and the
+    op's kernel computes it), and the delta's ``signature`` (:func:`delta_signature`, taken when the call was
+    bound; the backward compares it with its saved inputs' as ever); setup_context and backward are
+    lora_linear's, so the gradients are the op's, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, rest, run):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, rest, run, signature):
         args = (x, weight, bias, lora_a, lora_b, *rest)
         out = run()
         if out is None:
             out = ops.kernel_for("lora_linear", x)(*args)
-        _setup_lora_linear(ctx, args, out)
+        _setup_lora_linear(ctx, args, out, signature)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward_lora_linear(ctx, grad_out)[:5], None, None)
+        return (*_backward_lora_linear(ctx, grad_out)[:5], None, None, None)
 
 
 class BoundAddLora(torch.autograd.Function):
     """add_lora's autograd for a LoRALinear delta replayed from its bound plan (lora_ops.eager: a base that
     runs its own forward, trainable adapters or input): inputs y, x, lora_a, lora_b, then ``rest`` = the op's
-    other arguments and ``run(out)``, which adds the delta into ``out``, y's contiguous copy, through the
-    bound add_lora_ launches; setup_context and backward are add_lora's, so the output and gradients are the
-    op's, bit for bit."""
+    other arguments, ``run(out)``, which adds the delta into ``out``, y's contiguous copy, through the
+    bound add_lora_ launches, and ``signature`` as BoundLoRALinear takes it; setup_context and backward are
+    add_lora's, so the output and gradients are the op's, bit for bit."""
 
     @staticmethod
-    def forward(ctx, y, x, lora_a, lora_b, rest, run):
+    def forward(ctx, y, x, lora_a, lora_b, rest, run, signature):
         out = y.clone(memory_format=torch.contiguous_format)     # (as _add_lora_functional)
         run(out)
-        _setup_context(ctx, (y, x, lora_a, lora_b, *rest), out)
+        _setup_context(ctx, (y, x, lora_a, lora_b, *rest), out, signature)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_backward(ctx, grad_out)[:4], None, None)
+        return (*_backward(ctx, grad_out)[:4], None, None, None)

@@ -63,12 +63,14 @@ def _state():
 
 
 class _Bound:
-    """One input signature's call: the path ("add", "write" or "stacked"), its plan, and what it was bound to."""
-    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device")
+    """One input signature's call: the path ("add", "write", "stacked" or "delta"), its plan, what it was bound
+    to, and for a call autograd needs, the delta's signature for its backward (autograd.delta_signature: a
+    function of what the guards hold, taken once)."""
+    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature")
 
-    def __init__(self, path, bound_plan, objects, shapes, out_shape, device):
+    def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None):
         self.path, self.plan, self.objects, self.shapes = path, bound_plan, objects, shapes
-        self.out_shape, self.state, self.device = out_shape, _state(), device
+        self.out_shape, self.state, self.device, self.signature = out_shape, _state(), device, signature
 
 
 class EagerCalls:
@@ -122,7 +124,8 @@ class EagerCalls:
             self.replays += 1
             return autograd.BoundLoRALinear.apply(x, weight, bias, lora_a, lora_b, (scale, rank, layer.slice_widths,
                                                                                     *meta),
-                                                  lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta))
+                                                  lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta),
+                                                  bound.signature)
         out = _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta)
         if out is not None:
             self.replays += 1
@@ -147,7 +150,8 @@ class EagerCalls:
         self.replays += 1
         if grad:
             return autograd.BoundAddLora.apply(y, x, lora_a, lora_b, (scale, rank, layer.slice_widths, *meta),
-                                               lambda out: bound.plan.run((out, x, lora_a, lora_b, scale, rank, *meta)))
+                                               lambda out: bound.plan.run((out, x, lora_a, lora_b, scale, rank, *meta)),
+                                               bound.signature)
         bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))
         if not y.is_inference():    # add_lora_ writes y in place: its version counter moves, as through the op
             torch.autograd.graph.increment_version(y)
@@ -164,11 +168,13 @@ class EagerCalls:
             return
         grad = out is not y
         meta, widths = layer.context.meta, layer.slice_widths
-        found = plan.lookup(plan.key(out, x, lora_a, lora_b, scale, rank, widths, *layer.context.batch_for(grad)[0]))
+        read = layer.context.batch_for(grad)[0]
+        found = plan.lookup(plan.key(out, x, lora_a, lora_b, scale, rank, widths, *read))
         if found is not None:
             self._keep(("delta", *_shaped(x), *_shaped(y), grad), _Bound(
                 "delta", found, (None, None, lora_a, lora_b, scale, rank, meta, widths, None),
-                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(y), plan.launch_device(x)))
+                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(y), plan.launch_device(x),
+                autograd.delta_signature(x, lora_a, lora_b, scale, rank, read) if grad else None))
 
     def _keep(self, key, bound):
         if len(self._calls) >= MAX_SIGNATURES:
@@ -195,9 +201,12 @@ class EagerCalls:
             path, key = "add", plan.key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         found = plan.lookup(key)
         if found is not None:
-            self._keep((*_shaped(x), _needs_grad(x, weight, bias, lora_a, lora_b, scale)), _Bound(
+            grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
+            signature = (autograd.delta_signature(x, lora_a, lora_b, scale, rank, layer.context.batch_for(True)[0])
+                         if grad else None)
+            self._keep((*_shaped(x), grad), _Bound(
                 path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
-                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x)))
+                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x), signature))
 
 
 def _adapters(layer):
