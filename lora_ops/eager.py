@@ -107,7 +107,9 @@ class EagerCalls:
         if not (weight is objects[0] and bias is objects[1] and layer._stacked is objects[8]
                 and _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank)):
             return None
-        if _LAUNCH[0]._overlaps(x) or (grad and not ops.eager_autograd()):   # (bind imported launch)
+        # (bind imported launch.) A scale that requires grad is an input of the op's Function, where its output
+        # then requires grad too; the bound Function takes only the differentiable tensors: the op's path.
+        if _LAUNCH[0]._overlaps(x) or (grad and (not ops.eager_autograd() or scale.requires_grad)):
             return None
         meta = context.batch_for(grad)[0]   # (the batch's copy for autograd: the buffers' shapes and alignment)
         if bound.path == "stacked":     # (bound without autograd only: the stacked op has none)
@@ -144,8 +146,8 @@ class EagerCalls:
         if bound is None or (grad and not ops.eager_autograd()):
             return None
         lora_a, lora_b, scale, rank = _adapters(layer)
-        if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
-            return None
+        if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank) or (grad and scale.requires_grad):
+            return None     # (a scale that requires grad: as in replay)
         meta = layer.context.batch_for(grad)[0]
         self.replays += 1
         if grad:

@@ -58,7 +58,7 @@ def reference(layer, x):
         r = int(layer.rank[s])
         for i in range(len(WIDTHS)):
             lo, hi = offsets[i], offsets[i + 1]
-            y[t, lo:hi] += float(layer.scale[s]) * (x64[t] @ a[s, i, :r].T) @ b[s, lo:hi, :r].T
+            y[t, lo:hi] += float(layer.scale[s].detach()) * (x64[t] @ a[s, i, :r].T) @ b[s, lo:hi, :r].T
     return y
 
 
@@ -240,6 +240,23 @@ def test_training_calls_replay_with_the_ops_output_and_gradients(triton_kernels,
     layer = trainable(make_layer(7, **opts))
     assert_training_replays(layer, "BoundLoRALinearBackward", "Eager_lora_ops_lora_linearBackward", reference)
     assert len(layer._eager._calls) == 2
+
+
+def test_a_scale_that_requires_grad_takes_the_op_path(triton_kernels):
+    """The bound training Functions take only the op's differentiable tensors; a scale that requires grad is an
+    input of the op's Function (its output then requires grad, though the op gives scale no gradient), so
+    such a call takes the op's path, whose output is the same."""
+    layer = trainable(make_layer(9))
+    x = fresh_input(10, 0)
+    train_step(layer, x, torch.ones(10, N, device=DEVICE))     # binds
+    layer.lora_a.requires_grad_(False)
+    layer.lora_b.requires_grad_(False)
+    layer.scale.requires_grad_(True)
+    replays = layer._eager.replays
+    out = layer(x)
+    assert layer._eager.replays == replays and out.requires_grad
+    assert type(out.grad_fn).__name__ == "Eager_lora_ops_lora_linearBackward"
+    assert rel_err(out.detach(), reference(layer, x)) <= TOLERANCE[torch.float32]
 
 
 def assert_training_replays(layer, bound_backward, op_backward, expected):
