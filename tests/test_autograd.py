@@ -235,9 +235,20 @@ def test_metadata_refilled_before_backward_raises(backend):
         out.sum().backward()
 
 
-def _swap_rank(t, rank):
-    """``t`` [..., R] cut to its first ``rank`` entries of the last axis (a new tensor)."""
-    return t[..., :rank].contiguous()
+def _halve_b_rank(leaves):
+    """``.data`` swap of lora_b [L, N, R] for [L, N, R / 2] (its rank no longer lora_a's): autograd's version
+    counters do not see it, the ops' checks do."""
+    b = leaves["lora_b"].detach()
+    leaves["lora_b"].data = b[..., :b.shape[2] // 2].contiguous()
+
+
+def _record_trusted_calls(monkeypatch, device):
+    """The list every call of a trusted kernel (ops.TRUSTED: the backward's unchecked op calls) on ``device``
+    appends its op's name to, for the test."""
+    calls = []
+    for name, kernels in lora_ops.ops.TRUSTED.items():
+        monkeypatch.setitem(kernels, device, lambda *a, _k=kernels[device], _n=name: calls.append(_n) or _k(*a))
+    return calls
 
 
 @pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
@@ -248,10 +259,7 @@ def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypa
     which refuse it, rather than kernels reading past the smaller tensor."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=19)
     M, K, N = case.shape[:3]
-    device = "cuda" if case.x.is_cuda else "cpu"
-    trusted = []
-    for name, kernels in lora_ops.ops.TRUSTED.items():
-        monkeypatch.setitem(kernels, device, lambda *a, _k=kernels[device], _n=name: trusted.append(_n) or _k(*a))
+    trusted = _record_trusted_calls(monkeypatch, "cuda" if case.x.is_cuda else "cpu")
     weight = signed((N, K), case)
     grad_out = signed((M, N), case)
 
@@ -277,11 +285,8 @@ def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypa
     for got, want in zip(fast, checked):
         assert torch.equal(got, want)
     monkeypatch.undo()
-
-    def swap_b(leaves):     # lora_b [L, N, R] -> [L, N, R / 2]: its rank no longer lora_a's
-        leaves["lora_b"].data = _swap_rank(leaves["lora_b"].detach(), case.lora_b.shape[2] // 2)
     with pytest.raises(ValueError, match="lora_a"):
-        grads(swap_b)
+        grads(_halve_b_rank)
 
 
 def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeypatch):
@@ -293,10 +298,7 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
                      seed=23)
     M, K, N = case.shape[:3]
     weight = signed((N, K), case)
-    calls = []
-    device = "cuda" if case.x.is_cuda else "cpu"
-    for name, kernels in lora_ops.ops.TRUSTED.items():
-        monkeypatch.setitem(kernels, device, lambda *a, _k=kernels[device], _n=name: calls.append(_n) or _k(*a))
+    calls = _record_trusted_calls(monkeypatch, "cuda" if case.x.is_cuda else "cpu")
 
     def grads(grad_out, needs=LEAVES[1:], swap=None):
         leaves = leaves_of(case, signed((M, N), case), needs)
@@ -348,12 +350,10 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
     check(first, grads(grad_out=grad_out))
     assert "shrink" in calls and len(bound) == 5
 
-    def swap_b(leaves):      # after the forward: the checked calls refuse it
-        leaves["lora_b"].data = _swap_rank(leaves["lora_b"].detach(), case.lora_b.shape[2] // 2)
     leaves = leaves_of(case, signed((M, N), case))
     out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
                                          case.scale, case.rank, case.slice_widths, *case.meta)
-    swap_b(leaves)
+    _halve_b_rank(leaves)      # after the forward: the checked calls refuse it
     with pytest.raises(ValueError, match="lora_a"):
         out.backward(grad_out)
 
