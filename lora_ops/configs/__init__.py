@@ -107,12 +107,12 @@ def _is_int(v):
 
 def _config_problem(kind, config):
     """What is wrong with the table config ``config`` (a dict) of ``kind``, or None."""
-    fields = _CONFIG_TYPES[kind]._fields
+    config_type = _CONFIG_TYPES[kind]
+    fields = config_type._fields
     unknown = sorted(set(config) - set(fields))
     if unknown:
         return f"unknown fields {unknown} (a {kind} config has {list(fields)})"
-    missing = [f for f in _CONFIG_TYPES[kind]._fields if f not in config
-               and f not in _CONFIG_TYPES[kind]._field_defaults]
+    missing = [f for f in fields if f not in config and f not in config_type._field_defaults]
     if missing:
         return f"missing fields {missing}"
     for name, v in config.items():
