@@ -50,6 +50,7 @@
 #     bash benchmarks/gpu_session.sh suite2    # file (75 s each, short tracebacks), in two halves (~5 min
 #                                              # each): what the CPU suite cannot see (session 27 found six
 #                                              # GPU-only failures in files no mode ran on the GPU)
+#     FILES="tests/a.py ..." bash benchmarks/gpu_session.sh files   # those test files, as suite1 runs its own
 #     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
 #                                              # adds, with and without stack_a) for the tree in DIR and this
 #                                              # one, in turn three times (~3 min)
@@ -86,8 +87,8 @@ in_trees() {  # in_trees NAME LIMIT COMMAND...: step NAME_base, then NAME_new: C
 suite_files() {  # suite_files HALF: the test files but the property tests (props), half 1 or 2 of them
     ls tests/test_*.py | grep -v test_kernels_property | awk -v h="$1" '(NR % 2) == (h % 2)'
 }
-if [ "$MODE" = suite1 ] || [ "$MODE" = suite2 ]; then
-    for f in $(suite_files "${MODE#suite}"); do
+if [ "$MODE" = suite1 ] || [ "$MODE" = suite2 ] || [ "$MODE" = files ]; then
+    for f in $([ "$MODE" = files ] && echo "${FILES:?FILES=the test files}" || suite_files "${MODE#suite}"); do
         name=$(basename "$f" .py)
         step "$name" 75 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider \
             -rf --tb=short "$f"
