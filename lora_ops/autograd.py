@@ -29,8 +29,11 @@ recompute's, which need not be the forward's. Each call notes which batch its fo
 copy by serial number, other metadata by version) and the backward refuses another (``_check_batch``);
 eager only: a compiled backward checks nothing.
 
-Double backward is not supported (the backward ops have no autograd formula of their own).
+Double backward (``create_graph=True``: a gradient penalty, a Hessian-vector product, meta-learning) needs
+a backward that autograd can differentiate, which the backward ops are not: there the backward computes the
+delta again as plain torch ops and takes autograd's gradient of it (:func:`_graph_grads`; slower, float32).
 """
+import itertools
 import operator
 from typing import NamedTuple
 
@@ -95,6 +98,55 @@ def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, n
         h = call("shrink", x, lora_a, scale, rank, *meta)
         db = call("lora_grad_b", grad_out, h, rank, widths, *meta)
     return dx, da, db
+
+
+def _graph_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, needs):
+    """(dx, dA, dB) as torch ops autograd records, for a backward run with ``create_graph=True`` (grad mode on
+    inside it): the gradients are then differentiable themselves. The backward ops have no autograd formula
+    (torch would only warn and drop their second-order terms: silently wrong), so the delta is computed
+    again, in float32, one slot at a time over every token with the other slots' tokens masked off (L dense
+    products of the rank: a fallback, not a fast path), and differentiated by autograd. Metadata is read as
+    the kernels read it (:func:`_token_slots`), without a host sync."""
+    wanted = [t for t, need in zip((x, lora_a, lora_b), needs) if need]
+    if not wanted:
+        return None, None, None
+    with torch.enable_grad():
+        delta = _masked_delta(x, lora_a, lora_b, scale, rank, widths, meta).to(grad_out.dtype)
+        grads = iter(torch.autograd.grad(delta, wanted, grad_out, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in needs)
+
+
+def _masked_delta(x, lora_a, lora_b, scale, rank, widths, meta):
+    """The delta [M, N] in float32 from differentiable torch ops (:func:`_graph_grads`)."""
+    L, S, R, K = lora_a.shape
+    slots = _token_slots(meta, x.shape[0], L)
+    in_rank = (torch.arange(R, device=x.device) < rank.to(x.device)[:, None]).float()     # [L, R]
+    xf, scales = x.float(), scale.float()
+    bounds = [0, *itertools.accumulate(widths)]
+    delta = x.new_zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32)
+    for slot in range(L):
+        mine = (slots == slot).float()[:, None]
+        a = lora_a[slot].float() * in_rank[slot][None, :, None]                  # [S, R, K]
+        b = lora_b[slot].float() * in_rank[slot]                                 # [N, R]
+        h = torch.einsum("mk,srk->msr", xf * mine, a) * scales[slot]
+        delta = delta + torch.cat([h[:, i] @ b[bounds[i]:bounds[i + 1]].T for i in range(S)], dim=1)
+    return delta
+
+
+def _token_slots(meta, num_tokens, num_slots):
+    """Each token's slot [M] int64 (num_slots where none) as the kernels read the metadata: slot l owns the
+    tokens at places slot_starts[l] .. + slot_counts[l] of sorted_token_ids (places past its end and token ids
+    outside [0, M) ignored). No host sync."""
+    sorted_ids, starts, counts = meta
+    place = torch.arange(sorted_ids.shape[0], device=sorted_ids.device)
+    slot_at = torch.full_like(place, num_slots)
+    for slot in range(num_slots):
+        run = (place >= starts[slot]) & (place < starts[slot] + counts[slot])
+        slot_at = torch.where(run, slot, slot_at)
+    token = sorted_ids.long()
+    token = torch.where((token >= 0) & (token < num_tokens) & (slot_at < num_slots), token, num_tokens)
+    slots = torch.full((num_tokens + 1,), num_slots, dtype=torch.int64, device=sorted_ids.device)
+    return slots.scatter(0, token, slot_at)[:num_tokens]
 
 
 def _signature(tensors):
@@ -222,6 +274,8 @@ def _delta_grads(ctx, saved, grad_out, needs):
     On the CPU machine, C launches stubbed, the backward's five op calls cost ~41 µs through
     ops.call_trusted and ~18 µs as plan replays (benchmarks/host_python.py; DESIGN §4)."""
     x, lora_a, lora_b, scale, rank, *meta = saved
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():     # create_graph=True
+        return _graph_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, needs)
     args = (grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, *needs)
     if not _unchanged(ctx, saved):
         return lora_grads(*args, ops.call)
