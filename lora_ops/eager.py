@@ -27,6 +27,7 @@ plan itself still takes each call's addresses and checks their alignment (lora_o
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lora_ops import autograd, configs, ops, plan, triton_launch
@@ -91,8 +92,8 @@ class EagerCalls:
     def replay(self, layer, x):
         """The layer's output for ``x`` [M, K] through a bound call, or None where none applies (the caller
         then takes the op's own path). ``layer.context.check_input(x)`` has passed; not while compiling."""
-        if not _enabled[0] or ops.wrapped_untraced(x):
-            return None
+        if not _enabled[0] or ops.wrapped_untraced(x) or forward_ad._current_level >= 0:
+            return None         # (forward-mode AD: the op's path, which refuses tangents)
         context = layer.context
         base = layer._modules["base"]
         if (layer.training and context.dropout_p is not None) or not plain_linear(base):
@@ -140,7 +141,8 @@ class EagerCalls:
         in place (add_lora_) and y is returned; with it, y + delta as add_lora computes it, through
         lora_ops.autograd.BoundAddLora (add_lora's autograd). Without dropout only (the caller's condition);
         the base's own forward is never bound."""
-        if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor:
+        if (not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor
+                or forward_ad._current_level >= 0):
             return None
         bound = self._calls.get(("delta", *_shaped(x), *_shaped(y), grad))
         if bound is None or (grad and not ops.eager_autograd()):

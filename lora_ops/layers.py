@@ -501,8 +501,9 @@ class LoRALinear(nn.Module):
             x_lora = autocast_cast(x_lora, y.dtype)
             args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
         # Where something needs gradients through this layer (x, the base or the adapters), the out-of-place
-        # op, which has autograd (lora_ops.autograd); the in-place one is invisible to autograd.
-        name = "add_lora" if grad else "add_lora_"
+        # op, which has autograd (lora_ops.autograd); the in-place one is invisible to autograd. Under
+        # torch.func.vmap too: torch's loop over a custom op's batch works on functional ops only.
+        name = "add_lora" if grad or (eager and torch._C._are_functorch_transforms_active()) else "add_lora_"
         bindable = eager and cast_to is None and not dropout
         out = self._eager.replay_delta(self, x2d, y2d, grad) if bindable else None
         if out is None:

@@ -10,6 +10,7 @@ real kernels, through the ops, on a machine with no GPU.
 import os
 
 import torch
+from torch.autograd import forward_ad
 
 import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
 from csrc_meta import checks
@@ -209,8 +210,12 @@ def call(name, *args):
     wrapper (its redispatch and argument re-binding cost ~45 µs of host time per training step on this
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
+    if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
+        refuse_tangents(name, args)
     kernel = kernel_for(name, first)
     if kernel is None or wrapped(first):
+        if torch._C._are_functorch_transforms_active():
+            _refuse_functorch_grad(name)
         return getattr(torch.ops.lora_ops, name)(*args)
     if torch.is_grad_enabled() and any_requires_grad(*args):
         function = _autograd_function(name, args)
@@ -221,6 +226,30 @@ def call(name, *args):
     if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
         torch.autograd.graph.increment_version(first)
     return out
+
+
+def refuse_tangents(name, args):
+    """Forward-mode AD is not supported: the ops have no forward-mode formula, and torch's custom-op autograd
+    would return their outputs without the tangents of their inputs (torch.func.jvp through a LoRA layer gave
+    the base layer's tangent alone). Raise where an argument carries a tangent."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            raise NotImplementedError(
+                f"lora_ops::{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported: "
+                f"argument {i} carries a tangent and the op has no forward-mode formula. Use reverse mode "
+                f"(backward, torch.autograd.grad; create_graph=True for second derivatives)")
+
+
+def _refuse_functorch_grad(name):
+    """torch.func.grad / vjp / jacrev run autograd.Functions only where they define setup_context, which the one
+    torch.library builds for a custom op does not (torch raises a message about autograd.Function): say so
+    in our terms. vmap alone is fine (torch loops over the batch)."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    if any(i.key() == torch._C._functorch.TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(
+            f"lora_ops::{name}: torch.func's grad transforms (grad, vjp, jacrev) are not supported: torch's custom "
+            f"ops have no functorch autograd rule. Use torch.autograd.grad (create_graph=True for second "
+            f"derivatives); vmap without grad works")
 
 
 def call_trusted(name, *args):

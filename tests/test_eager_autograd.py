@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -234,6 +235,69 @@ def test_double_backward_through_layers_matches_float64(backend, hooked):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert rel_err(g, w) <= TOLERANCE[torch.float32], i
     assert all(layer._eager.replays > 0 for layer in layers) or backend.name == "torch"  # (torch kernels: no plans)
+
+
+def small_layer(hooked):
+    """A packed LoRALinear with two adapted slots and one at rank 0, its batch set, called twice (bound)."""
+    torch.manual_seed(0)
+    ctx = lora_ops.LoRAContext(3, 64)
+    layer = LoRALinear(nn.Linear(16, 24).requires_grad_(False), ctx, 8, [16, 8])
+    with torch.no_grad():
+        layer.lora_a.normal_()
+        layer.lora_b.normal_()
+        layer.rank.copy_(torch.tensor([8, 5, 0]))
+        layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
+    if hooked:
+        layer.base.register_forward_hook(lambda module, inputs, out: None)
+    ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
+    x = torch.randn(9, 16)
+    for _ in range(2):
+        layer(x)
+    return layer, x
+
+
+def dual_x(layer, x):
+    with fwAD.dual_level():
+        return layer(fwAD.make_dual(x, torch.randn_like(x)))
+
+
+def jvp_lora_a(layer, x):
+    params = {"lora_a": layer.lora_a.detach()}
+    return torch.func.jvp(lambda a: torch.func.functional_call(layer, {"lora_a": a}, (x,)), (params["lora_a"],),
+                          (torch.randn_like(params["lora_a"]),))
+
+
+def func_grad(layer, x):
+    return torch.func.grad(lambda a: torch.func.functional_call(layer, {"lora_a": a}, (x,)).sum())(
+        layer.lora_a.detach())
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["bare_base", "hooked_base"])
+@pytest.mark.parametrize("transform, message", [(dual_x, "forward-mode AD"), (jvp_lora_a, "forward-mode AD"),
+                                                (func_grad, "torch.func's grad transforms")],
+                         ids=["forward_ad_dual_x", "func_jvp_lora_a", "func_grad"])
+def test_forward_mode_ad_and_func_grad_raise_instead_of_dropping_tangents(backend, hooked, transform, message):
+    """The ops have no forward-mode formula: torch.func.jvp through a layer returned the base layer's tangent
+    alone (the delta's dropped, silently), and torch.func.grad failed on torch's custom-op Function. Both now
+    raise, naming the op, also after the layer's calls were bound (which skip ops.call)."""
+    layer, x = small_layer(hooked)
+    with pytest.raises(NotImplementedError, match=f"lora_ops::.*{message}"):
+        transform(layer, x)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["bare_base", "hooked_base"])
+def test_dual_level_without_tangents_and_vmap_still_work(backend, hooked):
+    """Inside a dual level, inputs without tangents run as usual; torch.func.vmap (no grad) runs the layer
+    per batch element (torch's loop over custom ops), as calls one by one would."""
+    layer, x = small_layer(hooked)
+    with torch.no_grad():
+        want = layer(x)
+        with fwAD.dual_level():
+            assert torch.equal(layer(x), want)
+        stacked = torch.stack([x, x.flip(1)])
+        got = torch.func.vmap(layer)(stacked)
+        # (close, not equal: a hooked base's own nn.Linear runs batched under vmap, another GEMM's sum order)
+        torch.testing.assert_close(got, torch.stack([want, layer(x.flip(1))]), rtol=1e-5, atol=1e-5)
 
 
 def test_the_python_requires_grad_check_agrees_with_torchs():
