@@ -170,8 +170,9 @@ def _unchanged(ctx, tensors):
 
 
 def _batch_key(sorted_token_ids):
-    """Which batch metadata holds: a LoRAContext's copy by its serial number (never written again), other
-    metadata by its version counter (refilled in place). None while tracing or for a tensor subclass."""
+    """Which batch metadata holds: a LoRAContext's copy by its serial number (never written again), a
+    LoRABatch's buffers (tagged 0) and other metadata by their version counter (refilled in place). None while
+    tracing or for a tensor subclass."""
     if type(sorted_token_ids) is not torch.Tensor or torch.compiler.is_compiling():
         return None
     return getattr(sorted_token_ids, "_lora_batch", None), sorted_token_ids._version
@@ -181,6 +182,10 @@ def _check_batch(ctx, sorted_token_ids):
     """Refuse a backward whose metadata is not its forward's (a checkpointed forward recomputed on a later batch)."""
     then = ctx.batch_key
     now = _batch_key(sorted_token_ids) if then is not None else None
+    if now is not None and now[0] is None and then[0] is not None:
+        # Untagged where the forward's was tagged: a copy a saved-tensor hook made when the forward saved it
+        # (torch.autograd.graph.save_on_cpu, activation offloading), so it holds the forward's batch.
+        return
     if now is not None and now != then:
         raise RuntimeError(
             "lora_ops: this backward's forward was recomputed (activation checkpointing) on another batch than "

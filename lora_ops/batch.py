@@ -124,6 +124,9 @@ class LoRABatch:
             slot_starts=torch.zeros(self.max_loras + 1, **kw),
             slot_counts=torch.zeros(self.max_loras + 1, **kw),
         )
+        # Tagged as a batch's own buffers: autograd's batch check tells them from a saved-tensor hook's copy of
+        # them, which has no tag (lora_ops.autograd._check_batch; a LoRAContext's copies carry serial numbers).
+        self.meta.sorted_token_ids._lora_batch = 0
         self._ones = torch.ones(self.max_tokens, **kw)
         self.num_tokens = 0
 

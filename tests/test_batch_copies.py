@@ -207,6 +207,36 @@ def test_a_batch_set_under_no_grad_is_refilled_in_place(backend):
     assert_same([grads(trainer)], [want])
 
 
+def copying_hooks():
+    """Saved-tensor hooks that keep a copy of each saved tensor, as activation offloading does
+    (torch.autograd.graph.save_on_cpu copies CUDA tensors to the host and back; CPU ones it keeps as they are)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["whole_layer", "hooked_base"])
+@pytest.mark.parametrize("set_under", ["grad", "no_grad"])
+def test_saved_tensor_hooks_that_copy_keep_the_forwards_batch(backend, hooked, set_under):
+    """A forward under saved-tensor hooks that copy: its backward gets copies of the metadata, untagged, which
+    the batch check once took for a recompute on another batch and refused. The copies hold the forward's
+    batch (taken when the forward saved them), so the gradients are the steps' own, whatever set_batch ran
+    since: micro-batches interleaved, on a batch set with grad mode on (the context's copy) or under no_grad
+    (the buffers, refilled in place before the backward)."""
+    model, ctx, trainer = make_model(hooked)
+    want = sequential(model, ctx, trainer)
+    losses = []
+    for i in (0, 1):
+        x, w = inputs(i)
+        with torch.set_grad_enabled(set_under == "grad"):
+            ctx.set_batch(BATCHES[i])
+        with copying_hooks():
+            losses.append((model(x) * w).sum())
+    got = []
+    for loss in losses:
+        loss.backward()
+        got.append(grads(trainer))
+    assert_same(got, want)
+
+
 def test_compiled_model_interleaves_without_recompiling(backend):
     from torch._dynamo.testing import CompileCounterWithBackend
     torch._dynamo.reset()    # (the other backend's run compiled Model.forward with a counter of its own)
