@@ -262,7 +262,9 @@ class LoRAContext:
         else, where autograd records the call (``grad``), the batch's copy if set_batch took one, else the
         buffers refilled in place."""
         copy = self._restored
-        if copy is None and grad:
+        # (Not while torch.export traces: a program reads the buffers set_batch refills, as inference does, not
+        # one batch's copy, which would freeze the batch at export into it.)
+        if copy is None and grad and not torch.compiler.is_exporting():
             copy = self._copy
         return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
 

@@ -13,6 +13,7 @@ slots and after an in-place adapter swap, run torch.compile(mode="reduce-overhea
 step (metadata refill + replay) makes no host sync under torch.cuda.set_sync_debug_mode("error").
 """
 import contextlib
+import io
 
 import pytest
 import torch
@@ -86,6 +87,35 @@ def test_one_compile_serves_token_counts_slots_and_adapter_changes():
         ctx.set_token_slots(torch.tensor([2, -1, 0, 1, 2, 0, -1]))           # raw per-token slots
         check_step(compiled, model, token_ids(7, seed=99))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["export_under_no_grad", "export_with_grad"])
+def test_export_reads_the_contexts_batch(grad_mode):
+    """torch.export traces the layers into lora_ops' ops (no Python of ours in the program) and lifts the
+    context's metadata as constants that are the context's own buffers, so in this process the program serves
+    whatever batch set_batch refills them with, as the model does (with grad mode on at export too: it once
+    read the batch's copy for autograd, which froze the batch at export into the program). A program saved and
+    loaded (torch.export.save / load) carries the batch at export, a copy."""
+    model, ctx, _ = toy_model()
+    ctx.set_batch([("a", 3), (None, 1), ("b", 4)])
+    ids = token_ids(8, seed=3, mark=lambda t, d: None)
+    with torch.no_grad():
+        want = model(ids)
+    with torch.set_grad_enabled(grad_mode):
+        program = torch.export.export(model, (ids,), strict=False)
+    ops_traced = {str(node.target) for node in program.graph.nodes if "lora_ops" in str(node.target)}
+    assert ops_traced == {"lora_ops.lora_linear.default"}, ops_traced
+    saved = io.BytesIO()
+    torch.export.save(program, saved)
+    saved.seek(0)
+    loaded = torch.export.load(saved).module()
+    with torch.no_grad():
+        assert rel_err(program.module()(ids), want) <= EXACT
+        ctx.set_batch([("b", 5), ("a", 3)])
+        new = model(ids)
+        assert rel_err(new, want) > 1e-3
+        assert rel_err(program.module()(ids), new) <= EXACT
+        assert rel_err(loaded(ids), want) <= EXACT
 
 
 def test_batch_of_one_token_with_mark_unbacked():
