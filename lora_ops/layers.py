@@ -700,8 +700,9 @@ def _select_targets(model, target_modules, packed):
         if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path):
             continue
         slices = _slice_paths(path, packed)
+        read_directly = _weight_read_by_parent(model, path)
         if target_modules == ALL_LINEAR:
-            hit = isinstance(module, nn.Linear) and module is not output_layer
+            hit = isinstance(module, nn.Linear) and module is not output_layer and not read_directly
         else:
             hit = any(_matches(target_modules, p) for p in [path, *(p for p, _ in slices or ())])
         if not hit:
@@ -709,11 +710,22 @@ def _select_targets(model, target_modules, packed):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"target_modules selects {path!r}, a {type(module).__name__}: only nn.Linear layers "
                             f"are supported (layer type {type(module).__name__} is not)")
+        if read_directly:
+            raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
+                            f"which reads its weight and bias itself and never calls it: a LoRALinear there "
+                            f"would not run")
         if slices and sum(w for _, w in slices) != module.out_features:
             raise ValueError(f"packed_modules: the slice widths of {path!r} sum to {sum(w for _, w in slices)}, "
                              f"but the layer has out_features={module.out_features}")
         selected.append((path, module, slices))
     return selected
+
+
+def _weight_read_by_parent(model, path):
+    """Whether the module at ``path`` is one its parent never calls (nn.MultiheadAttention's out_proj: the
+    attention function takes its weight and bias), so wrapping it changes nothing ("all-linear" skips it)."""
+    parent = path.rpartition(".")[0]
+    return isinstance(model.get_submodule(parent) if parent else model, nn.MultiheadAttention)
 
 
 def _matches(target_modules, path):

@@ -271,6 +271,22 @@ def test_non_linear_target_is_an_error_naming_the_layer_type(targets, kind):
     assert not any(isinstance(m, LoRALinear) for m in model.modules()), "a failed apply_lora must change nothing"
 
 
+def test_multihead_attention_out_proj_is_refused_or_skipped():
+    """nn.MultiheadAttention never calls its out_proj (it passes the weight and bias to the attention
+    function), so a LoRALinear there would not run: naming it is an error (it was an AttributeError at the
+    first forward), and "all-linear" leaves it alone."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mlp = nn.Linear(16, 16)
+    model = Block()
+    with pytest.raises(TypeError, match="'attn.out_proj', the output projection of an nn.MultiheadAttention"):
+        apply_lora(model, ["out_proj"], max_loras=2, max_rank=4, max_tokens=8)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert sorted(apply_lora(model, "all-linear", max_loras=2, max_rank=4, max_tokens=8).layers) == ["mlp"]
+
+
 def test_packed_layers_are_selected_by_their_slice_names():
     from layer_helpers import fused_copy
     fused = fused_copy(toy_lm())
