@@ -420,6 +420,18 @@ class LoRALinear(nn.Module):
     def out_features(self):
         return self.base.out_features
 
+    # The base layer's weight and bias, read-only, as PEFT's LoRA layers forward them: model code reads
+    # ``proj.weight.dtype`` to cast its activations (Hugging Face's T5 before ``wo``). Code that computes with
+    # the weight instead of calling the layer would skip the delta; nn.MultiheadAttention's out_proj, the
+    # known case, is refused by apply_lora.
+    @property
+    def weight(self):
+        return self.base.weight
+
+    @property
+    def bias(self):
+        return self.base.bias
+
     @property
     def max_rank(self):
         return self.lora_a.shape[2]

@@ -200,3 +200,24 @@ def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
         theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits
         assert_adapters_matter(theirs, base(input_ids=input_ids).logits, rows)
         assert_rows_match(ours(input_ids=input_ids).logits, theirs, rows)
+
+
+def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
+    """T5 casts its hidden states to ``wo.weight.dtype`` before ``wo``: model code that reads a wrapped layer's
+    weight (LoRALinear forwards ``weight`` and ``bias`` from its base, as PEFT's layers do; it had raised
+    AttributeError). A mixed batch against PEFT's, row by row."""
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    torch.manual_seed(0)
+    base = transformers.T5EncoderModel(config).to(DEVICE).eval()
+    targets = ["q", "k", "v", "o", "wi", "wo"]
+    adapters = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
+    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters)
+    ours = copy.deepcopy(base)
+    ctx = load_ours(ours, targets, paths)
+    rows = ["t2", None, "t1", "t2"]
+    input_ids = torch.randint(0, 128, (len(rows), 6), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ctx.set_batch([(name, 6) for name in rows])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).last_hidden_state
+        assert_adapters_matter(theirs, base(input_ids=input_ids).last_hidden_state, rows)
+        assert_rows_match(ours(input_ids=input_ids).last_hidden_state, theirs, rows)
