@@ -296,15 +296,23 @@ class LoRAContext:
         finally:
             self._restored = before
 
-    def check_input(self, x2d):
-        """Eager-mode check of a layer's flattened input against the batch (skipped while compiling)."""
+    def check_input(self, x2d, layer=None):
+        """Eager-mode check of ``layer``'s flattened input against the batch (skipped while compiling)."""
         if x2d.device != self.device:
-            raise ValueError(f"LoRALinear: the input is on {x2d.device} but the LoRAContext is on {self.device}; "
-                             f"call apply_lora after moving the model to its device")
+            raise ValueError(f"{self._name(layer)}: the input is on {x2d.device} but the LoRAContext is on "
+                             f"{self.device}; call apply_lora after moving the model to its device")
         num_tokens = self.batch.num_tokens if self._restored is None else self._restored.num_tokens
         if x2d.shape[0] != num_tokens:
-            raise ValueError(f"LoRALinear: the input has {x2d.shape[0]} tokens but the batch was set for "
-                             f"{num_tokens}; call set_batch / set_token_slots for this step's tokens")
+            raise ValueError(
+                f"{self._name(layer)}: the input has {x2d.shape[0]} tokens but the batch was set for {num_tokens}; "
+                f"call set_batch / set_token_slots for this step's tokens. (A layer that sees only some of the "
+                f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
+                f"per-token adapters: leave it out of target_modules)")
+
+    def _name(self, layer):
+        """'LoRALinear' and the layer's path in the model where apply_lora put it there (for messages)."""
+        path = next((p for p, known in self.layers.items() if known is layer), None)
+        return "LoRALinear" if path is None else f"LoRALinear {path!r}"
 
 
 def _checkpoint_contexts(context):
@@ -456,7 +464,7 @@ class LoRALinear(nn.Module):
         if cast_to is not None and self._in_dtype(x2d, cast_to):
             cast_to = None        # autocast would cast nothing: the usual path (bound calls, the stack)
         if eager:                 # Python-side checks and bound calls stay out of compiled graphs
-            context.check_input(x2d)
+            context.check_input(x2d, self)
             out = self._eager.replay(self, x2d) if cast_to is None else None
             if out is not None:
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])

@@ -195,6 +195,29 @@ def test_forward_checks_the_token_count():
         model["proj"](torch.randn(2, 3, K))
 
 
+def test_a_layer_over_some_tokens_is_named_in_the_error():
+    """A pooler (one token a sequence, as BERT's) selected by "all-linear" sees fewer rows than the batch's
+    tokens: the error names the layer's path and why it cannot take per-token adapters."""
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(K, K)
+            self.pooler = nn.Linear(K, K)
+
+        def forward(self, x):               # x [batch, seq, K]
+            h = self.proj(x)
+            return h, self.pooler(h[:, 0])
+    model = Encoder()
+    ctx = apply_lora(model, "all-linear", max_loras=2, max_rank=4, max_tokens=16)
+    ctx.set_batch([(None, 5), (None, 5)])
+    with pytest.raises(ValueError, match=r"LoRALinear 'pooler': the input has 2 tokens but the batch was set for "
+                                         r"10.*a pooler or a classification head.*leave it out of target_modules"):
+        model(torch.randn(2, 5, K))
+    ctx = apply_lora(Encoder(), ["proj"], max_loras=2, max_rank=4, max_tokens=16)
+    ctx.set_batch([(None, 5), (None, 5)])
+    assert ctx.layers["proj"](torch.randn(2, 5, K)).shape == (2, 5, K)
+
+
 def test_base_layer_is_reused_not_copied():
     torch.manual_seed(0)
     base = nn.Linear(K, N)
