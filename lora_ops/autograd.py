@@ -32,12 +32,15 @@ eager only: a compiled backward checks nothing.
 Double backward (``create_graph=True``: a gradient penalty, a Hessian-vector product, meta-learning) needs
 a backward that autograd can differentiate, which the backward ops are not: there the backward computes the
 delta again as plain torch ops and takes autograd's gradient of it (:func:`_graph_grads`; slower, float32).
+Forward mode (torch.func.jvp, forward_ad): the tangent of lora_linear's and add_lora's output
+(``ops.FORWARD_AD``, :func:`_delta_tangent`).
 """
 import itertools
 import operator
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
 from csrc_meta import checks
@@ -248,6 +251,43 @@ def _backward_lora_linear(ctx, grad_out):
 
 
 torch.library.register_autograd("lora_ops::lora_linear", _backward_lora_linear, setup_context=_setup_lora_linear)
+
+
+# -- forward mode: the tangent of the output ---------------------------------------------------------------
+
+def _delta_tangent(tangent, x, lora_a, lora_b, t_x, t_a, t_b, rest):
+    """Add the delta's tangent into ``tangent`` [M, N]: the delta is linear in each of x, A and B, so its
+    tangent is the delta with one of them replaced by its tangent, summed over those that have one (three
+    add_lora_ calls at most, the forward's kernels)."""
+    for x_, a_, b_, t in ((t_x, lora_a, lora_b, t_x), (x, t_a, lora_b, t_a), (x, lora_a, t_b, t_b)):
+        if t is not None:
+            ops.call("add_lora_", tangent, x_, a_, b_, *rest)
+    return tangent
+
+
+def _lora_linear_tangent(primals, tangents, out):
+    x, weight, bias, lora_a, lora_b, *rest = primals
+    t_x, t_w, t_bias, t_a, t_b = tangents[:5]
+    tangent = torch.zeros_like(out, memory_format=torch.contiguous_format)
+    if t_x is not None:
+        tangent += F.linear(t_x, weight)
+    if t_w is not None:
+        tangent += F.linear(x, t_w)
+    if t_bias is not None:
+        tangent += t_bias
+    return _delta_tangent(tangent, x, lora_a, lora_b, t_x, t_a, t_b, rest)
+
+
+def _add_lora_tangent(primals, tangents, out):
+    _, x, lora_a, lora_b, *rest = primals
+    t_y, t_x, t_a, t_b = tangents[:4]
+    tangent = (torch.zeros_like(out, memory_format=torch.contiguous_format) if t_y is None
+               else t_y.clone(memory_format=torch.contiguous_format))
+    return _delta_tangent(tangent, x, lora_a, lora_b, t_x, t_a, t_b, rest)
+
+
+ops.FORWARD_AD["lora_linear"] = ((0, 1, 2, 3, 4), _lora_linear_tangent)
+ops.FORWARD_AD["add_lora"] = ((0, 1, 2, 3), _add_lora_tangent)
 
 
 # -- bound backwards: a backward's op calls replayed from their plans ------------------------------------

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_ops import adapters, configs, ops, training
@@ -493,7 +494,7 @@ class LoRALinear(nn.Module):
                                                 or lora_b.requires_grad or (bias is not None and bias.requires_grad))
             meta = context.batch_for(grad)[0]   # autograd's calls: the batch's own copy (LoRAContext)
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
-                    and not grad and self._stack_intact(weight, bias, lora_a)):
+                    and not grad and forward_ad._current_level < 0 and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
                 stacked, stacked_bias = self._stacked
                 op_args = (x2d, stacked, stacked_bias, lora_b, scale, rank, self.slice_widths, *meta)
@@ -524,8 +525,10 @@ class LoRALinear(nn.Module):
             args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
         # Where something needs gradients through this layer (x, the base or the adapters), the out-of-place
         # op, which has autograd (lora_ops.autograd); the in-place one is invisible to autograd. Under
-        # torch.func.vmap too: torch's loop over a custom op's batch works on functional ops only.
-        name = "add_lora" if grad or (eager and torch._C._are_functorch_transforms_active()) else "add_lora_"
+        # torch.func.vmap too (torch's loop over a custom op's batch works on functional ops only), and under
+        # forward-mode AD (add_lora has a formula: ops.FORWARD_AD).
+        functional = grad or (eager and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))
+        name = "add_lora" if functional else "add_lora_"
         bindable = eager and cast_to is None and not dropout
         out = self._eager.replay_delta(self, x2d, y2d, grad) if bindable else None
         if out is None:

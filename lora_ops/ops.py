@@ -60,6 +60,9 @@ TRUSTED = {}
 # (lora_ops.autograd fills it): what :func:`call` runs for an eager call that needs autograd and nothing
 # else of the dispatcher.
 AUTOGRAD = {}
+# op name -> (the argument positions that may carry a tangent, tangent(primals, tangents, out)): the op's
+# forward-mode formula (lora_ops.autograd fills it), which :func:`call` runs under forward-mode AD.
+FORWARD_AD = {}
 _eager_autograd = [True]
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -211,7 +214,9 @@ def call(name, *args):
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
-        refuse_tangents(name, args)
+        tangents = [forward_ad.unpack_dual(a).tangent if isinstance(a, torch.Tensor) else None for a in args]
+        if any(t is not None for t in tangents):
+            return _call_with_tangents(name, args, tangents)
     kernel = kernel_for(name, first)
     if kernel is None or wrapped(first):
         if torch._C._are_functorch_transforms_active():
@@ -228,16 +233,22 @@ def call(name, *args):
     return out
 
 
-def refuse_tangents(name, args):
-    """Forward-mode AD is not supported: the ops have no forward-mode formula, and torch's custom-op autograd
-    would return their outputs without the tangents of their inputs (torch.func.jvp through a LoRA layer gave
-    the base layer's tangent alone). Raise where an argument carries a tangent."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+def _call_with_tangents(name, args, tangents):
+    """Forward-mode AD (``forward_ad.dual_level``, torch.func.jvp): the op on the primals, its output made dual
+    with the tangent its :data:`FORWARD_AD` formula gives. torch's custom-op autograd has no forward mode: it
+    returned outputs without their inputs' tangents (torch.func.jvp through a LoRA layer gave the base layer's
+    tangent alone), so an op without a formula, or a tangent on an argument its formula does not
+    differentiate (scale, rank, metadata), raises instead."""
+    positions, formula = FORWARD_AD.get(name, ((), None))
+    for i, tangent in enumerate(tangents):
+        if tangent is not None and i not in positions:
+            why = "" if formula else ": the op has no forward-mode formula (lora_linear and add_lora have one)"
             raise NotImplementedError(
-                f"lora_ops::{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported: "
-                f"argument {i} carries a tangent and the op has no forward-mode formula. Use reverse mode "
-                f"(backward, torch.autograd.grad; create_graph=True for second derivatives)")
+                f"lora_ops::{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) through argument "
+                f"{i} is not supported{why}. Reverse mode (backward, torch.autograd.grad) is")
+    primals = tuple(forward_ad.unpack_dual(a).primal if isinstance(a, torch.Tensor) else a for a in args)
+    out = call(name, *primals)
+    return forward_ad.make_dual(out, formula(primals, tangents, out))
 
 
 def _refuse_functorch_grad(name):

@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import lora_ops
@@ -651,6 +652,63 @@ def test_double_backward_matches_float64_reference(backend, op, case_id):
         assert got is not None and torch.isfinite(got).all(), name
         want = torch.zeros_like(got, dtype=torch.float64) if want is None else want    # (the reference's: unused)
         assert rel_err(got, want) <= tol, f"{name}: relative error {rel_err(got, want):.3g}"
+
+
+@pytest.mark.parametrize("how", ["func_jvp", "dual_level"])
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "all_minus_one"])
+@pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
+def test_forward_mode_ad_matches_float64_reference(backend, op, case_id, how):
+    """torch.func.jvp and forward_ad dual tensors through both ops, a tangent on every differentiable input:
+    the output's tangent matches the float64 reference's (ops.FORWARD_AD; torch's custom-op autograd had
+    returned the output without the delta's tangent)."""
+    case = make_case(**GRAD_CASES[case_id], dtype=torch.float32, device=backend.device, seed=41)
+    M, K, N = case.shape[:3]
+    names = ("x", "weight", "bias", "lora_a", "lora_b") if op == "lora_linear" else ("y", "x", "lora_a", "lora_b")
+    values = {"x": same_layout_copy(case.x), "lora_a": case.lora_a, "lora_b": case.lora_b,
+              "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case), "y": signed((M, N), case)}
+    primals = [values[n] for n in names]
+    tangents = [signed(values[n].shape, case) for n in names]
+
+    def ours(*t):
+        v = dict(zip(names, t))
+        if op == "lora_linear":
+            return lora_ops.ops.call("lora_linear", v["x"], v["weight"], v["bias"], v["lora_a"], v["lora_b"],
+                                     case.scale, case.rank, case.slice_widths, *case.meta)
+        return forward(case, v)
+
+    def reference(*t):
+        v = dict(zip(names, t))
+        y = F.linear(v["x"], v["weight"], v["bias"]) if op == "lora_linear" else v["y"]
+        return lora_forward_reference(y, v["x"], v["lora_a"], v["lora_b"], case.scale, case.rank, case.token_slots,
+                                      case.slice_widths)
+
+    if how == "func_jvp":
+        out, tangent = torch.func.jvp(ours, tuple(primals), tuple(tangents))
+    else:
+        with fwAD.dual_level():
+            dual = ours(*[fwAD.make_dual(p, t) for p, t in zip(primals, tangents)])
+            out, tangent = fwAD.unpack_dual(dual)
+    want_out, want_tangent = torch.func.jvp(reference, tuple(p.double() for p in primals),
+                                            tuple(t.double() for t in tangents))
+    tol = TOLERANCE[torch.float32]
+    assert rel_err(out, want_out) <= tol and rel_err(tangent, want_tangent) <= tol, rel_err(tangent, want_tangent)
+
+
+def test_forward_mode_ad_refuses_what_it_cannot_differentiate(backend):
+    """A tangent on scale (no formula: reverse mode gives scale no gradient either) or through an op without
+    a forward-mode formula (the in-place add_lora_, shrink) raises naming the op and the argument."""
+    case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=43)
+    M, _, N = case.shape[:3]
+    y = signed((M, N), case)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match=r"lora_ops::add_lora: forward-mode AD .* argument 4"):
+            lora_ops.lora_forward(y, case.x, case.lora_a, case.lora_b, fwAD.make_dual(case.scale, case.scale),
+                                  case.rank, batch=case.meta)
+        with pytest.raises(NotImplementedError, match=r"lora_ops::add_lora_: .* no forward-mode formula"):
+            lora_ops.add_lora(y, fwAD.make_dual(case.x, case.x), case.lora_a, case.lora_b, case.scale, case.rank,
+                              batch=case.meta)
+        with pytest.raises(NotImplementedError, match=r"lora_ops::shrink: .* argument 0"):
+            lora_ops.shrink(fwAD.make_dual(case.x, case.x), case.lora_a, case.scale, case.rank, batch=case.meta)
 
 
 def test_token_slots_read_from_the_metadata_as_the_kernels_read_it():
