@@ -81,6 +81,17 @@ def assert_adapters_matter(theirs, base_logits, rows):
             assert diff > 1e-2, f"adapter {name} barely changes the output ({diff:.1e})"
 
 
+def mixed_batch_matches_peft(base, peft_model, ours, ctx, rows, seed, output, seq=6, vocab=128):
+    """One sequence of ``seq`` tokens per row of ``rows`` (an adapter name or None): our model's ``output``
+    matches PEFT's mixed batch row by row, and every adapter matters."""
+    input_ids = torch.randint(0, vocab, (len(rows), seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    ctx.set_batch([(name, seq) for name in rows])
+    with torch.no_grad():
+        theirs = output(peft_model(input_ids=input_ids, adapter_names=peft_names(rows)))
+        assert_adapters_matter(theirs, output(base(input_ids=input_ids)), rows)
+        assert_rows_match(output(ours(input_ids=input_ids)), theirs, rows)
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """(base model, PEFT model with the three adapters, their directories, input_ids), on DEVICE."""
@@ -193,13 +204,8 @@ def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
     peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters, fan_in_fan_out=True)
     ours = _conv1d_as_linear(copy.deepcopy(base))
     ctx = load_ours(ours, targets, paths)
-    rows = ["g1", None, "g2", "g2", "g1"]
-    input_ids = torch.randint(0, 128, (len(rows), 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    ctx.set_batch([(name, 6) for name in rows])
-    with torch.no_grad():
-        theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits
-        assert_adapters_matter(theirs, base(input_ids=input_ids).logits, rows)
-        assert_rows_match(ours(input_ids=input_ids).logits, theirs, rows)
+    mixed_batch_matches_peft(base, peft_model, ours, ctx, ["g1", None, "g2", "g2", "g1"], seed=3,
+                             output=lambda out: out.logits)
 
 
 def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
@@ -214,10 +220,5 @@ def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
     peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters)
     ours = copy.deepcopy(base)
     ctx = load_ours(ours, targets, paths)
-    rows = ["t2", None, "t1", "t2"]
-    input_ids = torch.randint(0, 128, (len(rows), 6), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    ctx.set_batch([(name, 6) for name in rows])
-    with torch.no_grad():
-        theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).last_hidden_state
-        assert_adapters_matter(theirs, base(input_ids=input_ids).last_hidden_state, rows)
-        assert_rows_match(ours(input_ids=input_ids).last_hidden_state, theirs, rows)
+    mixed_batch_matches_peft(base, peft_model, ours, ctx, ["t2", None, "t1", "t2"], seed=4,
+                             output=lambda out: out.last_hidden_state)
