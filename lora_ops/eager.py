@@ -93,7 +93,7 @@ class EagerCalls:
         """The layer's output for ``x`` [M, K] through a bound call, or None where none applies (the caller
         then takes the op's own path). ``layer.context.check_input(x)`` has passed; not while compiling."""
         if not _enabled[0] or ops.wrapped_untraced(x) or forward_ad._current_level >= 0:
-            return None         # (forward-mode AD: the op's path, which refuses tangents)
+            return None         # (forward-mode AD: the op's path, which carries the tangents: ops.FORWARD_AD)
         context = layer.context
         base = layer._modules["base"]
         if (layer.training and context.dropout_p is not None) or not plain_linear(base):
@@ -125,10 +125,10 @@ class EagerCalls:
             return out[:, :weight.shape[0]]
         if grad:
             self.replays += 1
-            return autograd.BoundLoRALinear.apply(x, weight, bias, lora_a, lora_b, (scale, rank, layer.slice_widths,
-                                                                                    *meta),
-                                                  lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta),
-                                                  bound.signature)
+            rest = (scale, rank, layer.slice_widths, *meta)
+            return autograd.BoundLoRALinear.apply(
+                x, weight, bias, lora_a, lora_b, rest,
+                lambda: _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta), bound.signature)
         out = _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta)
         if out is not None:
             self.replays += 1
@@ -139,10 +139,10 @@ class EagerCalls:
         forward has run and returned ``y`` [M, N]): the delta through a bound add_lora_ call, or None where none
         applies (the caller then calls the op). Without autograd (``grad`` False) the delta is added into ``y``
         in place (add_lora_) and y is returned; with it, y + delta as add_lora computes it, through
-        lora_ops.autograd.BoundAddLora (add_lora's autograd). Without dropout only (the caller's condition);
-        the base's own forward is never bound."""
-        if (not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor
-                or forward_ad._current_level >= 0):
+        lora_ops.autograd.BoundAddLora (add_lora's autograd). Without dropout, and not where the caller takes
+        add_lora for another reason than autograd (vmap, forward-mode AD): the caller's conditions. The base's
+        own forward is never bound."""
+        if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor:
             return None
         bound = self._calls.get(("delta", *_shaped(x), *_shaped(y), grad))
         if bound is None or (grad and not ops.eager_autograd()):

@@ -529,7 +529,9 @@ class LoRALinear(nn.Module):
         # forward-mode AD (add_lora has a formula: ops.FORWARD_AD).
         functional = grad or (eager and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))
         name = "add_lora" if functional else "add_lora_"
-        bindable = eager and cast_to is None and not dropout
+        # (Bound deltas are add_lora_ in place, or add_lora where autograd needs it: bind_delta tells them apart
+        # by whether the output is y; not the functional op taken for vmap or forward mode.)
+        bindable = eager and cast_to is None and not dropout and functional == grad
         out = self._eager.replay_delta(self, x2d, y2d, grad) if bindable else None
         if out is None:
             out = ops.call(name, y2d, x_lora, *args)
@@ -723,7 +725,7 @@ def _select_targets(model, target_modules, packed):
         if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path):
             continue
         slices = _slice_paths(path, packed)
-        read_directly = _weight_read_by_parent(model, path)
+        read_directly = isinstance(module, nn.Linear) and _weight_read_by_parent(model, path)
         if target_modules == ALL_LINEAR:
             hit = isinstance(module, nn.Linear) and module is not output_layer and not read_directly
         else:
