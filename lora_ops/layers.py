@@ -264,8 +264,10 @@ class LoRAContext:
         buffers refilled in place."""
         copy = self._restored
         # (Not while torch.export traces: a program reads the buffers set_batch refills, as inference does, not
-        # one batch's copy, which would freeze the batch at export into it.)
-        if copy is None and grad and not torch.compiler.is_exporting():
+        # one batch's copy, which would freeze the batch at export into it. The flag export sets, not
+        # torch.compiler.is_exporting(): Dynamo in torch 2.11 answers that True while torch.compile traces too,
+        # which made compiled training read the buffers and its backwards raise after the next set_batch.)
+        if copy is None and grad and not torch.compiler._is_exporting_flag:
             copy = self._copy
         return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
 

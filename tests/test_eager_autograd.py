@@ -80,9 +80,10 @@ def test_layer_training_step_takes_eager_autograd(backend):
     """A LoRALinear with trainable adapters (plain nn.Linear base: lora_linear) and one whose base has a hook
     (base forward, then add_lora) both build their backward from ops.AUTOGRAD."""
     torch.manual_seed(0)
-    ctx = lora_ops.LoRAContext(3, 64)
-    plain = LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8])
-    hooked = LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8])
+    dev = backend.device
+    ctx = lora_ops.LoRAContext(3, 64, device=dev)
+    plain = LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8])
+    hooked = LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8])
     hooked.base.register_forward_hook(lambda module, args, out: out)
     for layer in (plain, hooked):
         for p in (layer.lora_a, layer.lora_b):
@@ -90,7 +91,7 @@ def test_layer_training_step_takes_eager_autograd(backend):
                 p.normal_()
             p.requires_grad_(True)
     ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
-    x = torch.randn(9, 16, requires_grad=True)
+    x = torch.randn(9, 16, device=dev, requires_grad=True)
     for layer, op in ((plain, "lora_linear"), (hooked, "add_lora")):
         out = layer(x)
         fn = out.grad_fn
@@ -158,8 +159,10 @@ def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
     selective checkpointing (its TorchDispatchMode), and under anomaly mode, all bit-identical to the run
     without."""
     torch.manual_seed(0)
-    ctx = lora_ops.LoRAContext(3, 64)
-    layers = [LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8]), LoRALinear(nn.Linear(24, 16), ctx, 8, [16])]
+    dev = backend.device
+    ctx = lora_ops.LoRAContext(3, 64, device=dev)
+    layers = [LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8]),
+              LoRALinear(nn.Linear(24, 16).to(dev), ctx, 8, [16])]
     leaves = []
     for layer in layers:
         for p in (layer.lora_a, layer.lora_b):
@@ -167,7 +170,7 @@ def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
                 p.normal_()
             leaves.append(p.requires_grad_(True))
     ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
-    x = torch.randn(9, 16, requires_grad=True)
+    x = torch.randn(9, 16, device=dev, requires_grad=True)
     leaves.append(x)
 
     def block(inp):
@@ -198,8 +201,10 @@ def test_double_backward_through_layers_matches_float64(backend, hooked):
     binds, the next replay (lora_ops.eager), on a bare base (lora_linear) and a hooked one (add_lora after the
     base's own forward). The adapters' second-order gradients match the float64 reference's."""
     torch.manual_seed(0)
-    ctx = lora_ops.LoRAContext(3, 64)
-    layers = [LoRALinear(nn.Linear(16, 24), ctx, 8, [16, 8]), LoRALinear(nn.Linear(24, 16), ctx, 8, [16])]
+    dev = backend.device
+    ctx = lora_ops.LoRAContext(3, 64, device=dev)
+    layers = [LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8]),
+              LoRALinear(nn.Linear(24, 16).to(dev), ctx, 8, [16])]
     for layer in layers:
         with torch.no_grad():
             layer.lora_a.normal_()
@@ -208,9 +213,9 @@ def test_double_backward_through_layers_matches_float64(backend, hooked):
             layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
         if hooked:
             layer.base.register_forward_hook(lambda module, inputs, out: None)
-    slots = torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0])
+    slots = torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0], device=dev)
     ctx.set_token_slots(slots)
-    x = torch.randn(9, 16)
+    x = torch.randn(9, 16, device=dev)
     weights = [p for layer in layers for p in (layer.lora_a, layer.lora_b)]
 
     def penalty_grads(block, params):
@@ -240,12 +245,13 @@ def test_double_backward_through_layers_matches_float64(backend, hooked):
 LAYER_KINDS = ["bare_base", "hooked_base", "stack_a"]
 
 
-def small_layer(kind="bare_base"):
+def small_layer(kind, device):
     """A packed LoRALinear with two adapted slots and one at rank 0, its batch set, called twice (bound);
     ``kind``: a bare nn.Linear base, a hooked one (the base's own forward, then add_lora), or stack_a."""
     torch.manual_seed(0)
-    ctx = lora_ops.LoRAContext(3, 64)
-    layer = LoRALinear(nn.Linear(16, 24).requires_grad_(False), ctx, 8, [16, 8], stack_a=kind == "stack_a")
+    ctx = lora_ops.LoRAContext(3, 64, device=device)
+    layer = LoRALinear(nn.Linear(16, 24).to(device).requires_grad_(False), ctx, 8, [16, 8],
+                       stack_a=kind == "stack_a")
     with torch.no_grad():
         layer.lora_a.normal_()
         layer.lora_b.normal_()
@@ -254,7 +260,7 @@ def small_layer(kind="bare_base"):
     if kind == "hooked_base":
         layer.base.register_forward_hook(lambda module, inputs, out: None)
     ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
-    x = torch.randn(9, 16)
+    x = torch.randn(9, 16, device=device)
     with torch.no_grad():
         for _ in range(2):
             layer(x)
@@ -274,7 +280,7 @@ def test_forward_mode_ad_through_layers_matches_float64(backend, kind, how):
     """Forward-mode AD through a layer after its calls were bound (which skip ops.call): forward_ad dual
     inputs, and torch.func.jvp over the input and both adapters (functional_call). torch.func.jvp once
     returned the base layer's tangent alone; the output's tangent now matches the float64 reference's."""
-    layer, x = small_layer(kind)
+    layer, x = small_layer(kind, backend.device)
     a, b = layer.lora_a.detach().clone(), layer.lora_b.detach().clone()
     t_x, t_a, t_b = torch.randn_like(x), torch.randn_like(a), torch.randn_like(b)
     if how == "dual_x":
@@ -294,7 +300,7 @@ def test_forward_mode_ad_through_layers_matches_float64(backend, kind, how):
 def test_func_grad_raises_naming_the_op(backend, hooked):
     """torch.func.grad over a layer failed inside torch on the Function torch.library builds for a custom op
     (no setup_context); it now says so in our terms (torch.autograd.grad is the supported way)."""
-    layer, x = small_layer("hooked_base" if hooked else "bare_base")
+    layer, x = small_layer("hooked_base" if hooked else "bare_base", backend.device)
     with pytest.raises(NotImplementedError, match="lora_ops::.*torch.func's grad transforms"):
         torch.func.grad(lambda a: torch.func.functional_call(layer, {"lora_a": a}, (x,)).sum())(layer.lora_a.detach())
 
@@ -303,7 +309,7 @@ def test_func_grad_raises_naming_the_op(backend, hooked):
 def test_dual_level_without_tangents_and_vmap_still_work(backend, kind):
     """Inside a dual level, inputs without tangents run as usual; torch.func.vmap (no grad) runs the layer
     per batch element (torch's loop over custom ops), as calls one by one would."""
-    layer, x = small_layer(kind)
+    layer, x = small_layer(kind, backend.device)
     with torch.no_grad():
         want = layer(x)
         with fwAD.dual_level():     # (stack_a takes lora_linear there: its forward-mode formula)
