@@ -51,7 +51,7 @@
 #                                              # each): what the CPU suite cannot see (session 27 found six
 #                                              # GPU-only failures in files no mode ran on the GPU)
 #     FILES="tests/a.py ..." bash benchmarks/gpu_session.sh files   # those test files, as suite1 runs its own
-#                                              # (FILE_LIMIT=s each, 75 unless set)
+#                                              # (FILE_LIMIT=s each, 75 unless set; FILE_K=pytest -k)
 #     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
 #                                              # adds, with and without stack_a) for the tree in DIR and this
 #                                              # one, in turn three times (~3 min)
@@ -92,7 +92,7 @@ if [ "$MODE" = suite1 ] || [ "$MODE" = suite2 ] || [ "$MODE" = files ]; then
     for f in $([ "$MODE" = files ] && echo "${FILES:?FILES=the test files}" || suite_files "${MODE#suite}"); do
         name=$(basename "$f" .py)
         step "$name" "${FILE_LIMIT:-75}" env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider \
-            -rf --tb=short "$f"
+            -rf --tb=short ${FILE_K:+-k "$FILE_K"} "$f"
         grep -E "^FAILED|^ERROR" "$R/$name.log" | head -5
         tail -1 "$R/$name.log"
     done
