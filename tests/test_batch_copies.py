@@ -237,8 +237,15 @@ def test_saved_tensor_hooks_that_copy_keep_the_forwards_batch(backend, hooked, s
     assert_same(got, want)
 
 
-def test_compiled_model_interleaves_without_recompiling(backend):
+@pytest.mark.parametrize("dynamo", ["this_torch", "is_exporting_true"])
+def test_compiled_model_interleaves_without_recompiling(backend, dynamo, monkeypatch):
+    """Interleaved micro-batches under torch.compile: the compiled backward of each reads its own batch's copy.
+    ``is_exporting_true``: torch.compiler.is_exporting() answers True while Dynamo traces, as torch 2.11's Dynamo
+    does for torch.compile too (the compiled graph once read the batch buffers there, and each backward raised
+    after the next set_batch refilled them)."""
     from torch._dynamo.testing import CompileCounterWithBackend
+    if dynamo == "is_exporting_true":
+        monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling())
     torch._dynamo.reset()    # (the other backend's run compiled Model.forward with a counter of its own)
     model, ctx, trainer = make_model()
     want = sequential(model, ctx, trainer)
