@@ -90,7 +90,8 @@ class LoRAContext:
       device data. Load with :meth:`load_adapter` / :meth:`load_adapter_tensors`, free with
       :meth:`unload_adapter`.
     - **Batch.** One :class:`lora_ops.LoRABatch` whose buffers (capacity ``max_tokens``) are refilled
-      in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token).
+      in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token), or,
+      inside :meth:`per_row`, by each forward of the model from its input's rows (``model.generate``).
       Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
       tokens of the last call, in the same order.
 
@@ -142,6 +143,7 @@ class LoRAContext:
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
+        self._per_row = False       # a per_row block is active
         # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
         # checkpoint cannot call (it loses self), nor a callable object (not supported there).
         self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
@@ -237,6 +239,40 @@ class LoRAContext:
         self._fill(token_slots)
         return token_slots.shape[0]
 
+    @contextlib.contextmanager
+    def per_row(self, adapters, model=None):
+        """For code that calls the model step after step with no place to set each step's batch (Hugging Face
+        ``model.generate``, evaluation harnesses): while the block runs, each forward of ``model`` (the one
+        :func:`apply_lora` wrapped unless given) first sets the batch from its input's shape, every token of row
+        b to ``adapters[b]`` (an adapter name or None):
+
+            with ctx.per_row(["sql", None, "chat"]):
+                out = model.generate(input_ids, max_new_tokens=32)
+
+        The input is ``input_ids`` or ``inputs_embeds`` (keyword), else the first positional tensor: token ids
+        ``[B, T]`` or embeddings ``[B, T, H]``, row-major, as the layers flatten them. B may be a multiple k of
+        ``len(adapters)``: beam search and ``num_return_sequences`` repeat each row k times in place, so each
+        adapter takes k rows. A forward under torch.compile runs this step outside the graph (a graph break):
+        for compiled serving, call :meth:`set_batch` before each step instead."""
+        model = self.model() if model is None else model
+        if model is None:
+            raise ValueError("per_row: the model apply_lora wrapped is gone; pass model=")
+        names = list(adapters)
+        if not names:
+            raise ValueError("per_row: adapters is empty; expected an adapter name or None per row")
+        for name in names:
+            self.slot_of(name)          # (an adapter that is not loaded: the error names it now, not mid-generate)
+        if self._per_row:
+            raise RuntimeError("per_row: already active on this context (the inner block's batch would be the "
+                               "outer's or the reverse, by hook order)")
+        handle = model.register_forward_pre_hook(functools.partial(_per_row_batch, self, names), with_kwargs=True)
+        self._per_row = True
+        try:
+            yield self
+        finally:
+            handle.remove()
+            self._per_row = False
+
     def _fill(self, token_slots):
         M = token_slots.shape[0]
         if self._staging is not None and token_slots.device.type == "cpu":
@@ -308,7 +344,8 @@ class LoRAContext:
         if x2d.shape[0] != num_tokens:
             raise ValueError(
                 f"{self._name(layer)}: the input has {x2d.shape[0]} tokens but the batch was set for {num_tokens}; "
-                f"call set_batch / set_token_slots for this step's tokens. (A layer that sees only some of the "
+                f"call set_batch / set_token_slots for this step's tokens, or run code that steps the model itself "
+                f"(model.generate) inside ctx.per_row(adapters). (A layer that sees only some of the "
                 f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
                 f"per-token adapters: leave it out of target_modules)")
 
@@ -327,6 +364,29 @@ class _Passthrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+@torch.compiler.disable
+def _per_row_batch(context, names, module, args, kwargs):
+    """LoRAContext.per_row's forward pre-hook: the batch from the input's rows and tokens per row."""
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    # Token ids [rows, tokens]; floating inputs are embeddings [rows, tokens, features] (a 2-D one would be
+    # tokens x features: no rows to read).
+    if x is None or x.dim() < (3 if x.is_floating_point() else 2):
+        found = "no tensor" if x is None else f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+        raise ValueError(f"per_row: {type(module).__name__}'s forward got {found}; expected token ids [rows, "
+                         f"tokens] or embeddings [rows, tokens, features] (input_ids / inputs_embeds)")
+    rows, tokens = x.shape[0], x.shape[1]
+    if rows % len(names):
+        raise ValueError(f"per_row: the input has {rows} rows; expected a multiple of the {len(names)} adapters "
+                         f"given (one per row, or each repeated for beam search / num_return_sequences)")
+    repeat = rows // len(names)
+    context.set_batch([(name, tokens) for name in names for _ in range(repeat)])
+    return None
 
 
 def _unpack_request(i, request):

@@ -218,6 +218,58 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
     assert ctx.layers["proj"](torch.randn(2, 5, K)).shape == (2, 5, K)
 
 
+def sequential_model():
+    """nn.Sequential(proj) (positional input) with one_layer_model's adapters a, b and c, on the CPU."""
+    layers, ctx = one_layer_model(None, torch.float32, "cpu")
+    model = nn.Sequential(layers["proj"])
+    ctx._model = None                   # (per_row's model is the Sequential: passed explicitly)
+    return model, ctx
+
+
+def test_per_row_sets_each_forwards_batch_from_its_rows():
+    """Inside ctx.per_row(adapters) each forward of the model sets the batch from its input's rows (a prefill of
+    4 tokens a row, a decode step of 1, beam-style rows repeated in place): the outputs are those of set_batch
+    with the same requests; the hook is gone after the block, even one left by an error."""
+    model, ctx = sequential_model()
+    rows = ["a", None, "b"]
+    cases = [(torch.randn(3, 4, K), 1), (torch.randn(3, 1, K), 1), (torch.randn(6, 2, K), 2)]
+    with torch.no_grad():
+        with ctx.per_row(rows, model=model):
+            got = [model(x) for x, _ in cases]
+        for (x, repeat), out in zip(cases, got):
+            ctx.set_batch([(name, x.shape[1]) for name in rows for _ in range(repeat)])
+            assert torch.equal(out, model(x))
+            assert rel_err(out, model[0].base(x)) > 1e-3       # (the adapters changed the rows they cover)
+    assert not model._forward_pre_hooks
+    with pytest.raises(ZeroDivisionError):
+        with ctx.per_row(rows, model=model):
+            1 / 0
+    assert not model._forward_pre_hooks
+    with pytest.raises(ValueError, match="the input has 3 tokens but the batch was set for 12.*ctx.per_row"):
+        model(torch.randn(3, K))
+
+
+@pytest.mark.parametrize("what, match", [
+    ("unknown_adapter", r"adapter 'nope' is not loaded"),
+    ("no_adapters", r"per_row: adapters is empty"),
+    ("rows_not_a_multiple", r"per_row: the input has 4 rows; expected a multiple of the 3 adapters"),
+    ("flat_input", r"per_row: Sequential's forward got a torch.float32 tensor of shape \(5, 24\); expected token ids"),
+    ("nested", r"per_row: already active on this context"),
+    ("model_gone", r"per_row: the model apply_lora wrapped is gone; pass model="),
+])
+def test_per_row_errors(what, match):
+    model, ctx = sequential_model()
+    rows = {"unknown_adapter": ["a", "nope"], "no_adapters": []}.get(what, ["a", None, "b"])
+    inputs = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K)}.get(what)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        with ctx.per_row(rows, model=None if what == "model_gone" else model):
+            if what == "nested":
+                with ctx.per_row(rows, model=model):
+                    pass
+            model(inputs)
+    assert not model._forward_pre_hooks
+
+
 def test_base_layer_is_reused_not_copied():
     torch.manual_seed(0)
     base = nn.Linear(K, N)

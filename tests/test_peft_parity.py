@@ -58,8 +58,8 @@ def make_peft_adapters(base, targets, tmp_path, adapters=ADAPTERS, **common):
     return peft_model.eval(), {name: str(tmp_path / name) for name in adapters}
 
 
-def load_ours(model, targets, paths, max_rank=8, **kw):
-    ctx = apply_lora(model, targets, max_loras=len(paths) + 1, max_rank=max_rank, max_tokens=64, **kw)
+def load_ours(model, targets, paths, max_rank=8, max_tokens=64, **kw):
+    ctx = apply_lora(model, targets, max_loras=len(paths) + 1, max_rank=max_rank, max_tokens=max_tokens, **kw)
     for name, path in paths.items():
         ctx.load_adapter(name, path)
     return ctx
@@ -222,3 +222,28 @@ def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
     ctx = load_ours(ours, targets, paths)
     mixed_batch_matches_peft(base, peft_model, ours, ctx, ["t2", None, "t1", "t2"], seed=4,
                              output=lambda out: out.last_hidden_state)
+
+
+@pytest.mark.parametrize("search", ["greedy", "two_beams"])
+def test_generate_inside_per_row_matches_peft(llama, kernels, search):
+    """Hugging Face ``generate`` steps the model itself (a prefill, then one token a row with the KV cache), so
+    nothing sets each step's batch; inside ``ctx.per_row(rows)`` each forward sets it from the input's rows.
+    Greedy: the tokens are PEFT's own ``generate(adapter_names=...)``'s, and each step's logits match PEFT's
+    forward over the finished sequences (teacher forcing). Two beams: generate repeats each row twice in place
+    (each adapter then covers two rows); the returned beams match PEFT's."""
+    base, peft_model, paths, input_ids = llama
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, PROJECTIONS, paths, max_tokens=2 * len(ROWS) * SEQ)   # (two beams: rows twice)
+    new = 4
+    kwargs = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, num_beams=2 if search == "two_beams" else 1)
+    with torch.no_grad():
+        with ctx.per_row(ROWS):
+            ours = model.generate(input_ids, return_dict_in_generate=True, output_logits=True, **kwargs)
+        theirs = peft_model.generate(input_ids=input_ids, adapter_names=peft_names(ROWS), **kwargs)
+        assert torch.equal(ours.sequences, theirs)
+        assert not torch.equal(theirs, base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
+        if search == "greedy":
+            forced = peft_model(input_ids=ours.sequences, adapter_names=peft_names(ROWS)).logits
+            prompt = input_ids.shape[1]
+            assert_rows_match(torch.stack(ours.logits, 1), forced[:, prompt - 1:prompt - 1 + new], ROWS)
+    assert not model._forward_pre_hooks
