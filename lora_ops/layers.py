@@ -27,6 +27,7 @@ in one mixed batch; in ``model.train()`` each slot's adapter sees its own ``lora
 """
 import contextlib
 import functools
+import math
 import re
 import weakref
 from typing import NamedTuple
@@ -90,8 +91,8 @@ class LoRAContext:
       device data. Load with :meth:`load_adapter` / :meth:`load_adapter_tensors`, free with
       :meth:`unload_adapter`.
     - **Batch.** One :class:`lora_ops.LoRABatch` whose buffers (capacity ``max_tokens``) are refilled
-      in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token), or,
-      inside :meth:`per_row`, by each forward of the model from its input's rows (``model.generate``).
+      in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token). Inside
+      :meth:`per_row` each layer reads instead a batch built from its own input's rows (``model.generate``).
       Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
       tokens of the last call, in the same order.
 
@@ -143,7 +144,9 @@ class LoRAContext:
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
-        self._per_row = False       # a per_row block is active
+        self._rows = None           # per_row: each row's slot while a per_row block runs
+        self._row_batches = {}      # per_row: (rows, tokens per row) -> (metadata, per-token slots)
+        self._row_current = None    # per_row: the batch of the input check_input saw last
         # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
         # checkpoint cannot call (it loses self), nor a callable object (not supported there).
         self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
@@ -240,38 +243,66 @@ class LoRAContext:
         return token_slots.shape[0]
 
     @contextlib.contextmanager
-    def per_row(self, adapters, model=None):
-        """For code that calls the model step after step with no place to set each step's batch (Hugging Face
-        ``model.generate``, evaluation harnesses): while the block runs, each forward of ``model`` (the one
-        :func:`apply_lora` wrapped unless given) first sets the batch from its input's shape, every token of row
-        b to ``adapters[b]`` (an adapter name or None):
+    def per_row(self, adapters):
+        """For code that steps the model itself, with no place to set each step's batch (Hugging Face
+        ``generate``, evaluation harnesses): inside the block every layer takes its batch from its own input's
+        rows, every token of row b to ``adapters[b]`` (an adapter name or None):
 
             with ctx.per_row(["sql", None, "chat"]):
                 out = model.generate(input_ids, max_new_tokens=32)
 
-        The input is ``input_ids`` or ``inputs_embeds`` (keyword), else the first positional tensor: token ids
-        ``[B, T]`` or embeddings ``[B, T, H]``, row-major, as the layers flatten them. B may be a multiple k of
-        ``len(adapters)``: beam search and ``num_return_sequences`` repeat each row k times in place, so each
-        adapter takes k rows. A forward under torch.compile runs this step outside the graph (a graph break):
-        for compiled serving, call :meth:`set_batch` before each step instead."""
-        model = self.model() if model is None else model
-        if model is None:
-            raise ValueError("per_row: the model apply_lora wrapped is gone; pass model=")
+        A layer's input is ``[rows, tokens, ..., features]``, row-major (Hugging Face models keep the batch
+        dimension), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
+        projections over the encoder's tokens included) each get the batch of their own shape, built once per
+        shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
+        ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Eager code:
+        under torch.compile the layers raise (with ``fullgraph=True``; without it Dynamo runs them eagerly), so
+        compiled serving calls :meth:`set_batch` before each step. A backward through the block's forwards
+        runs before the block ends (after it, a recompute would read another batch, and raises)."""
         names = list(adapters)
         if not names:
             raise ValueError("per_row: adapters is empty; expected an adapter name or None per row")
-        for name in names:
-            self.slot_of(name)          # (an adapter that is not loaded: the error names it now, not mid-generate)
-        if self._per_row:
-            raise RuntimeError("per_row: already active on this context (the inner block's batch would be the "
-                               "outer's or the reverse, by hook order)")
-        handle = model.register_forward_pre_hook(functools.partial(_per_row_batch, self, names), with_kwargs=True)
-        self._per_row = True
+        slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
+        if self._rows is not None:
+            raise RuntimeError("per_row: already active on this context")
+        self._rows, self._row_batches, self._row_current = slots, {}, None
         try:
             yield self
         finally:
-            handle.remove()
-            self._per_row = False
+            self._rows, self._row_batches, self._row_current = None, {}, None
+
+    def _row_batch(self, x, layer):
+        """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
+        shape in the block (the buffers' shapes, so bound calls' plans apply; a serial of its own, so a
+        backward that recomputes on another batch is refused as for set_batch's copies)."""
+        if x.dim() < 3:
+            raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
+                             f"features], got shape {tuple(x.shape)} (a model that flattens its tokens cannot "
+                             f"say which row a token is in: call set_batch instead)")
+        rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
+        key = (rows, tokens)
+        found = self._row_batches.get(key)
+        if found is None:
+            if rows % len(self._rows):
+                raise ValueError(f"{self._name(layer)}: the input has {rows} rows; per_row expects a multiple of "
+                                 f"its {len(self._rows)} adapters (one per row, or each repeated for beam search / "
+                                 f"num_return_sequences)")
+            if rows * tokens > self.max_tokens:
+                raise ValueError(f"{self._name(layer)}: {rows} x {tokens} tokens exceed the context's capacity "
+                                 f"max_tokens={self.max_tokens}")
+            repeat = rows // len(self._rows)
+            per_row = torch.tensor([s for s in self._rows for _ in range(repeat)], dtype=torch.int32)
+            host = torch.repeat_interleave(per_row, tokens)
+            batch = LoRABatch(self.max_tokens, self.max_loras, device=self.device)
+            token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)
+            token_slots[:host.shape[0]].copy_(host)
+            batch.update(token_slots[:host.shape[0]])
+            self._copies += 1
+            batch.meta.sorted_token_ids._lora_batch = self._copies
+            for listener in self.fill_listeners:
+                listener(batch.meta)
+            found = self._row_batches[key] = (batch.meta, token_slots)
+        return found
 
     def _fill(self, token_slots):
         M = token_slots.shape[0]
@@ -298,6 +329,8 @@ class LoRAContext:
         """(metadata, per-token slots) a layer's call reads: the checkpoint recompute's batch while one runs,
         else, where autograd records the call (``grad``), the batch's copy if set_batch took one, else the
         buffers refilled in place."""
+        if self._rows is not None:
+            return self._row_current      # (per_row: the batch of the input check_input saw, this call's)
         copy = self._restored
         # (Not while torch.export traces: a program reads the buffers set_batch refills, as inference does, not
         # one batch's copy, which would freeze the batch at export into it. The flag export sets, not
@@ -319,6 +352,8 @@ class LoRAContext:
         tracing = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
         if torch.compiler.is_compiling() or tracing:
             return _Passthrough(), _Passthrough()
+        if self._rows is not None:      # (per_row's batches are never refilled: the recompute reads the same)
+            return contextlib.nullcontext(), contextlib.nullcontext()
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch
         else:
@@ -335,11 +370,15 @@ class LoRAContext:
         finally:
             self._restored = before
 
-    def check_input(self, x2d, layer=None):
-        """Eager-mode check of ``layer``'s flattened input against the batch (skipped while compiling)."""
+    def check_input(self, x2d, layer=None, x=None):
+        """Eager-mode check of ``layer``'s flattened input against the batch (skipped while compiling); inside
+        :meth:`per_row`, picks the batch of the input ``x``'s shape for the call."""
         if x2d.device != self.device:
             raise ValueError(f"{self._name(layer)}: the input is on {x2d.device} but the LoRAContext is on "
                              f"{self.device}; call apply_lora after moving the model to its device")
+        if self._rows is not None:
+            self._row_current = self._row_batch(x2d if x is None else x, layer)
+            return
         num_tokens = self.batch.num_tokens if self._restored is None else self._restored.num_tokens
         if x2d.shape[0] != num_tokens:
             raise ValueError(
@@ -364,29 +403,6 @@ class _Passthrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
-
-
-@torch.compiler.disable
-def _per_row_batch(context, names, module, args, kwargs):
-    """LoRAContext.per_row's forward pre-hook: the batch from the input's rows and tokens per row."""
-    x = kwargs.get("input_ids")
-    if x is None:
-        x = kwargs.get("inputs_embeds")
-    if x is None:
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    # Token ids [rows, tokens]; floating inputs are embeddings [rows, tokens, features] (a 2-D one would be
-    # tokens x features: no rows to read).
-    if x is None or x.dim() < (3 if x.is_floating_point() else 2):
-        found = "no tensor" if x is None else f"a {x.dtype} tensor of shape {tuple(x.shape)}"
-        raise ValueError(f"per_row: {type(module).__name__}'s forward got {found}; expected token ids [rows, "
-                         f"tokens] or embeddings [rows, tokens, features] (input_ids / inputs_embeds)")
-    rows, tokens = x.shape[0], x.shape[1]
-    if rows % len(names):
-        raise ValueError(f"per_row: the input has {rows} rows; expected a multiple of the {len(names)} adapters "
-                         f"given (one per row, or each repeated for beam search / num_return_sequences)")
-    repeat = rows // len(names)
-    context.set_batch([(name, tokens) for name in names for _ in range(repeat)])
-    return None
 
 
 def _unpack_request(i, request):
@@ -527,10 +543,13 @@ class LoRALinear(nn.Module):
         if cast_to is not None and self._in_dtype(x2d, cast_to):
             cast_to = None        # autocast would cast nothing: the usual path (bound calls, the stack)
         if eager:                 # Python-side checks and bound calls stay out of compiled graphs
-            context.check_input(x2d, self)
+            context.check_input(x2d, self, x)
             out = self._eager.replay(self, x2d) if cast_to is None else None
             if out is not None:
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
+        elif context._rows is not None:
+            raise RuntimeError(f"{context._name(self)}: per_row is for eager code; under torch.compile call "
+                               f"set_batch before each step")
         dropout = self.training and context.dropout_p is not None
         # From the module's dicts, not nn.Module.__getattr__: a Python call per read, ~1 µs of eager host
         # time each. Through the attributes where something moved them (a parametrization).

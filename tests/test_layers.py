@@ -218,56 +218,99 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
     assert ctx.layers["proj"](torch.randn(2, 5, K)).shape == (2, 5, K)
 
 
-def sequential_model():
-    """nn.Sequential(proj) (positional input) with one_layer_model's adapters a, b and c, on the CPU."""
-    layers, ctx = one_layer_model(None, torch.float32, "cpu")
-    model = nn.Sequential(layers["proj"])
-    ctx._model = None                   # (per_row's model is the Sequential: passed explicitly)
-    return model, ctx
+class TwoLengths(nn.Module):
+    """An encoder-decoder in miniature: ``proj`` over the source rows [B, S, K], ``cross`` over the target rows
+    [B, T, K] (after adding the source's mean, so both shapes meet in one forward)."""
+
+    def __init__(self, proj):
+        super().__init__()
+        self.proj, self.cross = proj, nn.Linear(N, N)
+
+    def forward(self, src, tgt_embeds):
+        return self.proj(src), self.cross(tgt_embeds + self.proj(src).mean(1, keepdim=True))
 
 
-def test_per_row_sets_each_forwards_batch_from_its_rows():
-    """Inside ctx.per_row(adapters) each forward of the model sets the batch from its input's rows (a prefill of
-    4 tokens a row, a decode step of 1, beam-style rows repeated in place): the outputs are those of set_batch
-    with the same requests; the hook is gone after the block, even one left by an error."""
-    model, ctx = sequential_model()
+def test_per_row_gives_each_layer_the_batch_of_its_own_input(backend):
+    """Inside ctx.per_row(adapters) each layer takes its batch from its own input's rows: a prefill of 4 tokens a
+    row, a decode step of 1, beam-style rows repeated in place, and one forward whose layers see two lengths
+    (an encoder and a decoder). Outputs equal set_batch's with the same requests; the context's own batch is
+    left as it was, and per_row's batches go with the block. Each call twice: the second replays the first's
+    bound call (the Triton kernels) on the batch of its shape."""
+    dev = backend.device
+    layers, ctx = one_layer_model(None, torch.float32, dev)
+    proj = layers["proj"]
     rows = ["a", None, "b"]
-    cases = [(torch.randn(3, 4, K), 1), (torch.randn(3, 1, K), 1), (torch.randn(6, 2, K), 2)]
+    ctx.set_batch([("c", 5)])
+    before = [t.clone() for t in ctx.meta]
+    cases = [(torch.randn(3, 4, K, device=dev), 1), (torch.randn(3, 1, K, device=dev), 1),
+             (torch.randn(6, 2, K, device=dev), 2)]
+    two = TwoLengths(proj).to(dev)
+    src, tgt = torch.randn(3, 5, K, device=dev), torch.randn(3, 2, N, device=dev)
     with torch.no_grad():
-        with ctx.per_row(rows, model=model):
-            got = [model(x) for x, _ in cases]
+        with ctx.per_row(rows):
+            got = [proj(x) for x, _ in cases]
+            got_two = two(src, tgt)
+            assert all(torch.equal(proj(x), out) for (x, _), out in zip(cases, got))
+            assert proj._eager.replays > 0 or backend.name == "torch"    # (torch kernels: no plans)
+            assert len(ctx._row_batches) == 4
+        assert all(torch.equal(b, t) for b, t in zip(before, ctx.meta)) and ctx.num_tokens == 5
+        assert not ctx._row_batches
         for (x, repeat), out in zip(cases, got):
             ctx.set_batch([(name, x.shape[1]) for name in rows for _ in range(repeat)])
-            assert torch.equal(out, model(x))
-            assert rel_err(out, model[0].base(x)) > 1e-3       # (the adapters changed the rows they cover)
-    assert not model._forward_pre_hooks
-    with pytest.raises(ZeroDivisionError):
-        with ctx.per_row(rows, model=model):
-            1 / 0
-    assert not model._forward_pre_hooks
-    with pytest.raises(ValueError, match="the input has 3 tokens but the batch was set for 12.*ctx.per_row"):
-        model(torch.randn(3, K))
+            assert torch.equal(out, proj(x))
+            assert rel_err(out, proj.base(x)) > 1e-3       # (the adapters changed the rows they cover)
+        ctx.set_batch([(name, 5) for name in rows])
+        want = proj(src)
+        assert torch.equal(got_two[0], want)
+        ctx.set_batch([(name, 2) for name in rows])
+        assert torch.equal(got_two[1], two.cross(tgt + want.mean(1, keepdim=True)))
+
+
+def test_per_row_training_step_matches_set_batch():
+    """Gradients through per_row's batches (a forward and its backward in the block) equal set_batch's."""
+    layers, ctx = one_layer_model(None, torch.float32, "cpu")
+    proj = layers["proj"]
+    for p in (proj.lora_a, proj.lora_b):
+        p.requires_grad_(True)
+    x = torch.randn(3, 4, K)
+
+    def grads(run):
+        proj.lora_a.grad = proj.lora_b.grad = None
+        run().square().sum().backward()
+        return proj.lora_a.grad.clone(), proj.lora_b.grad.clone()
+
+    with ctx.per_row(["a", None, "b"]):
+        got = grads(lambda: proj(x))
+    ctx.set_batch([("a", 4), (None, 4), ("b", 4)])
+    want = grads(lambda: proj(x))
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and want[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("what, match", [
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
-    ("rows_not_a_multiple", r"per_row: the input has 4 rows; expected a multiple of the 3 adapters"),
-    ("flat_input", r"per_row: Sequential's forward got a torch.float32 tensor of shape \(5, 24\); expected token ids"),
+    ("rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its 3 adapters"),
+    ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\], "
+                   r"got shape \(5, 24\)"),
+    ("over_capacity", r"LoRALinear 'proj': 3 x 11 tokens exceed the context's capacity max_tokens=32"),
     ("nested", r"per_row: already active on this context"),
-    ("model_gone", r"per_row: the model apply_lora wrapped is gone; pass model="),
+    ("compiled", r"LoRALinear 'proj': per_row is for eager code"),
 ])
 def test_per_row_errors(what, match):
-    model, ctx = sequential_model()
+    layers, ctx = one_layer_model(None, torch.float32, "cpu")
+    proj = layers["proj"]
     rows = {"unknown_adapter": ["a", "nope"], "no_adapters": []}.get(what, ["a", None, "b"])
-    inputs = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K)}.get(what)
+    x = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K),
+         "over_capacity": torch.randn(3, 11, K)}.get(what, torch.randn(3, 2, K))
+    run = torch.compile(proj, backend="eager", fullgraph=True) if what == "compiled" else proj
+    torch._dynamo.reset()
     with pytest.raises((ValueError, RuntimeError), match=match):
-        with ctx.per_row(rows, model=None if what == "model_gone" else model):
+        with ctx.per_row(rows):
             if what == "nested":
-                with ctx.per_row(rows, model=model):
+                with ctx.per_row(rows):
                     pass
-            model(inputs)
-    assert not model._forward_pre_hooks
+            run(x)
+    assert ctx._rows is None
 
 
 def test_base_layer_is_reused_not_copied():

@@ -227,7 +227,7 @@ def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
 @pytest.mark.parametrize("search", ["greedy", "two_beams"])
 def test_generate_inside_per_row_matches_peft(llama, kernels, search):
     """Hugging Face ``generate`` steps the model itself (a prefill, then one token a row with the KV cache), so
-    nothing sets each step's batch; inside ``ctx.per_row(rows)`` each forward sets it from the input's rows.
+    nothing sets each step's batch; inside ``ctx.per_row(rows)`` each layer takes it from its input's rows.
     Greedy: the tokens are PEFT's own ``generate(adapter_names=...)``'s, and each step's logits match PEFT's
     forward over the finished sequences (teacher forcing). Two beams: generate repeats each row twice in place
     (each adapter then covers two rows); the returned beams match PEFT's."""
@@ -246,4 +246,39 @@ def test_generate_inside_per_row_matches_peft(llama, kernels, search):
             forced = peft_model(input_ids=ours.sequences, adapter_names=peft_names(ROWS)).logits
             prompt = input_ids.shape[1]
             assert_rows_match(torch.stack(ours.logits, 1), forced[:, prompt - 1:prompt - 1 + new], ROWS)
-    assert not model._forward_pre_hooks
+
+
+def tiny_seq2seq(kind):
+    """(model, target modules): a tiny T5 or BART built from a config, random weights, on DEVICE."""
+    torch.manual_seed(0)
+    if kind == "t5":
+        config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                       decoder_start_token_id=0, pad_token_id=0)
+        return transformers.T5ForConditionalGeneration(config).to(DEVICE).eval(), ["q", "k", "v", "o", "wi", "wo"]
+    config = transformers.BartConfig(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64)
+    targets = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+    return transformers.BartForConditionalGeneration(config).to(DEVICE).eval(), targets
+
+
+@pytest.mark.parametrize("search", ["greedy", "two_beams"])
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_generate_inside_per_row_matches_peft(tmp_path, kernels, kind, search):
+    """An encoder-decoder's generate: the encoder once over the source rows, then the decoder a token a row, its
+    cross-attention projections over the source's tokens: inside per_row each layer takes the batch of its own
+    input's shape, so one context serves both stacks. Tokens equal PEFT's generate(adapter_names=...)."""
+    base, targets = tiny_seq2seq(kind)
+    adapters = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
+    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters)
+    ours = copy.deepcopy(base)
+    ctx = load_ours(ours, targets, paths, max_tokens=64)
+    rows = ["t2", None, "t1", "t2"]
+    input_ids = torch.randint(3, 128, (len(rows), 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    kwargs = dict(max_new_tokens=5, do_sample=False, num_beams=2 if search == "two_beams" else 1, min_length=0)
+    with torch.no_grad():
+        with ctx.per_row(rows):
+            got = ours.generate(input_ids, **kwargs)
+        want = peft_model.generate(input_ids=input_ids, adapter_names=peft_names(rows), **kwargs)
+        assert torch.equal(got, want)
+        assert not torch.equal(want, base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
