@@ -147,6 +147,7 @@ class LoRAContext:
         self._rows = None           # per_row: each row's slot while a per_row block runs
         self._row_batches = {}      # per_row: (rows, tokens per row) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
+        self._row_tokens = 0        # per_row: the token count of the last input with rows
         # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
         # checkpoint cannot call (it loses self), nor a callable object (not supported there).
         self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
@@ -252,7 +253,8 @@ class LoRAContext:
                 out = model.generate(input_ids, max_new_tokens=32)
 
         A layer's input is ``[rows, tokens, ..., features]``, row-major (Hugging Face models keep the batch
-        dimension), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
+        dimension; flattened tokens ``[M, features]`` take the batch of the last input with rows, where it had
+        M tokens), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
         projections over the encoder's tokens included) each get the batch of their own shape, built once per
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Eager code:
@@ -265,22 +267,27 @@ class LoRAContext:
         slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
-        self._rows, self._row_batches, self._row_current = slots, {}, None
+        self._rows, self._row_batches, self._row_current, self._row_tokens = slots, {}, None, 0
         try:
             yield self
         finally:
-            self._rows, self._row_batches, self._row_current = None, {}, None
+            self._rows, self._row_batches, self._row_current, self._row_tokens = None, {}, None, 0
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
         shape in the block (the buffers' shapes, so bound calls' plans apply; a serial of its own, so a
         backward that recomputes on another batch is refused as for set_batch's copies)."""
         if x.dim() < 3:
+            # Flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)): the batch of the
+            # last input with rows, where it had M tokens; nothing else says which row a token is in.
+            if self._row_current is not None and x.shape[0] == self._row_tokens:
+                return self._row_current
             raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
-                             f"features], got shape {tuple(x.shape)} (a model that flattens its tokens cannot "
-                             f"say which row a token is in: call set_batch instead)")
+                             f"features] or the flattened tokens of the last such input, got shape "
+                             f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
         rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
         key = (rows, tokens)
+        self._row_tokens = rows * tokens
         found = self._row_batches.get(key)
         if found is None:
             if rows % len(self._rows):

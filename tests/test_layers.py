@@ -227,7 +227,10 @@ class TwoLengths(nn.Module):
         self.proj, self.cross = proj, nn.Linear(N, N)
 
     def forward(self, src, tgt_embeds):
-        return self.proj(src), self.cross(tgt_embeds + self.proj(src).mean(1, keepdim=True))
+        src_out = self.proj(src)
+        # (the source's tokens flattened before a layer, as Qwen2-MoE's shared expert sees them: its batch)
+        flat = self.proj(src.reshape(-1, src.shape[-1])).view(src_out.shape)
+        return src_out + flat, self.cross(tgt_embeds + src_out.mean(1, keepdim=True))
 
 
 def test_per_row_gives_each_layer_the_batch_of_its_own_input(backend):
@@ -261,7 +264,7 @@ def test_per_row_gives_each_layer_the_batch_of_its_own_input(backend):
             assert rel_err(out, proj.base(x)) > 1e-3       # (the adapters changed the rows they cover)
         ctx.set_batch([(name, 5) for name in rows])
         want = proj(src)
-        assert torch.equal(got_two[0], want)
+        assert torch.equal(got_two[0], want + want)
         ctx.set_batch([(name, 2) for name in rows])
         assert torch.equal(got_two[1], two.cross(tgt + want.mean(1, keepdim=True)))
 
@@ -290,8 +293,8 @@ def test_per_row_training_step_matches_set_batch():
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
     ("rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its 3 adapters"),
-    ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\], "
-                   r"got shape \(5, 24\)"),
+    ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\] "
+                   r"or the flattened tokens of the last such input, got shape \(5, 24\)"),
     ("over_capacity", r"LoRALinear 'proj': 3 x 11 tokens exceed the context's capacity max_tokens=32"),
     ("nested", r"per_row: already active on this context"),
     ("compiled", r"LoRALinear 'proj': per_row is for eager code"),
