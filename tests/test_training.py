@@ -128,7 +128,10 @@ def test_mixed_batch_grads_match_peft_per_adapter(tmp_path, packed):
     assert not any(p.requires_grad for layer in ctx.layers.values() for p in (layer.lora_a, layer.lora_b))
 
 
-def test_adamw_changes_only_trained_slots_with_tokens(tmp_path):
+@pytest.mark.parametrize("batching", ["set_batch", "per_row"])
+def test_adamw_changes_only_trained_slots_with_tokens(tmp_path, batching):
+    """(per_row: the batches each layer builds from its input's rows tell the trainer which slots had tokens,
+    as set_batch's do.)"""
     base = toy_lm(seed=2)
     _, paths = peft_model_with(base, {**TRAINED, **SERVED}, tmp_path)
     model = fused_copy(base)
@@ -141,8 +144,12 @@ def test_adamw_changes_only_trained_slots_with_tokens(tmp_path):
     model.train()
     for i, rows in enumerate(steps):
         input_ids, labels = batch(rows, seed=i)
-        ctx.set_batch([(name, SEQ) for name in rows])
-        loss_of(model(input_ids), labels).backward()
+        if batching == "per_row":
+            with ctx.per_row(rows):
+                loss_of(model(input_ids), labels).backward()
+        else:
+            ctx.set_batch([(name, SEQ) for name in rows])
+            loss_of(model(input_ids), labels).backward()
         trainer.step(optimizer)
         optimizer.zero_grad()
         if i == 1:
