@@ -289,6 +289,21 @@ def test_per_row_training_step_matches_set_batch():
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and want[0].abs().sum() > 0
 
 
+def test_per_row_under_torch_compile_without_fullgraph_runs_eagerly():
+    """A compiled model without fullgraph: the layer's refusal to trace inside per_row makes Dynamo run it
+    eagerly, where per_row works (the output is set_batch's)."""
+    layers, ctx = one_layer_model(None, torch.float32, "cpu")
+    proj = layers["proj"]
+    torch._dynamo.reset()
+    compiled = torch.compile(proj, backend="eager")
+    x = torch.randn(3, 4, K)
+    with torch.no_grad():
+        with ctx.per_row(["a", None, "b"]):
+            got = compiled(x)
+        ctx.set_batch([("a", 4), (None, 4), ("b", 4)])
+        assert torch.equal(got, proj(x))
+
+
 @pytest.mark.parametrize("what, match", [
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
