@@ -15,6 +15,8 @@
 5. PEFT's own mixed-batch path (its forward with ``adapter_names=[...]``) in the same greedy loop, eager,
    on the same requests: generated tokens and prompt logits must agree for every adapter (the script
    exits 1 if they do not); tokens/s of both.
+6. Hugging Face's own ``model.generate`` on our model, eager, inside ``ctx.per_row(request_adapters)`` (each
+   layer takes its batch from its input's rows: nothing to set per step): the same tokens again.
 """
 import argparse
 import copy
@@ -225,6 +227,16 @@ def peft_generate(peft_model, prompts, request_adapters, new_tokens):
     return torch.cat(tokens[1:], dim=1)
 
 
+@torch.no_grad()
+def hf_generate(model, ctx, prompts, request_adapters, new_tokens):
+    """Hugging Face's generate on our model, greedy, every step's batch from each layer's input rows (per_row).
+    No end-of-sequence token: every request runs its new_tokens, as the loops above do."""
+    model.generation_config.eos_token_id = None     # (a None argument would mean "the model's default")
+    with ctx.per_row(request_adapters):
+        out = model.generate(prompts, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, prompts.shape[1]:]
+
+
 def cache_arg(model):
     """The KV cache's keyword: `cache` in recent transformers, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -287,6 +299,7 @@ def main():
     ours, ours_s = timed(lambda: generator.generate(prompts, request_adapters), device)
     theirs, peft_s = timed(lambda: peft_generate(peft_model, prompts, request_adapters, args.new_tokens), device)
     errors = prompt_logits_errors(model, ctx, peft_model, prompts, request_adapters)
+    hf_tokens = hf_generate(model, ctx, prompts, request_adapters, args.new_tokens)
 
     print_setup(args, names, configs, device, dtype, generator)
     print_requests(args, request_adapters, ours)
@@ -306,6 +319,10 @@ def main():
         agree &= ok
         print(f"  {name or 'no adapter':<12} agrees with PEFT: {'yes' if ok else 'no'}   (tokens "
               f"{'identical' if same_tokens else 'differ'}; logits relative error {errors[name]:.1e})")
+    same_hf = torch.equal(hf_tokens, ours)
+    agree &= same_hf
+    print(f"  model.generate inside ctx.per_row (eager, Hugging Face's loop): tokens "
+          f"{'identical' if same_hf else 'differ'}")
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
     if not agree:
         raise SystemExit("lora_ops and PEFT disagree (see above)")
