@@ -259,8 +259,9 @@ class LoRAContext:
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Eager code:
         under torch.compile the layers raise (with ``fullgraph=True``; without it Dynamo runs them eagerly), so
-        compiled serving calls :meth:`set_batch` before each step. A backward through the block's forwards
-        runs before the block ends (after it, a recompute would read another batch, and raises)."""
+        compiled serving calls :meth:`set_batch` before each step. Run a backward through the block's forwards
+        before the block ends: a checkpoint's recompute after it reads the context's own batch (refused by
+        non-reentrant checkpointing; reentrant checkpointing cannot be checked)."""
         names = list(adapters)
         if not names:
             raise ValueError("per_row: adapters is empty; expected an adapter name or None per row")
