@@ -305,11 +305,10 @@ class LoRAContext:
             token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)
             token_slots[:host.shape[0]].copy_(host)
             batch.update(token_slots[:host.shape[0]])
-            self._copies += 1
-            batch.meta.sorted_token_ids._lora_batch = self._copies
+            meta = self._tag(batch.meta)
             for listener in self.fill_listeners:
-                listener(batch.meta)
-            found = self._row_batches[key] = (batch.meta, token_slots)
+                listener(meta)
+            found = self._row_batches[key] = (meta, token_slots)
         return found
 
     def _fill(self, token_slots):
@@ -328,10 +327,15 @@ class LoRAContext:
     def _copy_batch(self):
         """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
         alignment those of the buffers), tagged with a serial number the backward checks (lora_ops.autograd)."""
-        self._copies += 1
-        meta = BatchMeta(*(t.clone() for t in self.meta))
-        meta.sorted_token_ids._lora_batch = self._copies
+        meta = self._tag(BatchMeta(*(t.clone() for t in self.meta)))
         return BatchCopy(meta, self.token_slots.clone(), self.batch.num_tokens)
+
+    def _tag(self, meta):
+        """``meta`` tagged with the next serial number: metadata never written again, which autograd's batch
+        check tells from any other (lora_ops.autograd._check_batch)."""
+        self._copies += 1
+        meta.sorted_token_ids._lora_batch = self._copies
+        return meta
 
     def batch_for(self, grad):
         """(metadata, per-token slots) a layer's call reads: the checkpoint recompute's batch while one runs,
