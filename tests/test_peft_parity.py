@@ -208,18 +208,21 @@ def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
                              output=lambda out: out.logits)
 
 
+# A tiny T5's sizes, its projections, and two adapters, for the T5 and BART tests.
+T5_SIZES = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+T5_TARGETS = ["q", "k", "v", "o", "wi", "wo"]
+TWO_ADAPTERS = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
+
+
 def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
     """T5 casts its hidden states to ``wo.weight.dtype`` before ``wo``: model code that reads a wrapped layer's
     weight (LoRALinear forwards ``weight`` and ``bias`` from its base, as PEFT's layers do; it had raised
     AttributeError). A mixed batch against PEFT's, row by row."""
-    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     torch.manual_seed(0)
-    base = transformers.T5EncoderModel(config).to(DEVICE).eval()
-    targets = ["q", "k", "v", "o", "wi", "wo"]
-    adapters = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
-    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters)
+    base = transformers.T5EncoderModel(transformers.T5Config(**T5_SIZES)).to(DEVICE).eval()
+    peft_model, paths = make_peft_adapters(base, T5_TARGETS, tmp_path, adapters=TWO_ADAPTERS)
     ours = copy.deepcopy(base)
-    ctx = load_ours(ours, targets, paths)
+    ctx = load_ours(ours, T5_TARGETS, paths)
     mixed_batch_matches_peft(base, peft_model, ours, ctx, ["t2", None, "t1", "t2"], seed=4,
                              output=lambda out: out.last_hidden_state)
 
@@ -252,9 +255,8 @@ def tiny_seq2seq(kind):
     """(model, target modules): a tiny T5 or BART built from a config, random weights, on DEVICE."""
     torch.manual_seed(0)
     if kind == "t5":
-        config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                       decoder_start_token_id=0, pad_token_id=0)
-        return transformers.T5ForConditionalGeneration(config).to(DEVICE).eval(), ["q", "k", "v", "o", "wi", "wo"]
+        config = transformers.T5Config(**T5_SIZES, decoder_start_token_id=0, pad_token_id=0)
+        return transformers.T5ForConditionalGeneration(config).to(DEVICE).eval(), T5_TARGETS
     config = transformers.BartConfig(vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                      decoder_ffn_dim=64, max_position_embeddings=64)
@@ -269,8 +271,7 @@ def test_encoder_decoder_generate_inside_per_row_matches_peft(tmp_path, kernels,
     cross-attention projections over the source's tokens: inside per_row each layer takes the batch of its own
     input's shape, so one context serves both stacks. Tokens equal PEFT's generate(adapter_names=...)."""
     base, targets = tiny_seq2seq(kind)
-    adapters = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
-    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters)
+    peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=TWO_ADAPTERS)
     ours = copy.deepcopy(base)
     ctx = load_ours(ours, targets, paths, max_tokens=64)
     rows = ["t2", None, "t1", "t2"]
