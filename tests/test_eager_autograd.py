@@ -152,6 +152,13 @@ def _save_lora_linear(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def two_layers(device):
+    """A context of 3 slots and two LoRALinear layers on ``device``: a packed one (16 -> 24), then a plain one."""
+    ctx = lora_ops.LoRAContext(3, 64, device=device)
+    return ctx, [LoRALinear(nn.Linear(16, 24).to(device), ctx, 8, [16, 8]),
+                 LoRALinear(nn.Linear(24, 16).to(device), ctx, 8, [16])]
+
+
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "selective", "anomaly_mode"])
 def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
     """Two LoRALinear layers (a packed one, then a plain one) trained through torch.utils.checkpoint, as
@@ -160,9 +167,7 @@ def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
     without."""
     torch.manual_seed(0)
     dev = backend.device
-    ctx = lora_ops.LoRAContext(3, 64, device=dev)
-    layers = [LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8]),
-              LoRALinear(nn.Linear(24, 16).to(dev), ctx, 8, [16])]
+    ctx, layers = two_layers(dev)
     leaves = []
     for layer in layers:
         for p in (layer.lora_a, layer.lora_b):
@@ -202,9 +207,7 @@ def test_double_backward_through_layers_matches_float64(backend, hooked):
     base's own forward). The adapters' second-order gradients match the float64 reference's."""
     torch.manual_seed(0)
     dev = backend.device
-    ctx = lora_ops.LoRAContext(3, 64, device=dev)
-    layers = [LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8]),
-              LoRALinear(nn.Linear(24, 16).to(dev), ctx, 8, [16])]
+    ctx, layers = two_layers(dev)
     for layer in layers:
         with torch.no_grad():
             layer.lora_a.normal_()
