@@ -47,10 +47,27 @@ ALL_LINEAR = "all-linear"
 
 class BatchCopy(NamedTuple):
     """A batch as set_batch left it, for autograd: copies of the metadata and the per-token slots
-    ([max_tokens]: its first num_tokens entries are the batch's), never written again."""
+    ([max_tokens]: its first num_tokens entries are the batch's), never written again; ``on_devices`` holds
+    the same on each other device the context serves ({device: (metadata, per-token slots)})."""
     meta: BatchMeta
     token_slots: torch.Tensor
     num_tokens: int
+    on_devices: dict
+
+
+def _device(device):
+    """``device`` as a torch.device, "cuda" with the current GPU's index (the key the context's buffers have)."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _copy_buffers(meta, token_slots, src_meta, src_token_slots):
+    """The batch's buffers ``src_*`` into another device's (no host sync but into CPU memory, which must wait)."""
+    non_blocking = token_slots.device.type != "cpu"
+    for dst, src in zip((*meta, token_slots), (*src_meta, src_token_slots)):
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 class _PinnedStaging:
@@ -94,7 +111,8 @@ class LoRAContext:
       in place each step by :meth:`set_batch` (per request) or :meth:`set_token_slots` (per token). Inside
       :meth:`per_row` each layer reads instead a batch built from its own input's rows (``model.generate``).
       Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
-      tokens of the last call, in the same order.
+      tokens of the last call, in the same order. In a model split across devices (``device_map``) a layer on
+      another device reads a copy of them there, refreshed at each fill (:meth:`serve_device`).
 
     **Autograd keeps each forward's batch.** A call that records autograd reads a copy of the metadata and the
     per-token slots that :meth:`set_batch` takes when grad mode is on (a few small copies per step, never
@@ -124,9 +142,7 @@ class LoRAContext:
     """
 
     def __init__(self, max_loras, max_tokens, device=None):
-        self.device = torch.device(device if device is not None else "cpu")
-        if self.device.type == "cuda" and self.device.index is None:   # "cuda" means the current GPU
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _device(device)
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
         self.batch = LoRABatch(self.max_tokens, self.max_loras, device=self.device)
@@ -147,7 +163,10 @@ class LoRAContext:
         self._rows = None           # per_row: each row's slot while a per_row block runs
         self._row_batches = {}      # per_row: (rows, tokens per row) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
-        self._row_tokens = 0        # per_row: the token count of the last input with rows
+        self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
+        # A model split across devices (Hugging Face's device_map): the batch's buffers on each other device a
+        # layer is on, {device: (metadata, per-token slots)}, copied from this device's at each fill.
+        self._mirrors = {}
         # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
         # checkpoint cannot call (it loses self), nor a callable object (not supported there).
         self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
@@ -268,27 +287,28 @@ class LoRAContext:
         slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
-        self._rows, self._row_batches, self._row_current, self._row_tokens = slots, {}, None, 0
+        self._rows, self._row_batches, self._row_current, self._row_shape = slots, {}, None, None
         try:
             yield self
         finally:
-            self._rows, self._row_batches, self._row_current, self._row_tokens = None, {}, None, 0
+            self._rows, self._row_batches, self._row_current, self._row_shape = None, {}, None, None
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
         shape in the block (the buffers' shapes, so bound calls' plans apply; a serial of its own, so a
         backward that recomputes on another batch is refused as for set_batch's copies)."""
         if x.dim() < 3:
-            # Flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)): the batch of the
+            # Flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)): the rows of the
             # last input with rows, where it had M tokens; nothing else says which row a token is in.
-            if self._row_current is not None and x.shape[0] == self._row_tokens:
-                return self._row_current
-            raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
-                             f"features] or the flattened tokens of the last such input, got shape "
-                             f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
-        rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
-        key = (rows, tokens)
-        self._row_tokens = rows * tokens
+            if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:
+                raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
+                                 f"features] or the flattened tokens of the last such input, got shape "
+                                 f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
+            rows, tokens = self._row_shape
+        else:
+            rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
+            self._row_shape = (rows, tokens)
+        key = (rows, tokens, x.device)      # (a model split across devices: each device's own)
         found = self._row_batches.get(key)
         if found is None:
             if rows % len(self._rows):
@@ -301,8 +321,8 @@ class LoRAContext:
             repeat = rows // len(self._rows)
             per_row = torch.tensor([s for s in self._rows for _ in range(repeat)], dtype=torch.int32)
             host = torch.repeat_interleave(per_row, tokens)
-            batch = LoRABatch(self.max_tokens, self.max_loras, device=self.device)
-            token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)
+            batch = LoRABatch(self.max_tokens, self.max_loras, device=x.device)
+            token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=x.device)
             token_slots[:host.shape[0]].copy_(host)
             batch.update(token_slots[:host.shape[0]])
             meta = self._tag(batch.meta)
@@ -318,6 +338,8 @@ class LoRAContext:
         else:
             self.token_slots[:M].copy_(token_slots)
         self.batch.update(self.token_slots[:M])
+        for mirror in self._mirrors.values():
+            _copy_buffers(*mirror, self.meta, self.token_slots)
         # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._copy = self._copy_batch() if torch.is_grad_enabled() and not capturing else None
@@ -328,7 +350,12 @@ class LoRAContext:
         """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
         alignment those of the buffers), tagged with a serial number the backward checks (lora_ops.autograd)."""
         meta = self._tag(BatchMeta(*(t.clone() for t in self.meta)))
-        return BatchCopy(meta, self.token_slots.clone(), self.batch.num_tokens)
+        on_devices = {}
+        for device, (mirror_meta, mirror_slots) in self._mirrors.items():
+            copy = BatchMeta(*(t.clone() for t in mirror_meta))
+            copy.sorted_token_ids._lora_batch = meta.sorted_token_ids._lora_batch   # (one batch: one serial)
+            on_devices[device] = (copy, mirror_slots.clone())
+        return BatchCopy(meta, self.token_slots.clone(), self.batch.num_tokens, on_devices)
 
     def _tag(self, meta):
         """``meta`` tagged with the next serial number: metadata never written again, which autograd's batch
@@ -337,10 +364,10 @@ class LoRAContext:
         meta.sorted_token_ids._lora_batch = self._copies
         return meta
 
-    def batch_for(self, grad):
-        """(metadata, per-token slots) a layer's call reads: the checkpoint recompute's batch while one runs,
-        else, where autograd records the call (``grad``), the batch's copy if set_batch took one, else the
-        buffers refilled in place."""
+    def batch_for(self, grad, device=None):
+        """(metadata, per-token slots) a layer's call on ``device`` (default: the context's) reads: the
+        checkpoint recompute's batch while one runs, else, where autograd records the call (``grad``), the
+        batch's copy if set_batch took one, else the buffers refilled in place."""
         if self._rows is not None:
             return self._row_current      # (per_row: the batch of the input check_input saw, this call's)
         copy = self._restored
@@ -350,7 +377,30 @@ class LoRAContext:
         # which made compiled training read the buffers and its backwards raise after the next set_batch.)
         if copy is None and grad and not torch.compiler._is_exporting_flag:
             copy = self._copy
+        if device is not None and device != self.device:
+            return self._mirrors[device] if copy is None else copy.on_devices[device]
         return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
+
+    def meta_on(self, device):
+        """The batch's metadata buffers (refilled in place) on ``device``."""
+        return self.meta if device == self.device else self._mirrors[device][0]
+
+    def serve_device(self, device):
+        """Keep the batch on ``device`` too, for layers there (a model split across devices, as Hugging Face's
+        ``device_map`` splits one): each fill copies the metadata and the per-token slots there, without a host
+        sync unless ``device`` is the CPU. LoRALinear calls it for its weight's device."""
+        device = _device(device)
+        if device == self.device or device in self._mirrors:
+            return
+        meta = BatchMeta(*(torch.empty_like(t, device=device) for t in self.meta))
+        meta.sorted_token_ids._lora_batch = 0   # (a batch's own buffers, as LoRABatch tags them)
+        token_slots = torch.empty_like(self.token_slots, device=device)
+        _copy_buffers(meta, token_slots, self.meta, self.token_slots)
+        for t in (*meta, token_slots):
+            torch._dynamo.mark_static_address(t, guard=True)
+        self._mirrors[device] = (meta, token_slots)
+        if self._copy is not None:      # (a batch set with grad mode on: its copy there too)
+            self._copy = self._copy_batch()
 
     def _checkpoint_contexts(self):
         """``ctx.checkpoint_context()``, the ``context_fn`` for ``torch.utils.checkpoint(...,
@@ -385,9 +435,10 @@ class LoRAContext:
     def check_input(self, x2d, layer=None, x=None):
         """Eager-mode check of ``layer``'s flattened input against the batch (skipped while compiling); inside
         :meth:`per_row`, picks the batch of the input ``x``'s shape for the call."""
-        if x2d.device != self.device:
-            raise ValueError(f"{self._name(layer)}: the input is on {x2d.device} but the LoRAContext is on "
-                             f"{self.device}; call apply_lora after moving the model to its device")
+        if x2d.device != self.device and x2d.device not in self._mirrors:
+            served = ", ".join(str(d) for d in (self.device, *self._mirrors))
+            raise ValueError(f"{self._name(layer)}: the input is on {x2d.device} but the LoRAContext serves "
+                             f"{served}; call apply_lora after moving the model to its devices")
         if self._rows is not None:
             self._row_current = self._row_batch(x2d if x is None else x, layer)
             return
@@ -461,8 +512,7 @@ class LoRALinear(nn.Module):
         if not widths or any(w <= 0 for w in widths) or sum(widths) != N:
             raise ValueError(f"slice_widths: expected positive widths summing to out_features={N}, got {list(widths)}")
         weight = base.weight
-        if weight.device != context.device:
-            raise ValueError(f"context: on {context.device}, but the base layer's weight is on {weight.device}")
+        context.serve_device(weight.device)    # (a layer on another device than the context's: a split model)
         L, S, R = context.max_loras, len(widths), int(max_rank)
         self.base = base
         self.context = context          # a plain object: shared, not a submodule, not in the state dict
@@ -585,7 +635,8 @@ class LoRALinear(nn.Module):
             # forward and cannot trace that C call, a graph break under fullgraph=True.)
             grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad or lora_a.requires_grad
                                                 or lora_b.requires_grad or (bias is not None and bias.requires_grad))
-            meta = context.batch_for(grad)[0]   # autograd's calls: the batch's own copy (LoRAContext)
+            # Autograd's calls: the batch's own copy (LoRAContext); a split model's layers: their device's.
+            meta = context.batch_for(grad, x2d.device if context._mirrors else None)[0]
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
                     and not grad and forward_ad._current_level < 0 and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
@@ -607,7 +658,7 @@ class LoRALinear(nn.Module):
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
         grad = torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-        meta, token_slots = context.batch_for(grad)
+        meta, token_slots = context.batch_for(grad, x2d.device if context._mirrors else None)
         args = (*adapters, *meta)
         x_lora = x2d
         if dropout:
@@ -776,11 +827,10 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     selected = _select_targets(model, target_modules, packed)
     if not selected:
         raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}")
-    devices = {module.weight.device for _, module, _ in selected}
-    if len(devices) > 1:
-        raise ValueError(f"apply_lora: the selected layers are on several devices {sorted(map(str, devices))}; "
-                         f"one context serves one device")
-    ctx = LoRAContext(max_loras, max_tokens, device=devices.pop())
+    # A model split across devices (device_map): the context's batch lives on the first GPU a layer is on
+    # (else the first layer's device) and is copied to the others at each fill (LoRAContext.serve_device).
+    devices = [module.weight.device for _, module, _ in selected]
+    ctx = LoRAContext(max_loras, max_tokens, device=next((d for d in devices if d.type == "cuda"), devices[0]))
     ctx._model = weakref.ref(model)
     for path, module, slices in selected:
         layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
@@ -832,11 +882,27 @@ def _select_targets(model, target_modules, packed):
             raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
                             f"which reads its weight and bias itself and never calls it: a LoRALinear there "
                             f"would not run")
+        if _offloaded(model, path):
+            raise ValueError(f"apply_lora: {path!r} is offloaded by accelerate (a device_map entry 'cpu' or 'disk'): "
+                             f"its weight stays on the meta device until its forward, where a LoRALinear's adapter "
+                             f"stacks cannot follow it. Load the model onto devices without offloading (layers "
+                             f"on the CPU are supported)")
         if slices and sum(w for _, w in slices) != module.out_features:
             raise ValueError(f"packed_modules: the slice widths of {path!r} sum to {sum(w for _, w in slices)}, "
                              f"but the layer has out_features={module.out_features}")
         selected.append((path, module, slices))
     return selected
+
+
+def _offloaded(model, path):
+    """Whether accelerate offloads the module at ``path`` or a module above it (an ``_hf_hook`` with ``offload``
+    set: its weights are on the meta device between forwards)."""
+    parts = path.split(".")
+    for i in range(len(parts) + 1):
+        hook = getattr(model.get_submodule(".".join(parts[:i])), "_hf_hook", None)
+        if any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
+            return True
+    return False
 
 
 def _weight_read_by_parent(model, path):

@@ -48,6 +48,12 @@ import math
 import torch
 
 
+def _on(t, device):
+    """``t`` on ``device`` (a model split across devices: the context's tensors meet a layer's). Without a
+    host sync to a GPU; to the CPU the copy must complete before the host reads it."""
+    return t if t.device == device else t.to(device, non_blocking=device.type == "cuda")
+
+
 def slot_dropout(x2d, dropout_p, token_slots):
     """``x2d`` [M, K] with each row dropped out at its slot's probability (PEFT's nn.Dropout per adapter).
 
@@ -55,6 +61,7 @@ def slot_dropout(x2d, dropout_p, token_slots):
     per-token slot buffer (its first M entries are this batch's, -1 for no adapter).
     """
     M = x2d.shape[0]
+    dropout_p = _on(dropout_p, x2d.device)     # (a split model's layer: on another device than the context)
     slots = token_slots[:M].long()
     slots = torch.where(slots < 0, dropout_p.shape[0] - 1, slots)
     p = dropout_p[slots].to(x2d.dtype)[:, None]                        # [M, 1]
@@ -167,7 +174,7 @@ class SlotTrainer:
             torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=group)
             seen = seen.bool()
         for layer in self._layers:
-            updatable = self._trainable(layer) & seen[:, None]          # [L, R]
+            updatable = self._trainable(layer) & _on(seen, layer.rank.device)[:, None]   # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
         for mask in (self._seen, self._seen_no_grad, self._has_grad):
@@ -197,7 +204,7 @@ class SlotTrainer:
         """A fill listener: the batch just set. One set under no_grad serves forwards that record no autograd
         (an evaluation between steps, a reference model's forward), and its slots move only on evidence of a
         gradient; a forward with autograd on it (allowed: LoRAContext) gives them one."""
-        with_tokens = meta.slot_counts[:self._seen.shape[0]] > 0
+        with_tokens = _on(meta.slot_counts[:self._seen.shape[0]] > 0, self._seen.device)   # (per_row: any device)
         if torch.is_grad_enabled():
             self._seen |= with_tokens
         else:
@@ -206,8 +213,9 @@ class SlotTrainer:
 
     def _trainable(self, layer):
         """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
-        columns = torch.arange(layer.max_rank, device=layer.rank.device)
-        return self._chosen[:, None] & (columns < layer.rank[:, None])
+        device = layer.rank.device
+        columns = torch.arange(layer.max_rank, device=device)
+        return _on(self._chosen, device)[:, None] & (columns < layer.rank[:, None])
 
     def _grad_hook(self, layer, stack):
         is_a = stack is layer.lora_a
@@ -217,7 +225,7 @@ class SlotTrainer:
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
             grad = grad * mask.to(grad.dtype)
             if self._no_grad_fills:     # (only then: one more pass over the gradient)
-                self._has_grad |= grad.flatten(1).ne(0).any(1)
+                self._has_grad |= _on(grad.flatten(1).ne(0).any(1), self._has_grad.device)
             return grad
         return hook
 
