@@ -10,11 +10,10 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import TOLERANCE, rel_err
 from layer_helpers import ToyLM, module_shapes, peft_tensors, toy_lm
-from lora_ops.layers import LoRALinear, apply_lora
+from lora_ops.layers import apply_lora
 
 REQUESTS = [("a", 5), (None, 3), ("b", 4), ("a", 4)]      # 16 tokens: [2, 8]
 PROJECTIONS = ["q_proj", "v_proj", "o_proj", "down_proj"]
