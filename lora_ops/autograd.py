@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 
 import csrc_meta  # noqa: F401  (defines the ops and their fake kernels)
 from csrc_meta import checks
@@ -56,6 +57,8 @@ def _triton_grad():
 
 def _add_lora_functional(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                          slot_counts):
+    if forward_ad._current_level >= 0:    # (reached through torch.ops with dual tensors: ops._refuse_tangents)
+        ops._refuse_tangents("add_lora", (y, x, lora_a, lora_b, scale))
     # Contiguous like the fake kernel's output, whatever y's layout.
     out = y.clone(memory_format=torch.contiguous_format)
     # Already below the dispatcher (real tensors, this op's own kernel): run add_lora_'s kernel directly.

@@ -118,9 +118,13 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
         return cpu_kernel(*args)
 
     def on_cuda(*args):
+        if forward_ad._current_level >= 0:
+            _refuse_tangents(name, args)
         return launch(args, False)
 
     def on_cpu(*args):
+        if forward_ad._current_level >= 0:
+            _refuse_tangents(name, args)
         return on_cpu_tensors(args, False)
 
     def on_cuda_trusted(*args):
@@ -249,6 +253,17 @@ def _call_with_tangents(name, args, tangents):
     primals = tuple(forward_ad.unpack_dual(a).primal if isinstance(a, torch.Tensor) else a for a in args)
     out = call(name, *primals)
     return forward_ad.make_dual(out, formula(primals, tangents, out))
+
+
+def _refuse_tangents(name, args):
+    """A kernel reached through ``torch.ops.lora_ops.<name>`` with dual tensors (forward_ad.dual_level): torch's
+    custom-op autograd would return the output without their tangents, a silently wrong derivative. :func:`call`
+    (and so the functional API and LoRALinear) hands kernels the primals and carries the tangents itself."""
+    if any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args):
+        raise NotImplementedError(
+            f"lora_ops::{name}: torch.ops.lora_ops.{name} under forward-mode AD (torch.autograd.forward_ad) would "
+            f"drop its inputs' tangents (torch's custom ops have no forward mode). Call lora_ops.ops.call({name!r}, "
+            f"...), lora_ops' functional API or LoRALinear, which carry them")
 
 
 def _refuse_functorch_grad(name):

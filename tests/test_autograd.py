@@ -709,6 +709,10 @@ def test_forward_mode_ad_refuses_what_it_cannot_differentiate(backend):
                               batch=case.meta)
         with pytest.raises(NotImplementedError, match=r"lora_ops::shrink: .* argument 0"):
             lora_ops.shrink(fwAD.make_dual(case.x, case.x), case.lora_a, case.scale, case.rank, batch=case.meta)
+        # The ops called through the dispatcher would return the output without the tangent: refused there too.
+        with pytest.raises(NotImplementedError, match=r"torch.ops.lora_ops.add_lora under forward-mode AD"):
+            torch.ops.lora_ops.add_lora(y, fwAD.make_dual(case.x, case.x), case.lora_a, case.lora_b, case.scale,
+                                        case.rank, case.slice_widths, *case.meta)
 
 
 def test_token_slots_read_from_the_metadata_as_the_kernels_read_it():
