@@ -142,6 +142,17 @@ class LoRABatch:
         return self.meta
 
 
+def batch_meta_of(token_slots, max_loras):
+    """The metadata of ``token_slots`` [M] (valid slots or -1) in new tensors of M and L + 1 entries, by
+    traceable ops only: torch.compile builds ``LoRAContext.per_row``'s batches in the graph with it. The
+    values :func:`fill_batch_meta` writes."""
+    keys = torch.where((token_slots >= 0) & (token_slots < max_loras), token_slots.long(), max_loras)
+    counts = torch.zeros(max_loras + 1, dtype=torch.int32, device=token_slots.device)
+    counts = counts.scatter_add(0, keys, torch.ones_like(keys, dtype=torch.int32))
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    return BatchMeta(torch.argsort(keys, stable=True).to(torch.int32), starts, counts)
+
+
 def build_batch_meta(token_slots, max_loras):
     """One-off metadata for ``token_slots`` (allocates; use :class:`LoRABatch` in a serving loop)."""
     check_token_slots(token_slots, max_loras)  # before sizing the buffers from it

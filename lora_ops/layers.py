@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
 from lora_ops.precision import autocast_cast, autocast_dtype
-from lora_ops.batch import BatchMeta, LoRABatch, check_token_slots
+from lora_ops.batch import BatchMeta, LoRABatch, batch_meta_of, check_token_slots
 
 ALL_LINEAR = "all-linear"
 
@@ -164,6 +164,7 @@ class LoRAContext:
         self._row_batches = {}      # per_row: (rows, tokens per row) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
         self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
+        self._row_slots = {}        # per_row: {device: each adapter's slot [len(adapters)]}, read under compile
         # A model split across devices (Hugging Face's device_map): the batch's buffers on each other device a
         # layer is on, {device: (metadata, per-token slots)}, copied from this device's at each fill.
         self._mirrors = {}
@@ -276,9 +277,9 @@ class LoRAContext:
         M tokens), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
         projections over the encoder's tokens included) each get the batch of their own shape, built once per
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
-        ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Eager code:
-        under torch.compile the layers raise (with ``fullgraph=True``; without it Dynamo runs them eagerly), so
-        compiled serving calls :meth:`set_batch` before each step. Run a backward through the block's forwards
+        ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
+        torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; inputs with
+        rows only). Run a backward through the block's forwards
         before the block ends: a checkpoint's recompute after it reads the context's own batch (refused by
         non-reentrant checkpointing; reentrant checkpointing cannot be checked)."""
         names = list(adapters)
@@ -288,10 +289,17 @@ class LoRAContext:
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
         self._rows, self._row_batches, self._row_current, self._row_shape = slots, {}, None, None
+        host = torch.tensor(slots, dtype=torch.int32)
+        self._row_slots = {device: host.to(device) for device in (self.device, *self._mirrors)}
+        for t in self._row_slots.values():
+            # (Its length a constant of the graph: with dynamic shapes, duck sizing would otherwise tie it to
+            # an input dimension of the same size, and a later size would recompile.)
+            torch._dynamo.mark_static(t, 0)
         try:
             yield self
         finally:
             self._rows, self._row_batches, self._row_current, self._row_shape = None, {}, None, None
+            self._row_slots = {}
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
@@ -330,6 +338,23 @@ class LoRAContext:
                 listener(meta)
             found = self._row_batches[key] = (meta, token_slots)
         return found
+
+    def traced_row_batch(self, x, layer):
+        """per_row under torch.compile: (metadata, per-token slots) of ``x`` [rows, tokens, ..., K] computed in
+        the graph from the adapters' slots (a few small ops; the layers of one input shape compute the same,
+        which Inductor computes once). The graph guards on the number of adapters, not on which they are."""
+        if x.dim() < 3:
+            raise ValueError(f"{self._name(layer)}: under torch.compile per_row takes a layer input [rows, tokens, "
+                             f"..., features], got shape {tuple(x.shape)}")
+        slots = self._row_slots[x.device]
+        rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
+        if rows % slots.shape[0]:
+            raise ValueError(f"{self._name(layer)}: the input has {rows} rows; per_row expects a multiple of "
+                             f"its {slots.shape[0]} adapters")
+        # Token i's adapter is i // (its tokens an adapter): an index, not repeat_interleave, whose broadcast
+        # guards on a repeat count of 1 (one graph for rows == adapters, another for beams).
+        token_slots = slots[torch.arange(rows * tokens, device=slots.device) // (rows // slots.shape[0] * tokens)]
+        return batch_meta_of(token_slots, self.max_loras), token_slots
 
     def _fill(self, token_slots):
         M = token_slots.shape[0]
@@ -604,14 +629,14 @@ class LoRALinear(nn.Module):
         cast_to = autocast_dtype(x2d)
         if cast_to is not None and self._in_dtype(x2d, cast_to):
             cast_to = None        # autocast would cast nothing: the usual path (bound calls, the stack)
+        row = None
         if eager:                 # Python-side checks and bound calls stay out of compiled graphs
             context.check_input(x2d, self, x)
             out = self._eager.replay(self, x2d) if cast_to is None else None
             if out is not None:
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
-        elif context._rows is not None:
-            raise RuntimeError(f"{context._name(self)}: per_row is for eager code; under torch.compile call "
-                               f"set_batch before each step")
+        elif context._rows is not None:     # (per_row under torch.compile: the batch built in the graph)
+            row = context.traced_row_batch(x, self)
         dropout = self.training and context.dropout_p is not None
         # From the module's dicts, not nn.Module.__getattr__: a Python call per read, ~1 µs of eager host
         # time each. Through the attributes where something moved them (a parametrization).
@@ -636,7 +661,7 @@ class LoRALinear(nn.Module):
             grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad or lora_a.requires_grad
                                                 or lora_b.requires_grad or (bias is not None and bias.requires_grad))
             # Autograd's calls: the batch's own copy (LoRAContext); a split model's layers: their device's.
-            meta = context.batch_for(grad, x2d.device if context._mirrors else None)[0]
+            meta = (context.batch_for(grad, x2d.device if context._mirrors else None) if row is None else row)[0]
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
                     and not grad and forward_ad._current_level < 0 and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
@@ -658,7 +683,7 @@ class LoRALinear(nn.Module):
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
         grad = torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-        meta, token_slots = context.batch_for(grad, x2d.device if context._mirrors else None)
+        meta, token_slots = context.batch_for(grad, x2d.device if context._mirrors else None) if row is None else row
         args = (*adapters, *meta)
         x_lora = x2d
         if dropout:

@@ -30,6 +30,7 @@ keeps addresses; its scratch comes from its own pool), and not for scratch that 
 import contextlib
 import functools
 import operator
+import threading
 
 import torch
 
@@ -123,8 +124,23 @@ def workspace_address(device_index, stream, device):
     device) on the device of index ``device_index``, ``device`` as a torch.device; allocated on first use."""
     ws = _WORKSPACES.get((device_index, stream))
     if ws is None:
-        ws = _WORKSPACES[(device_index, stream)] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = _WORKSPACES[(device_index, stream)] = _outside_graph_pools(WORKSPACE_BYTES, device)
     return ws.data_ptr()
+
+
+def _outside_graph_pools(nbytes, device):
+    """A buffer kept for the process's life, from the caching allocator's ordinary memory. torch.compile's CUDA
+    graphs (mode="reduce-overhead") send every allocation of the thread that warms a graph up into the graph's
+    private pool (torch._inductor.cudagraph_trees: ``_cuda_beginAllocateCurrentThreadToPool``), and a buffer
+    of that pool still alive after the warm-up fails their check ("tensor(s) in the cudagraph pool not tracked
+    as outputs"). Allocations of another thread are not sent there."""
+    made = []
+    thread = threading.Thread(target=lambda: made.append(torch.empty(nbytes, dtype=torch.uint8, device=device)))
+    thread.start()
+    thread.join()
+    if not made:    # (the thread's allocation raised, out of memory say: raise it here)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return made[0]
 
 
 class _Step:

@@ -298,21 +298,6 @@ def test_per_row_training_step_matches_set_batch(checkpointing):
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and want[0].abs().sum() > 0
 
 
-def test_per_row_under_torch_compile_without_fullgraph_runs_eagerly():
-    """A compiled model without fullgraph: the layer's refusal to trace inside per_row makes Dynamo run it
-    eagerly, where per_row works (the output is set_batch's)."""
-    layers, ctx = one_layer_model(None, torch.float32, "cpu")
-    proj = layers["proj"]
-    torch._dynamo.reset()
-    compiled = torch.compile(proj, backend="eager")
-    x = torch.randn(3, 4, K)
-    with torch.no_grad():
-        with ctx.per_row(["a", None, "b"]):
-            got = compiled(x)
-        ctx.set_batch([("a", 4), (None, 4), ("b", 4)])
-        assert torch.equal(got, proj(x))
-
-
 @pytest.mark.parametrize("what, match", [
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
@@ -321,15 +306,19 @@ def test_per_row_under_torch_compile_without_fullgraph_runs_eagerly():
                    r"or the flattened tokens of the last such input, got shape \(5, 24\)"),
     ("over_capacity", r"LoRALinear 'proj': 3 x 11 tokens exceed the context's capacity max_tokens=32"),
     ("nested", r"per_row: already active on this context"),
-    ("compiled", r"LoRALinear 'proj': per_row is for eager code"),
+    ("compiled_flat_input", r"LoRALinear 'proj': under torch.compile per_row takes a layer input \[rows, tokens, "
+                            r"\.\.\., features\], got shape \(6, 24\)"),
+    ("compiled_rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its "
+                                     r"3 adapters"),
 ])
 def test_per_row_errors(what, match):
     layers, ctx = one_layer_model(None, torch.float32, "cpu")
     proj = layers["proj"]
     rows = {"unknown_adapter": ["a", "nope"], "no_adapters": []}.get(what, ["a", None, "b"])
-    x = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K),
-         "over_capacity": torch.randn(3, 11, K)}.get(what, torch.randn(3, 2, K))
-    run = torch.compile(proj, backend="eager", fullgraph=True) if what == "compiled" else proj
+    x = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K), "compiled_flat_input":
+         torch.randn(6, K), "over_capacity": torch.randn(3, 11, K), "compiled_rows_not_a_multiple":
+         torch.randn(4, 2, K)}.get(what, torch.randn(3, 2, K))
+    run = torch.compile(proj, backend="eager", fullgraph=True) if what.startswith("compiled") else proj
     torch._dynamo.reset()
     with pytest.raises((ValueError, RuntimeError), match=match):
         with ctx.per_row(rows):

@@ -24,6 +24,7 @@ from layer_helpers import PACKED, PROJECTIONS, fused_copy, module_shapes, peft_t
 from lora_ops.layers import apply_lora
 
 EXACT = 1e-6   # compiled vs eager, same kernels: float32 roundoff at most
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
@@ -87,6 +88,56 @@ def test_one_compile_serves_token_counts_slots_and_adapter_changes():
         ctx.set_token_slots(torch.tensor([2, -1, 0, 1, 2, 0, -1]))           # raw per-token slots
         check_step(compiled, model, token_ids(7, seed=99))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("stack_a", [False, True], ids=["lora_linear", "stack_a"])
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=cuda_only)],
+                         ids=["cpu_aot_eager", "cuda_inductor"])
+def test_per_row_inside_a_compiled_model(device, backend, stack_a):
+    """ctx.per_row (model.generate's way) under torch.compile(fullgraph=True): each layer's batch is built in the
+    graph from its input's rows. One graph serves prefills of other lengths and row counts (beams: rows
+    repeated) and other adapters in the rows; a one-token decode step specialises once. Logits equal eager
+    set_batch's with the same requests; gradients of a compiled training forward too."""
+    model, ctx, _ = toy_model(device, stack_a=stack_a)
+    tol = EXACT if backend == "aot_eager" else 1e-5     # (Inductor fuses the model's own ops: float32 roundoff)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+
+    def step(rows, shape, seed):
+        ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+        for dim in (0, 1) if shape[1] > 1 else (0,):
+            torch._dynamo.mark_dynamic(ids, dim)
+        with ctx.per_row(rows):
+            got = compiled(ids)
+        repeat = shape[0] // len(rows)
+        ctx.set_batch([(name, shape[1]) for name in rows for _ in range(repeat)])
+        assert rel_err(got, model(ids)) <= tol, (rows, shape)
+
+    with no_recompiles():
+        for i, (rows, shape) in enumerate([(["a", None, "b"], (3, 4)), (["a", None, "b"], (3, 7)),
+                                           (["b", "b", None], (6, 5))]):
+            step(rows, shape, i)
+    with torch.no_grad():
+        step(["a", None, "b"], (3, 1), 3)       # (one token a row: a graph of its own)
+    with no_recompiles():
+        step(["b", "a", "a"], (6, 1), 4)
+    assert counter.frame_count == 2
+
+    trainer = ctx.train_slots(["a", "b"])
+    ids = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(9)).to(device)
+    grads = []
+    for run in ("compiled", "eager"):
+        for p in trainer.parameters():
+            p.grad = None
+        if run == "compiled":
+            with ctx.per_row(["a", None, "b"]):
+                compiled(ids).square().mean().backward()
+        else:
+            ctx.set_batch([("a", 4), (None, 4), ("b", 4)])
+            model(ids).square().mean().backward()
+        grads.append([p.grad.clone() for p in trainer.parameters()])
+    trainer.close()
+    assert all(rel_err(g, w) <= tol for g, w in zip(*grads)) and grads[1][0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("grad_mode", [False, True], ids=["export_under_no_grad", "export_with_grad"])
@@ -203,8 +254,6 @@ def test_inductor_compiles_once():
 
 
 # ---- CUDA graphs (GPU only) -------------------------------------------------------------------------------
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def capture(step, static_ids):
