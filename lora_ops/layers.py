@@ -161,7 +161,7 @@ class LoRAContext:
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
         self._rows = None           # per_row: each row's slot while a per_row block runs
-        self._row_batches = {}      # per_row: (rows, tokens per row) -> (metadata, per-token slots)
+        self._row_batches = {}      # per_row: (rows, tokens per row, device) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
         self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
         self._row_slots = {}        # per_row: {device: each adapter's slot [len(adapters)]}, read under compile
@@ -279,9 +279,10 @@ class LoRAContext:
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
         torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; inputs with
-        rows only). Run a backward through the block's forwards
-        before the block ends: a checkpoint's recompute after it reads the context's own batch (refused by
-        non-reentrant checkpointing; reentrant checkpointing cannot be checked)."""
+        rows only). A backward after the block ends: a non-reentrant checkpoint with
+        ``context_fn=ctx.checkpoint_context`` recomputes on the block's batches; without it the recompute
+        reads the context's own batch and raises, and a reentrant one's cannot be checked (run its backward
+        in the block)."""
         names = list(adapters)
         if not names:
             raise ValueError("per_row: adapters is empty; expected an adapter name or None per row")
@@ -439,8 +440,9 @@ class LoRAContext:
         tracing = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
         if torch.compiler.is_compiling() or tracing:
             return _Passthrough(), _Passthrough()
-        if self._rows is not None:      # (per_row's batches are never refilled: the recompute reads the same)
-            return contextlib.nullcontext(), contextlib.nullcontext()
+        if self._rows is not None:
+            # per_row's batches are never refilled: the recompute reads the same, in the block or after it.
+            return contextlib.nullcontext(), self._in_rows((self._rows, self._row_batches, self._row_slots))
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch
         else:
@@ -448,6 +450,16 @@ class LoRAContext:
                 self._copy = self._copy_batch()
             copy = self._copy
         return contextlib.nullcontext(), self._restore(copy)
+
+    @contextlib.contextmanager
+    def _in_rows(self, rows):
+        """A checkpoint's recompute of a forward run inside per_row: that block's rows and batches again."""
+        saved = (self._rows, self._row_batches, self._row_slots, self._row_current, self._row_shape)
+        self._rows, self._row_batches, self._row_slots = rows
+        try:
+            yield
+        finally:
+            self._rows, self._row_batches, self._row_slots, self._row_current, self._row_shape = saved
 
     @contextlib.contextmanager
     def _restore(self, copy):

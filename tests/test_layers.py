@@ -269,7 +269,7 @@ def test_per_row_gives_each_layer_the_batch_of_its_own_input(backend):
         assert torch.equal(got_two[1], two.cross(tgt + want.mean(1, keepdim=True)))
 
 
-@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non_reentrant", "backward_after_the_block"])
 def test_per_row_training_step_matches_set_batch(checkpointing):
     """Gradients through per_row's batches (a forward and its backward in the block) equal set_batch's, with
     activation checkpointing too, and a forward of another shape between the forward and its backward (in the
@@ -291,8 +291,17 @@ def test_per_row_training_step_matches_set_batch(checkpointing):
         out.square().sum().backward()
         return proj.lora_a.grad.clone(), proj.lora_b.grad.clone()
 
-    with ctx.per_row(["a", None, "b"]):
-        got = grads(between=torch.randn(3, 1, K))
+    if checkpointing == "backward_after_the_block":
+        # The recompute runs after the block, another batch set: checkpoint_context gives it the block's rows.
+        with ctx.per_row(["a", None, "b"]):
+            out = checkpoint(proj, x, use_reentrant=False, context_fn=ctx.checkpoint_context)
+        ctx.set_batch([("c", 12)])
+        out.square().sum().backward()
+        got = proj.lora_a.grad.clone(), proj.lora_b.grad.clone()
+        assert ctx._rows is None and ctx.num_tokens == 12
+    else:
+        with ctx.per_row(["a", None, "b"]):
+            got = grads(between=torch.randn(3, 1, K))
     ctx.set_batch([("a", 4), (None, 4), ("b", 4)])
     want = grads()
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and want[0].abs().sum() > 0
