@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import DEVICE, TOLERANCE, rel_err
 from layer_helpers import PACKED, PROJECTIONS, fused_copy, toy_lm
@@ -249,6 +250,32 @@ def test_generate_inside_per_row_matches_peft(llama, kernels, search):
             forced = peft_model(input_ids=ours.sequences, adapter_names=peft_names(ROWS)).logits
             prompt = input_ids.shape[1]
             assert_rows_match(torch.stack(ours.logits, 1), forced[:, prompt - 1:prompt - 1 + new], ROWS)
+
+
+def test_generate_inside_per_row_under_torch_compile(llama, kernels):
+    """The model's forward compiled with fullgraph=True (no graph breaks): inside per_row its layers build their
+    batches in the graph, and generate gives the eager model's tokens (PEFT's, test above). Other adapters in
+    the rows compile nothing new."""
+    base, _, paths, input_ids = llama
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, PROJECTIONS, paths)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    other = [ROWS[-1], *ROWS[:-1]]
+    with torch.no_grad():
+        want = []
+        for rows in (ROWS, other):
+            with ctx.per_row(rows):
+                want.append(model.generate(input_ids, **kwargs))
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
+        with ctx.per_row(ROWS):
+            assert torch.equal(model.generate(input_ids, **kwargs), want[0])
+        frames = counter.frame_count
+        with ctx.per_row(other), torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(model.generate(input_ids, **kwargs), want[1])
+    assert counter.frame_count == frames and not torch.equal(want[0], want[1])
+    torch._dynamo.reset()
 
 
 def tiny_seq2seq(kind):
