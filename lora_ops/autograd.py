@@ -312,6 +312,11 @@ class _Step(NamedTuple):
     pick: object
 
 
+def _dead_level(*tensors):
+    """Whether one of ``tensors`` is a torch.func wrapper whose transform level has exited."""
+    return any(torch._C._functorch.maybe_get_level(t) == -2 for t in tensors)
+
+
 def _delta_grads(ctx, saved, grad_out, needs):
     """lora_grads for a backward whose saved delta inputs are ``saved`` (x, lora_a, lora_b, scale, rank, then
     the batch metadata). With the inputs the forward's checks saw, the op calls skip their checks
@@ -321,6 +326,12 @@ def _delta_grads(ctx, saved, grad_out, needs):
     op calls' plan keys name, so a replay launches what the op calls would (bit for bit, tests/test_autograd.py).
     On the CPU machine, C launches stubbed, the backward's five op calls cost ~41 µs through
     ops.call_trusted and ~18 µs as plan replays (benchmarks/host_python.py; DESIGN §4)."""
+    if _dead_level(*saved):
+        # torch.func.vjp's vjp function, called after the forward's level exited: the saved inputs are wrappers
+        # of that dead level (no transform is active); their values give the first-order gradients.
+        x, lora_a, lora_b, scale, rank, *meta = (torch._C._functorch.get_unwrapped(t) if _dead_level(t) else t
+                                                 for t in saved)
+        return lora_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, *needs, ops.call)
     x, lora_a, lora_b, scale, rank, *meta = saved
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():     # create_graph=True
         return _graph_grads(grad_out, x, lora_a, lora_b, scale, rank, ctx.slice_widths, meta, needs)
@@ -421,18 +432,22 @@ def _eager_function(name, setup_context, backward):
     """A torch.autograd.Function that runs op ``name``'s registered kernel and the formula registered for
     it above: what the dispatcher's autograd does for the op, minus the dispatcher. ops.call runs it for
     eager calls that need autograd (the CPU machine, C launches stubbed: ~45 µs less host time per
-    LoRALinear training step, benchmarks/host_python.py)."""
+    LoRALinear training step, benchmarks/host_python.py).
+    forward and setup_context apart (torch's newer Function form), which torch.func's grad and vjp require:
+    ops.call runs the Function under them too, torch.library's own having no setup_context."""
 
-    def forward(ctx, *args):
-        out = ops.kernel_for(name, args[0])(*args)
-        setup_context(ctx, args, out)
-        return out
+    def forward(*args):
+        return ops.kernel_for(name, args[0])(*args)
+
+    def setup_context_(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
 
     def backward_(ctx, grad_out):
         return backward(ctx, grad_out)
 
     function = type(f"Eager_lora_ops_{name}", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+                    {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context_),
+                     "backward": staticmethod(backward_)})
     ops.AUTOGRAD[name] = function
     return function
 

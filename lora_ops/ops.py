@@ -224,7 +224,9 @@ def call(name, *args):
     kernel = kernel_for(name, first)
     if kernel is None or wrapped(first):
         if torch._C._are_functorch_transforms_active():
-            _refuse_functorch_grad(name)
+            function = _functorch_grad_function(name)
+            if function is not None:
+                return function.apply(*args)
         return getattr(torch.ops.lora_ops, name)(*args)
     if torch.is_grad_enabled() and any_requires_grad(*args):
         function = _autograd_function(name, args)
@@ -266,16 +268,24 @@ def _refuse_tangents(name, args):
             f"...), lora_ops' functional API or LoRALinear, which carry them")
 
 
-def _refuse_functorch_grad(name):
-    """torch.func.grad / vjp / jacrev run autograd.Functions only where they define setup_context, which the one
-    torch.library builds for a custom op does not (torch raises a message about autograd.Function): say so
-    in our terms. vmap alone is fine (torch loops over the batch)."""
+def _functorch_grad_function(name):
+    """Under torch.func transforms: the op's :data:`AUTOGRAD` Function where a grad transform (grad, vjp) is on
+    and no vmap, else None (torch.ops then; vmap alone is fine: torch loops over the batch). torch.func runs an
+    autograd.Function only where it defines setup_context, which the one torch.library builds for a custom op
+    does not (torch raised about autograd.Function); ours do (lora_linear, add_lora). A grad transform through
+    another op, or under vmap (jacrev, vmap(grad): the Functions have no vmap rule), raises in our terms."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    if any(i.key() == torch._C._functorch.TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+    kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
+    if torch._C._functorch.TransformType.Grad not in kinds:
+        return None
+    function = AUTOGRAD.get(name)
+    if function is None or torch._C._functorch.TransformType.Vmap in kinds:
         raise NotImplementedError(
-            f"lora_ops::{name}: torch.func's grad transforms (grad, vjp, jacrev) are not supported: torch's custom "
-            f"ops have no functorch autograd rule. Use torch.autograd.grad (create_graph=True for second "
-            f"derivatives); vmap without grad works")
+            f"lora_ops::{name}: torch.func's grad transforms are supported as grad and vjp through lora_linear and "
+            f"add_lora (LoRALinear, lora_ops.lora_forward), without vmap (jacrev, vmap(grad)); here "
+            f"{'the op has no autograd Function' if function is None else 'under vmap'}. torch.autograd.grad "
+            f"works everywhere (create_graph=True for second derivatives)")
+    return function
 
 
 def call_trusted(name, *args):
