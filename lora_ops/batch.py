@@ -80,6 +80,13 @@ def check_token_slots(token_slots, max_loras, max_tokens=None):
                              f"[-1, max_loras={max_loras})")
 
 
+def _slot_keys(token_slots, max_loras):
+    """Each token's bucket, int64: its slot, or L ('no adapter') for -1 and for any slot out of range (safe on the
+    GPU, where it cannot be checked)."""
+    slots = token_slots.long()
+    return torch.where((slots >= 0) & (slots < max_loras), slots, max_loras)
+
+
 def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_counts, ones):
     """Refill the metadata buffers in place from ``token_slots`` [M] (on their device, no sync).
 
@@ -96,9 +103,7 @@ def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_
             if not t.is_inference():    # (inference tensors have no version counter)
                 torch.autograd.graph.increment_version(t)
         return
-    slots = token_slots.to(device=slot_counts.device, dtype=torch.int64, non_blocking=True)
-    # Out-of-range slots fall into bucket L ('no adapter'): safe on the GPU, where we cannot check.
-    keys = torch.where((slots >= 0) & (slots < max_loras), slots, max_loras)
+    keys = _slot_keys(token_slots.to(device=slot_counts.device, dtype=torch.int64, non_blocking=True), max_loras)
     sorted_token_ids[:M].copy_(torch.argsort(keys, stable=True))
     slot_counts.zero_()
     slot_counts.scatter_add_(0, keys, ones[:M])
@@ -146,7 +151,7 @@ def batch_meta_of(token_slots, max_loras):
     """The metadata of ``token_slots`` [M] (valid slots or -1) in new tensors of M and L + 1 entries, by
     traceable ops only: torch.compile builds ``LoRAContext.per_row``'s batches in the graph with it. The
     values :func:`fill_batch_meta` writes."""
-    keys = torch.where((token_slots >= 0) & (token_slots < max_loras), token_slots.long(), max_loras)
+    keys = _slot_keys(token_slots, max_loras)
     counts = torch.zeros(max_loras + 1, dtype=torch.int32, device=token_slots.device)
     counts = counts.scatter_add(0, keys, torch.ones_like(keys, dtype=torch.int32))
     starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import DEVICE
-from lora_ops.batch import LoRABatch, build_batch_meta, fill_batch_meta
+from lora_ops.batch import LoRABatch, batch_meta_of, build_batch_meta, fill_batch_meta
 
 SLOT_DTYPES = [torch.int32, torch.int64]
 SLOT_DTYPE_IDS = ["int32", "int64"]
@@ -46,6 +46,16 @@ def test_build_batch_meta_groups_stably_and_completely(slot_dtype, problem):
     assert_meta_matches(meta, slots, num_slots)
     # Complete: a permutation of the tokens (also implied by the equality above; said plainly here).
     assert sorted(meta.sorted_token_ids[:len(slots)].tolist()) == list(range(len(slots)))
+
+
+@pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
+@given(problem=slot_lists())
+def test_batch_meta_of_gives_the_fills_metadata(slot_dtype, problem):
+    """batch_meta_of (per_row's batch under torch.compile, out of place) gives what the fill writes."""
+    num_slots, slots = problem
+    meta = batch_meta_of(torch.tensor(slots, dtype=slot_dtype), num_slots)
+    assert meta.sorted_token_ids.dtype == torch.int32 and meta.sorted_token_ids.shape == (len(slots),)
+    assert_meta_matches(meta, slots, num_slots)
 
 
 @pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
