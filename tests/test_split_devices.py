@@ -92,6 +92,22 @@ def test_one_context_serves_a_model_split_with_the_meta_device():
             assert split(torch.randint(0, 64, (3, 5))).shape[:2] == (3, 5)
 
 
+def test_a_split_model_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) over the CPU / meta split: each layer's lookup of its device's batch
+    traces (no graph break), with set_batch and inside per_row (the batch built in the graph on each device)."""
+    _, (split, ctx) = lora_lms(["cpu", "meta"])
+    torch._dynamo.reset()
+    compiled = torch.compile(split, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        ctx.set_batch(REQUESTS)
+        logits = compiled(ids)
+        with ctx.per_row(["a", None]):
+            rows = compiled(ids)
+    assert logits.device.type == rows.device.type == "meta" and logits.shape == rows.shape == (2, 8, 64)
+    torch._dynamo.reset()
+
+
 def test_a_layer_moved_to_a_device_the_context_does_not_serve_is_refused():
     """A layer moved after apply_lora to a device none of the model's layers was on: the error names the
     devices the context serves."""
