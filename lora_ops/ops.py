@@ -273,7 +273,8 @@ def _functorch_grad_function(name):
     and no vmap, else None (torch.ops then; vmap alone is fine: torch loops over the batch). torch.func runs an
     autograd.Function only where it defines setup_context, which the one torch.library builds for a custom op
     does not (torch raised about autograd.Function); ours do (lora_linear, add_lora). A grad transform through
-    another op, or under vmap (jacrev, vmap(grad): the Functions have no vmap rule), raises in our terms."""
+    another op, or inside vmap (vmap(grad): the Functions have no vmap rule), raises in our terms. jacrev is
+    fine: its vmap runs over the vjp function, after the forward, where torch loops over our backward ops."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
     if torch._C._functorch.TransformType.Grad not in kinds:
@@ -281,8 +282,8 @@ def _functorch_grad_function(name):
     function = AUTOGRAD.get(name)
     if function is None or torch._C._functorch.TransformType.Vmap in kinds:
         raise NotImplementedError(
-            f"lora_ops::{name}: torch.func's grad transforms are supported as grad and vjp through lora_linear and "
-            f"add_lora (LoRALinear, lora_ops.lora_forward), without vmap (jacrev, vmap(grad)); here "
+            f"lora_ops::{name}: torch.func's grad transforms are supported as grad, vjp and jacrev through "
+            f"lora_linear and add_lora (LoRALinear, lora_ops.lora_forward), not inside vmap (vmap(grad)); here "
             f"{'the op has no autograd Function' if function is None else 'under vmap'}. torch.autograd.grad "
             f"works everywhere (create_graph=True for second derivatives)")
     return function

@@ -300,10 +300,10 @@ def test_forward_mode_ad_through_layers_matches_float64(backend, kind, how):
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
-@pytest.mark.parametrize("how", ["func_grad", "func_vjp"])
+@pytest.mark.parametrize("how", ["func_grad", "func_vjp", "func_jacrev"])
 def test_func_grad_and_vjp_through_layers_match_float64(backend, kind, how):
-    """torch.func.grad and vjp over the input and both adapters (functional_call) after the layer's calls were
-    bound: the gradients match the float64 reference's (torch.func had failed inside torch on the Function
+    """torch.func.grad, vjp and jacrev over the input and both adapters (functional_call) after the layer's calls
+    were bound: the gradients match the float64 reference's (torch.func had failed inside torch on the Function
     torch.library builds for a custom op; ops.call runs ours, which has setup_context)."""
     layer, x = small_layer(kind, backend.device)
     a, b = layer.lora_a.detach(), layer.lora_b.detach()
@@ -315,20 +315,26 @@ def test_func_grad_and_vjp_through_layers_match_float64(backend, kind, how):
         return (out * weights.to(out.dtype)).sum()
 
     primals = (x, a, b)
-    if how == "func_grad":
-        got = torch.func.grad(lambda *p: loss(None, *p), argnums=(0, 1, 2))(*primals)
+    if how == "func_jacrev":     # (a few outputs: the Jacobian of each against every input)
+        got = torch.func.jacrev(lambda *p: torch.func.functional_call(layer, {"lora_a": p[1], "lora_b": p[2]},
+                                                                      (p[0],))[:2, :3], argnums=(0, 1, 2))(*primals)
+        want = torch.func.jacrev(lambda *p: layer_reference(layer, *p)[:2, :3], argnums=(0, 1, 2))(
+            *(p.double() for p in primals))
     else:
-        out, vjp = torch.func.vjp(lambda *p: loss(None, *p), *primals)
-        got = vjp(torch.ones_like(out))
-    want = torch.func.grad(lambda *p: loss(lambda *q: layer_reference(layer, *q), *p), argnums=(0, 1, 2))(
-        *(p.double() for p in primals))
+        if how == "func_grad":
+            got = torch.func.grad(lambda *p: loss(None, *p), argnums=(0, 1, 2))(*primals)
+        else:
+            out, vjp = torch.func.vjp(lambda *p: loss(None, *p), *primals)
+            got = vjp(torch.ones_like(out))
+        want = torch.func.grad(lambda *p: loss(lambda *q: layer_reference(layer, *q), *p), argnums=(0, 1, 2))(
+            *(p.double() for p in primals))
     for g, w in zip(got, want):
         assert rel_err(g, w) <= TOLERANCE[torch.float32]
 
 
 def test_func_grad_under_vmap_raises_naming_the_op(backend):
-    """vmap over grad (per-sample gradients) and jacrev need a vmap rule the ops' Functions lack: an error in
-    our terms, not torch's."""
+    """vmap over grad (per-sample gradients) needs a vmap rule the ops' Functions lack: an error in our terms,
+    not torch's."""
     layer, x = small_layer("bare_base", backend.device)
     grad = torch.func.grad(lambda a, x_: torch.func.functional_call(layer, {"lora_a": a}, (x_,)).sum())
     with pytest.raises(NotImplementedError, match=r"lora_ops::lora_linear: torch.func's grad transforms .* under vmap"):
