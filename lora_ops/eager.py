@@ -113,7 +113,7 @@ class EagerCalls:
         if _LAUNCH[0]._overlaps(x) or (grad and (not ops.eager_autograd() or scale.requires_grad)):
             return None
         # (The batch's copy for autograd: the buffers' shapes and alignment.)
-        meta = context.batch_for(grad, x.device if context._mirrors else None)[0]
+        meta = context.batch_for(grad, x)[0]
         if bound.path == "stacked":     # (bound without autograd only: the stacked op has none)
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
@@ -151,8 +151,7 @@ class EagerCalls:
         lora_a, lora_b, scale, rank = _adapters(layer)
         if not _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank) or (grad and scale.requires_grad):
             return None     # (a scale that requires grad: as in replay)
-        context = layer.context
-        meta = context.batch_for(grad, x.device if context._mirrors else None)[0]
+        meta = layer.context.batch_for(grad, x)[0]
         self.replays += 1
         if grad:
             return autograd.BoundAddLora.apply(y, x, lora_a, lora_b, (scale, rank, layer.slice_widths, *meta),
@@ -173,8 +172,8 @@ class EagerCalls:
         if lora_a is None or lora_b is None or scale is None or rank is None:
             return
         grad = out is not y
-        meta, widths = layer.context.meta_on(x.device), layer.slice_widths
-        read = layer.context.batch_for(grad, x.device)[0]
+        meta, widths = layer.context.meta_on(x), layer.slice_widths
+        read = layer.context.batch_for(grad, x)[0]
         found = plan.lookup(plan.key(out, x, lora_a, lora_b, scale, rank, widths, *read))
         if found is not None:
             self._keep(("delta", *_shaped(x), *_shaped(y), grad), _Bound(
@@ -197,7 +196,7 @@ class EagerCalls:
         lora_a, lora_b, scale, rank = _adapters(layer)
         if lora_a is None or lora_b is None or scale is None or rank is None or launch._overlaps(x):
             return
-        meta = layer.context.meta_on(x.device)
+        meta = layer.context.meta_on(x)
         widths = layer.slice_widths
         if stacked:
             path, key = "stacked", launch.stacked_plan_key(out, lora_b, scale, rank, widths, *meta)
@@ -209,7 +208,7 @@ class EagerCalls:
         if found is not None:
             grad = _needs_grad(x, weight, bias, lora_a, lora_b, scale)
             signature = (autograd.delta_signature(x, lora_a, lora_b, scale, rank,
-                                                  layer.context.batch_for(True, x.device)[0])
+                                                  layer.context.batch_for(True, x)[0])
                          if grad else None)
             self._keep((*_shaped(x), grad), _Bound(
                 path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
@@ -234,8 +233,7 @@ def _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank):
     tensor costs more than the reads), under the same config state and on the same device."""
     objects = bound.objects
     return (lora_a is objects[2] and lora_b is objects[3] and scale is objects[4] and rank is objects[5]
-            and (layer.context.meta if not layer.context._mirrors else layer.context.meta_on(x.device)) is objects[6]
-            and layer.slice_widths is objects[7]
+            and layer.context.meta_on(x) is objects[6] and layer.slice_widths is objects[7]
             and (lora_a.shape, lora_a.stride(), lora_a.dtype, lora_b.shape, lora_b.stride(), lora_b.dtype,
                  scale.shape, scale.stride(), scale.dtype, rank.shape, rank.stride(), rank.dtype,
                  lora_a.get_device(), lora_b.get_device(), scale.get_device(), rank.get_device()) == bound.shapes

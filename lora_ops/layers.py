@@ -390,10 +390,11 @@ class LoRAContext:
         meta.sorted_token_ids._lora_batch = self._copies
         return meta
 
-    def batch_for(self, grad, device=None):
-        """(metadata, per-token slots) a layer's call on ``device`` (default: the context's) reads: the
+    def batch_for(self, grad, x=None):
+        """(metadata, per-token slots) a layer's call on ``x``'s device (default: the context's) reads: the
         checkpoint recompute's batch while one runs, else, where autograd records the call (``grad``), the
-        batch's copy if set_batch took one, else the buffers refilled in place."""
+        batch's copy if set_batch took one, else the buffers refilled in place. (``x``, not its device: a
+        one-device model's call never reads ``x.device``, which costs host time.)"""
         if self._rows is not None:
             return self._row_current      # (per_row: the batch of the input check_input saw, this call's)
         copy = self._restored
@@ -403,13 +404,13 @@ class LoRAContext:
         # which made compiled training read the buffers and its backwards raise after the next set_batch.)
         if copy is None and grad and not torch.compiler._is_exporting_flag:
             copy = self._copy
-        if device is not None and device != self.device:
-            return self._mirrors[device] if copy is None else copy.on_devices[device]
+        if self._mirrors and x is not None and x.device != self.device:
+            return self._mirrors[x.device] if copy is None else copy.on_devices[x.device]
         return (self.meta, self.token_slots) if copy is None else (copy.meta, copy.token_slots)
 
-    def meta_on(self, device):
-        """The batch's metadata buffers (refilled in place) on ``device``."""
-        return self.meta if device == self.device else self._mirrors[device][0]
+    def meta_on(self, x):
+        """The batch's metadata buffers (refilled in place) on ``x``'s device."""
+        return self.meta if not self._mirrors or x.device == self.device else self._mirrors[x.device][0]
 
     def serve_device(self, device):
         """Keep the batch on ``device`` too, for layers there (a model split across devices, as Hugging Face's
@@ -673,7 +674,7 @@ class LoRALinear(nn.Module):
             grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad or lora_a.requires_grad
                                                 or lora_b.requires_grad or (bias is not None and bias.requires_grad))
             # Autograd's calls: the batch's own copy (LoRAContext); a split model's layers: their device's.
-            meta = (context.batch_for(grad, x2d.device if context._mirrors else None) if row is None else row)[0]
+            meta = (context.batch_for(grad, x2d) if row is None else row)[0]
             if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
                     and not grad and forward_ad._current_level < 0 and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
@@ -695,7 +696,7 @@ class LoRALinear(nn.Module):
         y = base(x)
         y2d = y.view(-1, y.shape[-1])
         grad = torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-        meta, token_slots = context.batch_for(grad, x2d.device if context._mirrors else None) if row is None else row
+        meta, token_slots = context.batch_for(grad, x2d) if row is None else row
         args = (*adapters, *meta)
         x_lora = x2d
         if dropout:
