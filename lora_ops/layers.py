@@ -160,11 +160,12 @@ class LoRAContext:
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
-        self._rows = None           # per_row: each row's slot while a per_row block runs
+        # per_row, while a block runs: {device served: each adapter's slot [len(adapters)]} (also read under
+        # torch.compile, which builds the batches in the graph from it)
+        self._rows = None
         self._row_batches = {}      # per_row: (rows, tokens per row, device) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
         self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
-        self._row_slots = {}        # per_row: {device: each adapter's slot [len(adapters)]}, read under compile
         # A model split across devices (Hugging Face's device_map): the batch's buffers on each other device a
         # layer is on, {device: (metadata, per-token slots)}, copied from this device's at each fill.
         self._mirrors = {}
@@ -289,10 +290,10 @@ class LoRAContext:
         slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
-        self._rows, self._row_batches, self._row_current, self._row_shape = slots, {}, None, None
         host = torch.tensor(slots, dtype=torch.int32)
-        self._row_slots = {device: host.to(device) for device in (self.device, *self._mirrors)}
-        for t in self._row_slots.values():
+        self._rows = {device: host.to(device) for device in (self.device, *self._mirrors)}
+        self._row_batches, self._row_current, self._row_shape = {}, None, None
+        for t in self._rows.values():
             # (Its length a constant of the graph: with dynamic shapes, duck sizing would otherwise tie it to
             # an input dimension of the same size, and a later size would recompile.)
             torch._dynamo.mark_static(t, 0)
@@ -300,7 +301,6 @@ class LoRAContext:
             yield self
         finally:
             self._rows, self._row_batches, self._row_current, self._row_shape = None, {}, None, None
-            self._row_slots = {}
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
@@ -320,20 +320,14 @@ class LoRAContext:
         key = (rows, tokens, x.device)      # (a model split across devices: each device's own)
         found = self._row_batches.get(key)
         if found is None:
-            if rows % len(self._rows):
-                raise ValueError(f"{self._name(layer)}: the input has {rows} rows; per_row expects a multiple of "
-                                 f"its {len(self._rows)} adapters (one per row, or each repeated for beam search / "
-                                 f"num_return_sequences)")
+            slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
             if rows * tokens > self.max_tokens:
                 raise ValueError(f"{self._name(layer)}: {rows} x {tokens} tokens exceed the context's capacity "
                                  f"max_tokens={self.max_tokens}")
-            repeat = rows // len(self._rows)
-            per_row = torch.tensor([s for s in self._rows for _ in range(repeat)], dtype=torch.int32)
-            host = torch.repeat_interleave(per_row, tokens)
             batch = LoRABatch(self.max_tokens, self.max_loras, device=x.device)
             token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=x.device)
-            token_slots[:host.shape[0]].copy_(host)
-            batch.update(token_slots[:host.shape[0]])
+            token_slots[:rows * tokens].copy_(slots)
+            batch.update(token_slots[:rows * tokens])
             meta = self._tag(batch.meta)
             for listener in self.fill_listeners:
                 listener(meta)
@@ -347,15 +341,20 @@ class LoRAContext:
         if x.dim() < 3:
             raise ValueError(f"{self._name(layer)}: under torch.compile per_row takes a layer input [rows, tokens, "
                              f"..., features], got shape {tuple(x.shape)}")
-        slots = self._row_slots[x.device]
         rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
+        token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
+        return batch_meta_of(token_slots, self.max_loras), token_slots
+
+    def _row_token_slots(self, slots, rows, tokens, layer):
+        """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``slots`` [adapters] (a
+        multiple k of the adapters in rows: each adapter takes k rows in a row, as beam search repeats them)."""
         if rows % slots.shape[0]:
             raise ValueError(f"{self._name(layer)}: the input has {rows} rows; per_row expects a multiple of "
-                             f"its {slots.shape[0]} adapters")
+                             f"its {slots.shape[0]} adapters (one per row, or each repeated for beam search / "
+                             f"num_return_sequences)")
         # Token i's adapter is i // (its tokens an adapter): an index, not repeat_interleave, whose broadcast
-        # guards on a repeat count of 1 (one graph for rows == adapters, another for beams).
-        token_slots = slots[torch.arange(rows * tokens, device=slots.device) // (rows // slots.shape[0] * tokens)]
-        return batch_meta_of(token_slots, self.max_loras), token_slots
+        # guards on a repeat count of 1 under torch.compile (one graph for rows == adapters, another for beams).
+        return slots[torch.arange(rows * tokens, device=slots.device) // (rows // slots.shape[0] * tokens)]
 
     def _fill(self, token_slots):
         M = token_slots.shape[0]
@@ -443,7 +442,7 @@ class LoRAContext:
             return _Passthrough(), _Passthrough()
         if self._rows is not None:
             # per_row's batches are never refilled: the recompute reads the same, in the block or after it.
-            return contextlib.nullcontext(), self._in_rows((self._rows, self._row_batches, self._row_slots))
+            return contextlib.nullcontext(), self._in_rows((self._rows, self._row_batches))
         if self._restored is not None:
             copy = self._restored           # a checkpoint nested in a recompute: that batch
         else:
@@ -455,12 +454,12 @@ class LoRAContext:
     @contextlib.contextmanager
     def _in_rows(self, rows):
         """A checkpoint's recompute of a forward run inside per_row: that block's rows and batches again."""
-        saved = (self._rows, self._row_batches, self._row_slots, self._row_current, self._row_shape)
-        self._rows, self._row_batches, self._row_slots = rows
+        saved = (self._rows, self._row_batches, self._row_current, self._row_shape)
+        self._rows, self._row_batches = rows
         try:
             yield
         finally:
-            self._rows, self._row_batches, self._row_slots, self._row_current, self._row_shape = saved
+            self._rows, self._row_batches, self._row_current, self._row_shape = saved
 
     @contextlib.contextmanager
     def _restore(self, copy):
