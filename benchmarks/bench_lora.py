@@ -17,7 +17,6 @@ import datetime
 import functools
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -158,10 +157,8 @@ def device_name(device):
 
 
 def device_tag(device):
-    """'h200' for 'NVIDIA H200': the short name used in file names."""
-    if device.type != "cuda":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "", device_name(device).split()[-1].lower()) or "gpu"
+    """The short name used in file names (report.gpu_tag), 'cpu' off a GPU."""
+    return report.gpu_tag(device_name(device)) if device.type == "cuda" else "cpu"
 
 
 def environment(args, timer, dtype, notes):
@@ -174,6 +171,8 @@ def environment(args, timer, dtype, notes):
         "l2_MiB": timer.l2_bytes >> 20, "copy_GBps": None, "matmul_TFLOPs": None,
         "args": {k: v for k, v in vars(args).items()},
     }
+    if timer.device.type == "cuda":   # whose tuned table "ours" looks its configs up in (None: the heuristic's)
+        env["tuned_table"] = lora_ops.configs.table_source(timer.device)
     if timer.device.type == "cpu":
         env["cpu_backend"] = args.cpu_backend
         env["triton_interpret"] = os.environ.get("TRITON_INTERPRET")

@@ -5,6 +5,7 @@ A row record is a plain dict (see bench_lora.new_record); times are in µs, None
 import json
 import math
 import os
+import re
 
 IMPLS = ("ours", "vllm", "sglang")
 PEERS = ("vllm", "sglang")
@@ -229,11 +230,18 @@ def notes_text(rows):
 # --- files
 
 
+def gpu_tag(name):
+    """The short GPU name used in file names: 'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3',
+    'a100' for 'NVIDIA A100-SXM4-80GB' (the first word with a digit, up to a dash), else 'gpu'."""
+    words = [w.split("-")[0] for w in name.split() if re.search(r"\d", w)]
+    return re.sub(r"[^a-z0-9]+", "", words[0].lower()) if words else "gpu"
+
+
 def write_run_files(out_dir, kind, result, text):
     """``{kind}-{gpu tag}-{date}.json`` (``result``) and ``.md`` (``text``) in ``out_dir``; returns the stem.
     ``result`` holds "gpu" (a name, or "cpu") and "date" ("YYYY-MM-DD ...")."""
     os.makedirs(out_dir, exist_ok=True)
-    tag = "h200" if "H200" in result["gpu"] else ("cpu" if result["gpu"] == "cpu" else "gpu")
+    tag = "cpu" if result["gpu"] == "cpu" else gpu_tag(result["gpu"])
     stem = os.path.join(out_dir, f"{kind}-{tag}-{result['date'][:10]}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
@@ -263,7 +271,7 @@ def write_markdown(path, env, rows, summary, title):
         f.write("\n".join(lines) + "\n")
 
 
-ENV_HEADLINE = ("date", "gpu", "torch", "triton", "cuda", "dtype", "copy_GBps", "matmul_TFLOPs", "git")
+ENV_HEADLINE = ("date", "gpu", "torch", "triton", "cuda", "dtype", "copy_GBps", "matmul_TFLOPs", "tuned_table", "git")
 
 # (row field, legend, line style, colour): fixed colours, so a series looks the same in every panel.
 PLOT_SERIES = (("ours_us", "ours", "-o", "tab:blue"), ("vllm_us", "vllm", "-s", "tab:orange"),

@@ -342,7 +342,10 @@ def against_table(kind, job, new, problems, table, gpu, args, device, dtype):
 
 def _table(args, out, gpu, entries, compile_s, t0):
     """The table this run writes: its entries, over the table at ``out`` with --merge."""
-    table = dict(gpu=gpu, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
+    from lora_ops import configs
+    # The GPU's kind: a GPU without a table of its own takes one of its kind (configs.load_table).
+    kind = {} if args.dry_run else configs.gpu_kind()
+    table = dict(gpu=gpu, **kind, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
                  triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
                  seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
     if args.merge and os.path.exists(out):
@@ -358,7 +361,6 @@ def _table(args, out, gpu, entries, compile_s, t0):
         history = old.get("merged_from") or []
         history = [history] if isinstance(history, dict) else list(history)   # tables before session 23: one
         table["merged_from"] = history + [{k: old.get(k) for k in ("date", "torch", "triton", "seconds")}]
-    from lora_ops import configs
     configs.check_table(table, out)     # what the library will refuse to load, refused before it is written
     return table
 

@@ -144,7 +144,7 @@ def pretend_gpu_table(tmp_path, monkeypatch):
     def install(entries):
         monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
         (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
-        monkeypatch.setattr(configs, "_gpu_name", lambda index: name)
+        monkeypatch.setattr(configs, "_gpu", lambda index: (name, (9, 0), 132))
         configs.load_table.cache_clear()
         configs.reset()
         return name

@@ -343,7 +343,7 @@ def float16_launches():
     layers = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
               "down": (14336, [4096])}
     seen = set()
-    gpu_name, configs._gpu_name = configs._gpu_name, lambda index: "NVIDIA H200"   # no GPU here
+    which_gpu, configs._gpu = configs._gpu, lambda index: ("NVIDIA H200", (9, 0), 132)   # no GPU here
     try:
         for name, (K, widths) in layers.items():
             N, S = sum(widths), len(widths)
@@ -363,7 +363,7 @@ def float16_launches():
                                                  accumulate=mode == "expand")
                         yield f"{name} r{R} m{M} {mode} {tuple(cfg)}", launch.EXPAND, run
     finally:
-        configs._gpu_name = gpu_name
+        configs._gpu = which_gpu
         configs.reset()
 
 

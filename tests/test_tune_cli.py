@@ -215,10 +215,24 @@ def test_stack_limit_times_with_the_table_being_written(tmp_path):
 def test_the_tuner_refuses_to_write_a_table_the_library_would_refuse(tmp_path):
     """tune._table checks what it is about to write (configs.check_table), as the library checks it on load."""
     import argparse
-    args = argparse.Namespace(dtype="bf16", slots=4, merge=False)
+    args = argparse.Namespace(dtype="bf16", slots=4, merge=False, dry_run=True)
     bad = dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
                config=heuristics.ExpandConfig(32, 256, 8, 8, 2)._asdict())
     with pytest.raises(ValueError, match=r"out.json: entry 0 .*block_r must be a power of two >= 16 .*got 8"):
         tune._table(args, str(tmp_path / "out.json"), "Pretend GPU", [bad], 0, 0)
     good = dict(bad, config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict())
     assert tune._table(args, str(tmp_path / "out.json"), "Pretend GPU", [good], 0, 0)["entries"] == [good]
+
+
+def test_a_table_tuned_on_a_gpu_records_its_kind(tmp_path, monkeypatch):
+    """What configs.load_table matches a GPU without a table of its own against; a dry run (no GPU) records
+    none, so its table serves no other GPU."""
+    import argparse
+    from lora_ops import configs
+    monkeypatch.setattr(configs, "gpu_kind", lambda index=None: dict(capability=[9, 0], multiprocessors=132))
+    entry = dict(kind="expand", features=6144, slices=3, rank=16, tokens=64,
+                 config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict())
+    for dry_run, kind in ((False, {"capability": [9, 0], "multiprocessors": 132}), (True, {})):
+        args = argparse.Namespace(dtype="bf16", slots=4, merge=False, dry_run=dry_run)
+        table = tune._table(args, str(tmp_path / "out.json"), "Pretend GPU", [entry], 0, 0)
+        assert {k: table[k] for k in ("capability", "multiprocessors") if k in table} == kind

@@ -6,7 +6,8 @@ add_lora_ runs either one launch (lora_ops.kernels.fused: small batches) or two 
 
 Resolution order for a (kernel, shapes, token bucket) key: a config autotuned in this process, else the
 nearest entry of the tuned table for this GPU (``tuned/<gpu name>.json``, written by
-``python -m lora_ops.tune``), else the heuristic. Tables are tuned in 16-bit dtypes; float32 inputs use
+``python -m lora_ops.tune``; a GPU without one takes a table tuned on a GPU of the same compute capability
+and multiprocessor count: :func:`load_table`), else the heuristic. Tables are tuned in 16-bit dtypes; float32 inputs use
 the heuristic. Each key is resolved once per process and remembered (keyed by shapes, never by data),
 so the steady-state cost is one dict lookup. Autotune runs only outside CUDA-graph capture; during a
 capture the table or heuristic config is used and not remembered, so a later warm-up can still tune.
@@ -24,8 +25,8 @@ from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig,
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
            "stacked_config", "store_config", "stack_pad_rows", "stack_limit_tokens",
-           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "token_bucket", "reset",
-           "generation"]
+           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "table_source", "gpu_kind",
+           "token_bucket", "reset", "generation"]
 
 PATHS = ("fused", "split")
 
@@ -76,19 +77,61 @@ def table_path(gpu_name):
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_name(index):
-    return torch.cuda.get_device_name(index)
+def _gpu(index):
+    """(name, compute capability, multiprocessor count) of CUDA device ``index``: what picks its table."""
+    props = torch.cuda.get_device_properties(index)
+    return props.name, (props.major, props.minor), props.multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def load_table(gpu_name):
-    path = table_path(gpu_name)
-    if not path.exists():
-        return None
+def gpu_kind(index=None):
+    """{"capability": [major, minor], "multiprocessors": n} of a CUDA device (default: the current one), as
+    the tuner records it in the tables it writes: a GPU without a table of its own takes one tuned on a GPU
+    of this kind (:func:`load_table`)."""
+    _, capability, multiprocessors = _gpu(torch.cuda.current_device() if index is None else index)
+    return dict(capability=list(capability), multiprocessors=multiprocessors)
+
+
+def _read_table(path):
     with open(path) as f:
         table = json.load(f)
     check_table(table, path)
     return table
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(gpu_name, capability=None, multiprocessors=None):
+    """The tuned table a GPU looks its configs up in, or None (the heuristic serves): its own
+    (``table_path(gpu_name)``), else, given its compute capability and multiprocessor count, the first table
+    (by file name) tuned on a GPU with both equal. Kernel configs follow the SMs (grids, split counts) and
+    their shared memory (stages, tiles), both the same there. Measured: the H200's table on an H100 SXM
+    (both sm_90, 132 SMs; 2026-12-05) took add_lora_ to 0.84 of the heuristic's time on the core grid and
+    0.86 at ranks 128-320; one row of 116 lost more than 5%."""
+    path = table_path(gpu_name)
+    if path.exists():
+        return _read_table(path)
+    if capability is None:
+        return None
+    kind = dict(capability=list(capability), multiprocessors=multiprocessors)
+    for other in sorted(TUNED_DIR.glob("*.json")):
+        table = _read_table(other)
+        if {k: table.get(k) for k in kind} == kind:
+            return table
+    return None
+
+
+def _device_table(device):
+    """The tuned table ``device`` (a CUDA device) looks its configs up in, or None."""
+    return load_table(*_gpu(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def table_source(device=None):
+    """Which GPU's tuned table ``device`` (default: the current CUDA device) uses — its own name, or another
+    GPU's of the same kind (:func:`load_table`) — or None where the heuristic serves (no table, tables off,
+    no CUDA device). For reports: benchmarks record it beside their figures."""
+    if not (_tables["on"] and torch.cuda.is_available()):
+        return None
+    table = _device_table(torch.device("cuda") if device is None else torch.device(device))
+    return None if table is None else table.get("gpu")
 
 
 # What a config's fields must be for the kernels to compile on a GPU: the tile sizes are tl.arange lengths
@@ -161,6 +204,12 @@ def check_table(table, where):
     table is written by ``python -m lora_ops.tune``, which checks it too, but it is a file a user can edit."""
     if not isinstance(table, dict) or not isinstance(table.get("entries"), list):
         raise ValueError(f"{where}: a tuned table is an object with a list of 'entries'")
+    capability, multiprocessors = table.get("capability"), table.get("multiprocessors")
+    if capability is not None and not (isinstance(capability, list) and len(capability) == 2
+                                       and all(_is_int(v) and v >= 0 for v in capability)):
+        raise ValueError(f"{where}: 'capability' must be [major, minor] (two ints), got {capability!r}")
+    if multiprocessors is not None and not (_is_int(multiprocessors) and multiprocessors >= 1):
+        raise ValueError(f"{where}: 'multiprocessors' must be an int >= 1, got {multiprocessors!r}")
     for i, entry in enumerate(table["entries"]):
         problem = _entry_problem(entry)
         if problem:
@@ -223,7 +272,7 @@ def _heuristic(kind, features, num_slices, max_rank, num_slots, bucket, forced, 
 
 
 def _from_table(kind, device, features, num_slices, max_rank, bucket, out_features, fallback):
-    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
+    table = _device_table(device)
     entry = table and _nearest(table["entries"], kind, features, num_slices, max_rank, bucket, out_features)
     if entry is None:
         return fallback
@@ -330,7 +379,7 @@ def _stack_entry(kind, out_features, in_features, stack_rows, device, dtype):
     or None (the CPU, float32, no table, tables turned off)."""
     if device.type != "cuda" or dtype == torch.float32 or not _tables["on"]:
         return None
-    table = load_table(_gpu_name(device.index if device.index is not None else torch.cuda.current_device()))
+    table = _device_table(device)
     for e in (table or {}).get("entries", ()):
         if e["kind"] == kind and (e["features"], e["in_features"], e["rows"]) == (out_features, in_features,
                                                                                    stack_rows):
