@@ -55,7 +55,8 @@
 #     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
 #                                              # adds, with and without stack_a) for the tree in DIR and this
 #                                              # one, in turn three times (~3 min)
-#     bash benchmarks/gpu_session.sh fill      # the one-launch batch metadata fill (session 28, opt-in): its
+#     bash benchmarks/gpu_session.sh fill      # the one-launch batch metadata fill (session 28; the GPU default
+#                                              # since 33, LORA_OPS_ONE_LAUNCH_FILL=0 the torch path): its
 #                                              # GPU tests, then lab_batch_fill.py (host and GPU µs of
 #                                              # LoRABatch.update by either path, metadata compared), then the
 #                                              # decode step's synced column by either fill (~7 min)
@@ -150,14 +151,14 @@ elif [ "$MODE" = hostab ]; then
 elif [ "$MODE" = fill ]; then
     step tests 60 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_batch.py
-    # The layers, compiled models and CUDA graphs with every fill through the kernel.
-    step tests_on 150 env LORA_OPS_ONE_LAUNCH_FILL=1 LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
-        -q -p no:cacheprovider -rf tests/test_layers.py tests/test_model_compile.py
+    # Compiled models, CUDA graphs and autograd with every fill through the kernel (the default).
+    step tests_on 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
+        -q -p no:cacheprovider -rf tests/test_model_compile.py tests/test_batch_copies.py tests/test_eager_autograd.py
     step fill 200 python benchmarks/lab_batch_fill.py
     # The decode step's synced column (set_token_slots, replay, synchronize) by either fill.
-    step decode_fill_off 80 python benchmarks/bench_decode.py --stack-a --out "$R/decode_fill_off"
-    step decode_fill_on 80 env LORA_OPS_ONE_LAUNCH_FILL=1 python benchmarks/bench_decode.py --stack-a \
-        --out "$R/decode_fill_on"
+    step decode_fill_off 80 env LORA_OPS_ONE_LAUNCH_FILL=0 python benchmarks/bench_decode.py --stack-a \
+        --out "$R/decode_fill_off"
+    step decode_fill_on 80 python benchmarks/bench_decode.py --stack-a --out "$R/decode_fill_on"
 elif [ "$MODE" = props ]; then
     step tests 560 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_kernels_property.py ${PROPS_K:+-k "$PROPS_K"}

@@ -1,5 +1,5 @@
 """Lab (session 28): the batch metadata fill, the torch path (about a dozen small launches: argsort, scatter_add,
-cumsum, ...) against the one-launch kernel (lora_ops.kernels.batch, opt-in: batch.set_one_launch_fill).
+cumsum, ...) against the one-launch kernel (lora_ops.kernels.batch, the GPU default: batch.set_one_launch_fill).
 
 Per slot count L and token count M (random slots in [-1, L), int32, on the device), LoRABatch.update by each
 path:
@@ -113,7 +113,7 @@ def main():
                     rows.append(row(L, M, gen))
                     print(rows[-1], flush=True)
     finally:
-        batch_module.set_one_launch_fill(False)
+        batch_module.set_one_launch_fill(None)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     gpu = torch.cuda.get_device_name(DEV) if CUDA else "cpu"
     lines = [f"# Batch metadata fill: torch path against one launch ({gpu}, torch {torch.__version__}, Triton "

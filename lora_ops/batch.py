@@ -8,9 +8,9 @@ From per-token slots (``-1`` = no adapter) we build, with no host synchronisatio
 
 Counts come from ``scatter_add_`` into a fixed-size buffer (never ``bincount``/``unique``/``nonzero``,
 whose output sizes depend on data). The kernels derive their work list (slot, token tile) from
-``slot_counts`` themselves, so one metadata serves kernels of any tile size. Opt-in
-(:func:`set_one_launch_fill`): the same metadata from one Triton launch (a counting sort in one program,
-lora_ops.kernels.batch) instead of those dozen torch ops.
+``slot_counts`` themselves, so one metadata serves kernels of any tile size. On a GPU the same metadata
+comes from one Triton launch (a counting sort in one program, lora_ops.kernels.batch) instead of those
+dozen torch ops, where the kernel serves the shape (:func:`set_one_launch_fill`).
 
 :class:`LoRABatch` owns buffers allocated once at a capacity and refills them in place, so a captured
 CUDA graph replays with new batches and a compiled model sees the same tensors every step.
@@ -21,31 +21,44 @@ from typing import NamedTuple
 import torch
 
 SLOT_DTYPES = (torch.int32, torch.int64)
-# The one-launch fill (lora_ops.kernels.batch), opt-in until timed on a GPU: see set_one_launch_fill.
-_one_launch = [os.environ.get("LORA_OPS_ONE_LAUNCH_FILL", "0") == "1"]
+# The one-launch fill (lora_ops.kernels.batch): None = on GPUs (the default), True = also CPU tensors under the
+# Triton CPU backend (the interpreter), False = never. See set_one_launch_fill.
+_one_launch = [{"1": True, "0": False}.get(os.environ.get("LORA_OPS_ONE_LAUNCH_FILL", ""))]
 
 
 def set_one_launch_fill(on):
-    """Fill the metadata of a batch on the Triton side (CUDA tensors, or CPU tensors under
-    ``ops.set_cpu_backend("triton")``) with one launch of lora_ops.kernels.batch where it serves the batch's
-    shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches. Off by default;
-    ``LORA_OPS_ONE_LAUNCH_FILL=1`` turns it on at import. The same metadata bit for bit either way
-    (tests/test_batch.py).
-    Opt-in: built in session 28 without a GPU (checked under the interpreter and compiled for sm_90), not
-    yet timed on one."""
-    _one_launch[0] = bool(on)
+    """Whether a batch's metadata is filled by one launch of lora_ops.kernels.batch, where it serves the batch's
+    shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches. The same metadata bit
+    for bit either way (tests/test_batch.py).
+
+    ``None`` (the default): on CUDA tensors. ``True``: also CPU tensors under ``ops.set_cpu_backend("triton")``
+    (Triton's interpreter). ``False``: the torch path everywhere. ``LORA_OPS_ONE_LAUNCH_FILL=1`` / ``=0`` sets
+    True / False at import. Under torch.compile's tracing the torch path serves (it traces; a Triton launch
+    outside a registered op would not).
+
+    Why the default: a server fills the next batch's metadata on the host between steps, and every launch
+    costs host time there. H100, torch 2.11, Triton 3.6 (2026-12-05, benchmarks/bench_decode.py --stack-a:
+    set_token_slots from the host, the step's CUDA-graph replay, a synchronize; 4 Llama-3-8B blocks, 64
+    tokens): the step with LoRA took 1.85 / 1.83 (ranks 16 / 64) of the step without by the torch path, 1.25 /
+    1.32 by one launch (1433 -> 954 us a step at rank 16)."""
+    if on not in (None, True, False):
+        raise ValueError(f"set_one_launch_fill: expected None, True or False, got {on!r}")
+    _one_launch[0] = on
 
 
 def _launch_batch(device, num_tokens, max_loras):
     """lora_ops.launch_batch where the one-launch fill serves this call, else None (imported only then:
     it imports Triton, which a CPU-only install lacks)."""
-    if not _one_launch[0]:
+    on = _one_launch[0]
+    if on is False:
         return None
     if device.type != "cuda":
         from lora_ops import ops
-        if device.type != "cpu" or ops.get_cpu_backend() != "triton":
+        if not on or device.type != "cpu" or ops.get_cpu_backend() != "triton":
             return None
         ops._check_interpreter()
+    if torch.compiler.is_compiling():
+        return None
     from lora_ops import launch_batch
     return launch_batch if launch_batch.fits(num_tokens, max_loras) else None
 

@@ -1,4 +1,6 @@
 """Batch metadata: LoRABatch, build_batch_meta and fill_batch_meta against plain Python counting."""
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -133,15 +135,25 @@ def test_cuda_batch_from_cuda_or_cpu_slots():
         batch.update(torch.tensor(slots))
 
 
-# -- the one-launch fill (lora_ops.kernels.batch, opt-in: batch.set_one_launch_fill) ----------------------
+# -- the one-launch fill (lora_ops.kernels.batch; on GPUs by default: batch.set_one_launch_fill) -----------
+
+@contextlib.contextmanager
+def fill_setting(on):
+    """batch.set_one_launch_fill(on) within the block, the setting before it restored after."""
+    from lora_ops import batch
+    before = batch._one_launch[0]
+    batch.set_one_launch_fill(on)
+    try:
+        yield
+    finally:
+        batch.set_one_launch_fill(before)
+
 
 @pytest.fixture
 def one_launch_fill(triton_kernels):
-    """The one-launch fill switched on, CPU tensors through the Triton side (the interpreter)."""
-    from lora_ops import batch
-    batch.set_one_launch_fill(True)
-    yield triton_kernels
-    batch.set_one_launch_fill(False)
+    """The one-launch fill switched on, CPU tensors too (through the Triton side: the interpreter)."""
+    with fill_setting(True):
+        yield triton_kernels
 
 
 def _poisoned_batch(max_tokens, max_loras, device):
@@ -185,7 +197,6 @@ def test_one_launch_fill_at_larger_shapes(one_launch_fill, num_tokens, num_slots
 def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch_fill, monkeypatch):
     """LoRABatch.update and a LoRAContext take the kernel where launch_batch.fits (shapes only), the torch
     ops elsewhere and when switched off; the metadata is the same either way."""
-    from lora_ops import batch as batch_module
     from lora_ops import launch_batch
     assert launch_batch.fits(64, 4) and launch_batch.fits(32768, 4) and not launch_batch.fits(32769, 4)
     assert launch_batch.fits(2048, 64) and not launch_batch.fits(2049, 64) and not launch_batch.fits(1, 1000)
@@ -201,22 +212,50 @@ def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch
     wide.update(slots)
     assert launches == [8]
     assert_meta_matches(type(wide.meta)(*[t.cpu() for t in wide.meta]), slots.tolist(), 1000)
-    batch_module.set_one_launch_fill(False)
-    small.update(slots.flip(0))
+    with fill_setting(False):
+        small.update(slots.flip(0))
     assert launches == [8]
     assert_meta_matches(type(small.meta)(*[t.cpu() for t in small.meta]), slots.flip(0).tolist(), 4)
+    with fill_setting(None):     # the default: GPUs only
+        small.update(slots)
+    assert launches == ([8, 8] if small.meta.slot_counts.is_cuda else [8])
+
+
+def test_one_launch_fill_is_not_traced_by_torch_compile(one_launch_fill, monkeypatch):
+    """Metadata filled inside torch.compile'd code takes the torch path (it traces, fullgraph); eagerly, the
+    kernel. The metadata is the same."""
+    from lora_ops import launch_batch
+    launches = []
+    real = launch_batch.fill_batch_meta
+    monkeypatch.setattr(launch_batch, "fill_batch_meta", lambda *a: launches.append(a[0].shape[0]) or real(*a))
+    batch = LoRABatch(16, 4, device=one_launch_fill.device)
+    slots = torch.tensor([3, -1, 0, 2, 0, 1], device=one_launch_fill.device)
+
+    def refill(slots):     # (LoRABatch.update checks CPU slots' range: a sync that does not trace)
+        fill_batch_meta(slots, 4, *batch.meta, batch._ones)
+        return [t.clone() for t in batch.meta]
+    torch._dynamo.reset()
+    traced = torch.compile(refill, backend="aot_eager", fullgraph=True)(slots)
+    torch._dynamo.reset()
+    assert launches == []
+    eager = refill(slots)
+    assert launches == [6]
+    assert all(torch.equal(a, b) for a, b in zip(traced, eager))
+    assert_meta_matches(type(batch.meta)(*[t.cpu() for t in eager]), slots.tolist(), 4)
+
+
+def test_set_one_launch_fill_takes_none_true_or_false():
+    from lora_ops import batch
+    with pytest.raises(ValueError, match="set_one_launch_fill: expected None, True or False, got 'yes'"):
+        batch.set_one_launch_fill("yes")
 
 
 @pytest.mark.parametrize("one_launch", [False, True], ids=["torch_path", "one_launch"])
 def test_a_refill_bumps_every_buffers_version(triton_kernels, one_launch):
     """Autograd refuses a backward whose saved metadata was refilled since its forward (lora_ops.autograd):
     both paths must bump the buffers' version counters (a kernel's writes do not by themselves)."""
-    from lora_ops import batch as batch_module
     batch = LoRABatch(16, 4, device=triton_kernels.device)
-    batch_module.set_one_launch_fill(one_launch)
-    try:
+    with fill_setting(one_launch):
         before = [t._version for t in batch.meta]
         batch.update(torch.tensor([1, 0, -1, 3], device=triton_kernels.device))
         assert all(t._version > v for t, v in zip(batch.meta, before)), [t._version for t in batch.meta]
-    finally:
-        batch_module.set_one_launch_fill(False)

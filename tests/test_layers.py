@@ -531,6 +531,7 @@ def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
         with torch.no_grad():
             outs += [layer(x) for _ in range(3)]
         return outs, leaf.grad, layer.lora_b.grad.clone()
+    before = batch._one_launch[0]
     batch.set_one_launch_fill(one_launch_fill)
     try:
         with torch.cuda.device(1):
@@ -540,7 +541,7 @@ def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
         got = run()
         assert torch.cuda.current_device() == 0
     finally:
-        batch.set_one_launch_fill(False)
+        batch.set_one_launch_fill(before)
     for a, b in zip(want[0] + [want[1], want[2]], got[0] + [got[1], got[2]]):
         assert torch.equal(a, b)
     ref = layer_reference(layer, x, request_slots(ctx, REQUESTS))
