@@ -86,8 +86,9 @@ def check_token_slots(token_slots, max_loras, max_tokens=None):
         raise ValueError(f"token_slots: {token_slots.shape[0]} tokens exceed the batch capacity "
                          f"max_tokens={max_tokens}")
     if token_slots.device.type == "cpu" and token_slots.numel():
-        bad = (token_slots < -1) | (token_slots >= max_loras)
-        if bool(bad.any()):
+        lowest, highest = torch.aminmax(token_slots)   # (one op: a server's host pays this check every step)
+        if int(lowest) < -1 or int(highest) >= max_loras:
+            bad = (token_slots < -1) | (token_slots >= max_loras)
             i = int(bad.to(torch.uint8).argmax())
             raise ValueError(f"token_slots: slot {int(token_slots[i])} at token {i} is outside "
                              f"[-1, max_loras={max_loras})")
