@@ -128,6 +128,13 @@ def host_us_per_call(fn, calls, device, rounds=5):
     return statistics.median(times)
 
 
+def _batch_fill(device):
+    """How set_token_slots fills the batch metadata here (lora_ops.batch.set_one_launch_fill): "one launch"
+    (lora_ops.kernels.batch, where launch_batch.fits) or "torch ops"."""
+    from lora_ops import batch
+    return "torch ops" if batch._launch_batch(device, 1, 4) is None else "one launch"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -152,7 +159,7 @@ def main(argv=None):
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "triton": getattr(__import__("triton"), "__version__", None), "layers": args.layers,
-              "batch": args.batch, "adapters": 4, "rows": []}
+              "batch": args.batch, "adapters": 4, "batch_fill": _batch_fill(device), "rows": []}
 
     def step():
         with torch.no_grad():
@@ -201,7 +208,7 @@ def main(argv=None):
              f"({result['gpu']}, torch {result['torch']}, Triton {result['triton']}, {result['date']})", "",
              "CUDA-graph replay of one step (median); each rank in a stack of its own capacity; host: eager qkv layer "
              "calls back to back, wall per call; synced: a server's step (LoRA: set_token_slots from the host, then "
-             "the replay, then a synchronize), wall, median of 200.", "",
+             f"the replay, then a synchronize), wall, median of 200; batch metadata fill: {result['batch_fill']}.", "",
              "| rank | base step µs | LoRA step µs | base tok/s | LoRA tok/s | LoRA/base | base Linear host µs | "
              "LoRALinear host µs | LoRA adds µs | synced base µs | synced LoRA µs | synced LoRA/base |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

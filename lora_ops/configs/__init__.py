@@ -7,8 +7,8 @@ add_lora_ runs either one launch (lora_ops.kernels.fused: small batches) or two 
 Resolution order for a (kernel, shapes, token bucket) key: a config autotuned in this process, else the
 nearest entry of the tuned table for this GPU (``tuned/<gpu name>.json``, written by
 ``python -m lora_ops.tune``; a GPU without one takes a table tuned on a GPU of the same compute capability
-and multiprocessor count: :func:`load_table`), else the heuristic. Tables are tuned in 16-bit dtypes; float32 inputs use
-the heuristic. Each key is resolved once per process and remembered (keyed by shapes, never by data),
+and multiprocessor count: :func:`load_table`), else the heuristic. Tables are tuned in 16-bit dtypes;
+float32 inputs use the heuristic. Each key is resolved once per process and remembered (keyed by shapes, never by data),
 so the steady-state cost is one dict lookup. Autotune runs only outside CUDA-graph capture; during a
 capture the table or heuristic config is used and not remembered, so a later warm-up can still tune.
 """
