@@ -340,6 +340,22 @@ def against_table(kind, job, new, problems, table, gpu, args, device, dtype):
                  **({} if kept == "new" else {"config": before[e["kind"]]})) for e in new]
 
 
+def _merge_base(args, out, gpu, kind):
+    """The table whose entries --merge keeps: the one at ``out``; where there is none and ``out`` is this GPU's
+    own path in the package, the table it takes from its kind (``kind``: configs.load_table), so that tuning a
+    few shapes on, say, an H100 keeps the H200 table's entries for the rest, which its own table would
+    otherwise hide. None without --merge."""
+    from lora_ops import configs
+    if not args.merge:
+        return None
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    if not kind or pathlib.Path(out) != configs.table_path(gpu):
+        return None
+    return configs.load_table(gpu, tuple(kind["capability"]), kind["multiprocessors"])
+
+
 def _table(args, out, gpu, entries, compile_s, t0):
     """The table this run writes: its entries, over the table at ``out`` with --merge."""
     from lora_ops import configs
@@ -348,11 +364,10 @@ def _table(args, out, gpu, entries, compile_s, t0):
     table = dict(gpu=gpu, **kind, dtype=args.dtype, slots=args.slots, torch=torch.__version__,
                  triton=__import__("triton").__version__, date=datetime.date.today().isoformat(),
                  seconds=dict(compile=round(compile_s), total=round(time.time() - t0)), entries=entries)
-    if args.merge and os.path.exists(out):
+    old = _merge_base(args, out, gpu, kind)
+    if old is not None:
         def key(e):
             return (e["kind"], *_entry_shape(e))
-        with open(out) as f:
-            old = json.load(f)
         # A retuned entry takes its old one's place (a table's diff shows what changed); new shapes follow.
         retuned = {key(e): e for e in entries}
         kept = [retuned.pop(key(e), e) for e in old["entries"]]
@@ -360,7 +375,7 @@ def _table(args, out, gpu, entries, compile_s, t0):
         # The runs merged into it, oldest first: "seconds" is this run's alone, the history keeps the others'.
         history = old.get("merged_from") or []
         history = [history] if isinstance(history, dict) else list(history)   # tables before session 23: one
-        table["merged_from"] = history + [{k: old.get(k) for k in ("date", "torch", "triton", "seconds")}]
+        table["merged_from"] = history + [{k: old.get(k) for k in ("gpu", "date", "torch", "triton", "seconds")}]
     configs.check_table(table, out)     # what the library will refuse to load, refused before it is written
     return table
 
