@@ -31,8 +31,10 @@ def set_one_launch_fill(on):
     shape (lora_ops.launch_batch.fits), instead of the torch path's dozen small launches. The same metadata bit
     for bit either way (tests/test_batch.py).
 
-    ``None`` (the default): on CUDA tensors. ``True``: also CPU tensors under ``ops.set_cpu_backend("triton")``
-    (Triton's interpreter). ``False``: the torch path everywhere. ``LORA_OPS_ONE_LAUNCH_FILL=1`` / ``=0`` sets
+    ``None`` (the default): on CUDA tensors, for batches of a few steps of the kernel (launch_batch.
+    DEFAULT_MAX_STEPS: 4 slots up to 4096 tokens, 64 slots up to 256). ``True``: wherever it fits
+    (launch_batch.MAX_STEPS), CPU tensors under ``ops.set_cpu_backend("triton")`` (Triton's interpreter)
+    too. ``False``: the torch path everywhere. ``LORA_OPS_ONE_LAUNCH_FILL=1`` / ``=0`` sets
     True / False at import. Under torch.compile's tracing the torch path serves (it traces; a Triton launch
     outside a registered op would not).
 
@@ -60,7 +62,8 @@ def _launch_batch(device, num_tokens, max_loras):
     if torch.compiler.is_compiling():
         return None
     from lora_ops import launch_batch
-    return launch_batch if launch_batch.fits(num_tokens, max_loras) else None
+    max_steps = launch_batch.MAX_STEPS if on else launch_batch.DEFAULT_MAX_STEPS
+    return launch_batch if launch_batch.fits(num_tokens, max_loras, max_steps) else None
 
 
 class BatchMeta(NamedTuple):

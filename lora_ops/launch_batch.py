@@ -14,6 +14,12 @@ MIN_BLOCK_T, MAX_BLOCK_T = 16, 1024
 # One program walks the tokens twice, BLOCK_T at a time: past this many steps a pass, the torch path's
 # parallel sort serves (e.g. 4 slots: up to 32768 tokens; 64 slots: up to 2048).
 MAX_STEPS = 32
+# By default (lora_ops.batch.set_one_launch_fill(None)) the kernel serves only batches of a few steps a pass
+# (4 slots: up to 4096 tokens; 64 slots: up to 256): measured at one step (a decode batch of 64 on an H100,
+# session 33), where it saves the host a dozen launches. Its GPU time grows with the steps, one program on
+# one SM, and at 32 steps it may exceed the torch path's parallel kernels; not yet timed
+# (benchmarks/lab_batch_fill.py).
+DEFAULT_MAX_STEPS = 4
 
 
 def _keys(num_slots):
@@ -28,10 +34,11 @@ def _block_t(num_tokens, num_slots):
     return min(widest, max(MIN_BLOCK_T, next_power_of_2(num_tokens)))
 
 
-def fits(num_tokens, num_slots):
-    """Whether the one-program kernel serves a batch of this many tokens and slots (shapes only)."""
+def fits(num_tokens, num_slots, max_steps=MAX_STEPS):
+    """Whether the one-program kernel serves a batch of this many tokens and slots (shapes only), in at most
+    ``max_steps`` steps a pass."""
     return (_keys(num_slots) * MIN_BLOCK_T <= ONE_HOT_ELEMENTS
-            and cdiv(num_tokens, _block_t(num_tokens, num_slots)) <= MAX_STEPS)
+            and cdiv(num_tokens, _block_t(num_tokens, num_slots)) <= max_steps)
 
 
 def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts):

@@ -221,6 +221,20 @@ def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch
     assert launches == ([8, 8] if small.meta.slot_counts.is_cuda else [8])
 
 
+@pytest.mark.parametrize("setting, served", [
+    (None, {(64, 4): True, (4096, 4): True, (4097, 4): False, (256, 64): True, (257, 64): False}),
+    (True, {(4097, 4): True, (32768, 4): True, (32769, 4): False, (2048, 64): True, (2049, 64): False}),
+    (False, {(64, 4): False}),
+], ids=["default", "on", "off"])
+def test_which_gpu_batches_the_one_launch_fill_serves(setting, served):
+    """By default a few steps of the kernel a pass (launch_batch.DEFAULT_MAX_STEPS: timed at one), switched on
+    wherever it fits (MAX_STEPS), off never; shapes only, so no GPU is needed to ask."""
+    from lora_ops import batch
+    with fill_setting(setting):
+        got = {shape: batch._launch_batch(torch.device("cuda", 0), *shape) is not None for shape in served}
+    assert got == served
+
+
 def test_one_launch_fill_is_not_traced_by_torch_compile(one_launch_fill, monkeypatch):
     """Metadata filled inside torch.compile'd code takes the torch path (it traces, fullgraph); eagerly, the
     kernel. The metadata is the same."""
