@@ -279,8 +279,8 @@ class LoRAContext:
         projections over the encoder's tokens included) each get the batch of their own shape, built once per
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
-        torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; inputs with
-        rows only). A backward after the block ends: a non-reentrant checkpoint with
+        torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; flattened tokens
+        as above). A backward after the block ends: a non-reentrant checkpoint with
         ``context_fn=ctx.checkpoint_context`` recomputes on the block's batches; without it the recompute
         reads the context's own batch and raises, and a reentrant one's cannot be checked (run its backward
         in the block)."""
@@ -306,17 +306,7 @@ class LoRAContext:
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
         shape in the block (the buffers' shapes, so bound calls' plans apply; a serial of its own, so a
         backward that recomputes on another batch is refused as for set_batch's copies)."""
-        if x.dim() < 3:
-            # Flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)): the rows of the
-            # last input with rows, where it had M tokens; nothing else says which row a token is in.
-            if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:
-                raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
-                                 f"features] or the flattened tokens of the last such input, got shape "
-                                 f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
-            rows, tokens = self._row_shape
-        else:
-            rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
-            self._row_shape = (rows, tokens)
+        rows, tokens = self._row_shape_of(x, layer)
         key = (rows, tokens, x.device)      # (a model split across devices: each device's own)
         found = self._row_batches.get(key)
         if found is None:
@@ -338,12 +328,24 @@ class LoRAContext:
         """per_row under torch.compile: (metadata, per-token slots) of ``x`` [rows, tokens, ..., K] computed in
         the graph from the adapters' slots (a few small ops; the layers of one input shape compute the same,
         which Inductor computes once). The graph guards on the number of adapters, not on which they are."""
-        if x.dim() < 3:
-            raise ValueError(f"{self._name(layer)}: under torch.compile per_row takes a layer input [rows, tokens, "
-                             f"..., features], got shape {tuple(x.shape)}")
-        rows, tokens = x.shape[0], math.prod(x.shape[1:-1])
+        rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
+
+    def _row_shape_of(self, x, layer):
+        """per_row: (rows, tokens a row) of the layer input ``x`` [rows, tokens, ..., K], remembered; or, for
+        flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)), those of the last input
+        with rows, where it had M tokens: nothing else says which row a token is in. Under torch.compile the
+        shape remembered is the traced one (Dynamo carries the attribute through the graph), so the flattened
+        layer's batch follows its block's input within one graph, whatever the prefill's length."""
+        if x.dim() >= 3:
+            self._row_shape = (x.shape[0], math.prod(x.shape[1:-1]))
+            return self._row_shape
+        if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:
+            raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
+                             f"features] or the flattened tokens of the last such input, got shape "
+                             f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
+        return self._row_shape
 
     def _row_token_slots(self, slots, rows, tokens, layer):
         """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``slots`` [adapters] (a

@@ -8,6 +8,7 @@ requests of no adapter, and an empty slot. Rows without an adapter must equal th
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, rel_err
@@ -307,6 +308,38 @@ def test_per_row_training_step_matches_set_batch(checkpointing):
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and want[0].abs().sum() > 0
 
 
+def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
+    """A layer that sees its block's tokens flattened [M, K] (Qwen2-MoE's shared expert) inside per_row under
+    torch.compile(fullgraph=True): the rows of the input before it in the graph, as eagerly. One graph serves
+    other prefill lengths and row counts; a flattened input of another size than that input's raises."""
+    layers, ctx = one_layer_model(None, torch.float32, "cpu")
+    two = TwoLengths(layers["proj"])
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(two, backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    cases = [(["a", None, "b"], (3, 5, 2)), (["a", None, "b"], (3, 3, 2)), (["b", None, "a"], (6, 4, 3))]
+    for rows, (B, S, T) in cases:
+        src, tgt = torch.randn(B, S, K), torch.randn(B, T, N)
+        for t in (src, tgt):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        with torch.no_grad(), ctx.per_row(rows):
+            got = compiled(src, tgt)
+            want = two(src, tgt)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (rows, B, S)
+    assert counter.frame_count == 1
+
+    def mismatched(x):
+        layers["proj"](x)
+        return layers["proj"](x[:, :-1].reshape(-1, K))
+    torch._dynamo.reset()
+    with pytest.raises((ValueError, RuntimeError), match=r"or the flattened tokens of the last such input, got "
+                                                         r"shape \(8, 24\)"):
+        with torch.no_grad(), ctx.per_row(["a", "b"]):
+            torch.compile(mismatched, backend="aot_eager", fullgraph=True)(torch.randn(2, 5, K))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("what, match", [
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
@@ -315,8 +348,8 @@ def test_per_row_training_step_matches_set_batch(checkpointing):
                    r"or the flattened tokens of the last such input, got shape \(5, 24\)"),
     ("over_capacity", r"LoRALinear 'proj': 3 x 11 tokens exceed the context's capacity max_tokens=32"),
     ("nested", r"per_row: already active on this context"),
-    ("compiled_flat_input", r"LoRALinear 'proj': under torch.compile per_row takes a layer input \[rows, tokens, "
-                            r"\.\.\., features\], got shape \(6, 24\)"),
+    ("compiled_flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., "
+                            r"features\] or the flattened tokens of the last such input, got shape \(6, 24\)"),
     ("compiled_rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its "
                                      r"3 adapters"),
 ])

@@ -310,3 +310,70 @@ def test_encoder_decoder_generate_inside_per_row_matches_peft(tmp_path, kernels,
         want = peft_model.generate(input_ids=input_ids, adapter_names=peft_names(rows), **kwargs)
         assert torch.equal(got, want)
         assert not torch.equal(want, base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
+
+
+def tiny_qwen2_moe():
+    """A tiny Qwen2-MoE from a config, random weights, on DEVICE. Its MoE block flattens the tokens [B·T, K]
+    before the shared expert (`hidden_states.view(-1, hidden_dim)`), whose projections LoRA adapts; the routed
+    experts are one fused 3-D parameter in transformers 5 (no nn.Linear to adapt)."""
+    config = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=128,
+                                         max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.Qwen2MoeForCausalLM(config).to(DEVICE).eval()
+
+
+MOE_TARGETS = ["q_proj", "v_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
+
+
+def peft_one_adapter_a_row(peft_model, rows, run):
+    """``run(peft_model)`` with each adapter of ``rows`` active in turn (none: adapters disabled), each row's
+    output taken from the run of its adapter: PEFT's answer where its mixed batches do not reach (Qwen2-MoE's
+    shared expert sees the tokens flattened, and adapter_names needs a row per input)."""
+    outs = {}
+    for name in set(rows):
+        if name is None:
+            with peft_model.disable_adapter():
+                outs[name] = run(peft_model)
+        else:
+            peft_model.set_adapter(name)
+            outs[name] = run(peft_model)
+    return torch.stack([outs[name][i] for i, name in enumerate(rows)])
+
+
+def test_moe_generate_inside_per_row_eager_and_compiled(tmp_path, kernels):
+    """Qwen2-MoE's shared expert sees its block's tokens flattened: inside per_row it takes the rows of the
+    block's input before it. Eager logits and generate's tokens equal PEFT's with each row's adapter active;
+    with the forward compiled (fullgraph=True, the flattened layers' batches built in the graph) generate gives
+    the eager tokens, other adapters compiling nothing new."""
+    base = tiny_qwen2_moe()
+    peft_model, paths = make_peft_adapters(base, MOE_TARGETS, tmp_path, adapters=TWO_ADAPTERS)
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, MOE_TARGETS, paths)
+    assert any("shared_expert" in path for path in ctx.layers)
+    rows, other = ["t2", None, "t1", "t2"], ["t1", "t2", None, "t1"]
+    input_ids = torch.randint(3, 128, (len(rows), 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        with ctx.per_row(rows):
+            logits = model(input_ids).logits
+        assert_rows_match(logits, peft_one_adapter_a_row(peft_model, rows, lambda m: m(input_ids=input_ids).logits),
+                          rows)
+        want = []
+        for r in (rows, other):
+            with ctx.per_row(r):
+                want.append(model.generate(input_ids, **kwargs))
+            assert torch.equal(want[-1], peft_one_adapter_a_row(peft_model, r, lambda m: m.generate(
+                input_ids=input_ids, **kwargs)))
+        assert not torch.equal(want[0], base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
+        with ctx.per_row(rows):
+            assert torch.equal(model.generate(input_ids, **kwargs), want[0])
+        frames = counter.frame_count
+        with ctx.per_row(other), torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(model.generate(input_ids, **kwargs), want[1])
+    assert counter.frame_count == frames
+    torch._dynamo.reset()
