@@ -159,6 +159,11 @@ class LoRABatch:
     def update(self, token_slots):
         """Refill from per-token slots [M] (int32/int64, CPU or on this batch's device)."""
         check_token_slots(token_slots, self.max_loras, self.max_tokens)
+        return self._refill(token_slots)
+
+    def _refill(self, token_slots):
+        """:meth:`update` for slots already checked (a LoRAContext checks them as they arrive, then refills
+        from its own buffer: a second check would cost a server's host a few µs a step for nothing)."""
         fill_batch_meta(token_slots, self.max_loras, *self.meta, self._ones)
         self.num_tokens = token_slots.shape[0]
         return self.meta

@@ -364,7 +364,7 @@ class LoRAContext:
             self._staging.copy_to_device(token_slots, self.token_slots)
         else:
             self.token_slots[:M].copy_(token_slots)
-        self.batch.update(self.token_slots[:M])
+        self.batch._refill(self.token_slots[:M])     # (checked by the caller: set_token_slots, set_batch)
         for mirror in self._mirrors.values():
             _copy_buffers(*mirror, self.meta, self.token_slots)
         # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
