@@ -63,6 +63,11 @@
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
+#     bash benchmarks/gpu_session.sh tunehere  # a table of this GPU's own where it has none (an H100 takes the
+#                                              # H200's): --merge starts from that table, --min-gain 0.02 keeps a
+#                                              # retuned shape only where it beats it in turn; TUNE_ARGS picks the
+#                                              # shapes (default: Llama r16/r64 at 1-256 tokens, add_lora_'s pair);
+#                                              # the table comes back under $OUT: commit it to keep it (~9 min)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -183,6 +188,12 @@ elif [ "$MODE" = checks ]; then
     cp lora_ops/configs/tuned/NVIDIA_H200.json "$R/"
     step tune 150 python -m lora_ops.tune --model llama3-8b --layers o down --ranks 320 --tokens 4096 --kinds pair \
         --merge --min-gain 0.02 --time-budget 120 --out "$R/NVIDIA_H200.json"
+elif [ "$MODE" = tunehere ]; then
+    # Not --skip-tuned: after the first run the table holds the other GPU's entries too, which it would skip.
+    step tune 540 python -m lora_ops.tune --merge --min-gain 0.02 --time-budget 500 \
+        ${TUNE_ARGS:---model llama3-8b --ranks 16 64 --tokens 1 16 64 256 --kinds pair}
+    cp lora_ops/configs/tuned/*.json "$R/"
+    tail -30 "$R/tune.log"
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"

@@ -58,7 +58,9 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter on tiny shapes: checks the tuner's code path, times nothing real")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the entries of an existing table at --out that this run does not retune")
+                    help="keep the entries of an existing table at --out that this run does not retune (where --out "
+                         "is this GPU's own path in the package and holds none yet: the table it takes from its "
+                         "kind, e.g. an H100 SXM the H200's)")
     ap.add_argument("--skip-tuned", action="store_true",
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
                          "a tune that its time budget cut short)")
