@@ -252,6 +252,21 @@ def test_generate_inside_per_row_matches_peft(llama, kernels, search):
             assert_rows_match(torch.stack(ours.logits, 1), forced[:, prompt - 1:prompt - 1 + new], ROWS)
 
 
+def compiled_generate_gives(model, ctx, input_ids, kwargs, rows_twice, want):
+    """With the model's forward compiled (fullgraph=True, dynamic), generate inside per_row of each of
+    ``rows_twice`` gives the tokens in ``want``; the second rows' adapters compile nothing new."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model.forward = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
+    with ctx.per_row(rows_twice[0]):
+        assert torch.equal(model.generate(input_ids, **kwargs), want[0])
+    frames = counter.frame_count
+    with ctx.per_row(rows_twice[1]), torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(model.generate(input_ids, **kwargs), want[1])
+    assert counter.frame_count == frames
+    torch._dynamo.reset()
+
+
 def test_generate_inside_per_row_under_torch_compile(llama, kernels):
     """The model's forward compiled with fullgraph=True (no graph breaks): inside per_row its layers build their
     batches in the graph, and generate gives the eager model's tokens (PEFT's, test above). Other adapters in
@@ -266,16 +281,8 @@ def test_generate_inside_per_row_under_torch_compile(llama, kernels):
         for rows in (ROWS, other):
             with ctx.per_row(rows):
                 want.append(model.generate(input_ids, **kwargs))
-        torch._dynamo.reset()
-        counter = CompileCounterWithBackend("aot_eager")
-        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
-        with ctx.per_row(ROWS):
-            assert torch.equal(model.generate(input_ids, **kwargs), want[0])
-        frames = counter.frame_count
-        with ctx.per_row(other), torch._dynamo.config.patch(error_on_recompile=True):
-            assert torch.equal(model.generate(input_ids, **kwargs), want[1])
-    assert counter.frame_count == frames and not torch.equal(want[0], want[1])
-    torch._dynamo.reset()
+        compiled_generate_gives(model, ctx, input_ids, kwargs, (ROWS, other), want)
+    assert not torch.equal(want[0], want[1])
 
 
 def tiny_seq2seq(kind):
@@ -367,13 +374,4 @@ def test_moe_generate_inside_per_row_eager_and_compiled(tmp_path, kernels):
             assert torch.equal(want[-1], peft_one_adapter_a_row(peft_model, r, lambda m: m.generate(
                 input_ids=input_ids, **kwargs)))
         assert not torch.equal(want[0], base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
-        torch._dynamo.reset()
-        counter = CompileCounterWithBackend("aot_eager")
-        model.forward = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
-        with ctx.per_row(rows):
-            assert torch.equal(model.generate(input_ids, **kwargs), want[0])
-        frames = counter.frame_count
-        with ctx.per_row(other), torch._dynamo.config.patch(error_on_recompile=True):
-            assert torch.equal(model.generate(input_ids, **kwargs), want[1])
-    assert counter.frame_count == frames
-    torch._dynamo.reset()
+        compiled_generate_gives(model, ctx, input_ids, kwargs, (rows, other), want)
