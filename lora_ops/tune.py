@@ -53,13 +53,14 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help="token buckets (default: all)")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--out", default=None, help="table path (default: the package's table for this GPU)")
+    ap.add_argument("--out", default=None, help="table path (default: this GPU's table in the first folder of "
+                    "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up)")
     ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop early and write")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU + Triton interpreter on tiny shapes: checks the tuner's code path, times nothing real")
     ap.add_argument("--merge", action="store_true",
                     help="keep the entries of an existing table at --out that this run does not retune (where --out "
-                         "is this GPU's own path in the package and holds none yet: the table it takes from its "
+                         "is this GPU's default path and holds none yet: the table it takes from its "
                          "kind, e.g. an H100 SXM the H200's)")
     ap.add_argument("--skip-tuned", action="store_true",
                     help="with --merge: leave the shapes the table at --out already holds as they are (finishes "
@@ -342,9 +343,16 @@ def against_table(kind, job, new, problems, table, gpu, args, device, dtype):
                  **({} if kept == "new" else {"config": before[e["kind"]]})) for e in new]
 
 
+def _default_out(gpu):
+    """The table a run writes without --out: this GPU's in the first of configs.table_dirs (the package's
+    folder unless $LORA_OPS_TUNED_DIR names others)."""
+    from lora_ops import configs
+    return configs.table_path(gpu, configs.table_dirs()[0])
+
+
 def _merge_base(args, out, gpu, kind):
     """The table whose entries --merge keeps: the one at ``out``; where there is none and ``out`` is this GPU's
-    own path in the package, the table it takes from its kind (``kind``: configs.load_table), so that tuning a
+    own default path (_default_out), the table it takes from its kind (``kind``: configs.load_table), so that tuning a
     few shapes on, say, an H100 keeps the H200 table's entries for the rest, which its own table would
     otherwise hide. None without --merge."""
     from lora_ops import configs
@@ -353,7 +361,7 @@ def _merge_base(args, out, gpu, kind):
     if os.path.exists(out):
         with open(out) as f:
             return json.load(f)
-    if not kind or pathlib.Path(out) != configs.table_path(gpu):
+    if not kind or pathlib.Path(out) != _default_out(gpu):
         return None
     return configs.load_table(gpu, tuple(kind["capability"]), kind["multiprocessors"])
 
@@ -387,26 +395,25 @@ def _lookups_from(table, gpu):
     """Within the block the library's config lookups read ``table`` as this GPU's, whatever the package
     holds (the stack_limit kind times the layer paths as the table being written will run them)."""
     from lora_ops import configs, plan
-    saved = configs.TUNED_DIR
+    saved = configs.table_dirs
 
     def forget():   # cached tables, resolved configs and the launch plans that hold them
-        configs.load_table.cache_clear()
         configs.reset()
         plan.clear()
     with tempfile.TemporaryDirectory() as tmp:
-        configs.TUNED_DIR = pathlib.Path(tmp)
-        configs.table_path(gpu).write_text(json.dumps(table))
+        configs.table_dirs = lambda: [pathlib.Path(tmp)]    # (not the user's folders: they come first)
+        configs.table_path(gpu, tmp).write_text(json.dumps(table))
         forget()
         try:
             yield
         finally:
-            configs.TUNED_DIR = saved
+            configs.table_dirs = saved
             forget()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from lora_ops import configs, launch
+    from lora_ops import launch
     from lora_ops.configs import heuristics, tuning
 
     if args.dry_run:
@@ -418,7 +425,7 @@ def main(argv=None):
         gpu = torch.cuda.get_device_name(device)
     dtype = getattr(torch, args.dtype)
     buckets = args.tokens or list(heuristics.TOKEN_BUCKETS)
-    out = args.out or configs.table_path(gpu)
+    out = args.out or _default_out(gpu)
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
     for kind in _PER_LAYER:   # once per layer and rank: its first (smallest) bucket's job

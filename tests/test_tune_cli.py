@@ -2,6 +2,7 @@
 interpreter on tiny shapes, so it checks the code path and the table it writes, not speed."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -200,16 +201,46 @@ def test_dry_run_stack_pad_times_the_buckets_the_layer_stacks(tmp_path, monkeypa
     assert [e["buckets"] for e in tune.main(DRY + tokens)["entries"]] == [[1]]
 
 
-def test_stack_limit_times_with_the_table_being_written(tmp_path):
-    """tune._lookups_from: inside, the library looks configs up in the run's table (for its GPU name);
-    after, in the package's again, with nothing resolved from the run's table left behind."""
+def test_stack_limit_times_with_the_table_being_written(tmp_path, monkeypatch):
+    """tune._lookups_from: inside, the library looks configs up in the run's table (for its GPU name), not in
+    a table of the user's folder for the same GPU; after, in the usual folders again, with nothing resolved
+    from the run's table left behind."""
     from lora_ops import configs
     name = "Pretend GPU 9001"
     table = dict(gpu=name, entries=[dict(kind="stack_pad", features=8, in_features=8, rows=4, pad=64)])
-    package_dir = configs.TUNED_DIR
-    with tune._lookups_from(table, name):
-        assert configs.load_table(name) == table and configs.TUNED_DIR != package_dir
-    assert configs.TUNED_DIR == package_dir and configs.load_table(name) is None
+    users = dict(gpu=name, entries=[dict(kind="stack_pad", features=8, in_features=8, rows=4, pad=128)])
+    monkeypatch.setenv(configs.TUNED_DIR_ENV, str(tmp_path))
+    configs.table_path(name, tmp_path).write_text(json.dumps(users))
+    configs.reset()
+    try:
+        with tune._lookups_from(table, name):
+            assert configs.load_table(name) == table
+        assert configs.load_table(name) == users and configs.table_dirs() == [tmp_path, configs.TUNED_DIR]
+    finally:
+        monkeypatch.delenv(configs.TUNED_DIR_ENV)
+        configs.reset()
+    assert configs.load_table(name) is None
+
+
+def test_the_user_folder_comes_first_and_takes_the_tuners_table(tmp_path, monkeypatch):
+    """$LORA_OPS_TUNED_DIR: its tables are looked up before the package's (an installed package's folder may
+    not be writable), and the tuner writes there by default."""
+    from lora_ops import configs
+    monkeypatch.setenv(configs.TUNED_DIR_ENV, str(tmp_path / "mine") + os.pathsep + str(tmp_path / "team"))
+    assert configs.table_dirs() == [tmp_path / "mine", tmp_path / "team", configs.TUNED_DIR]
+    assert tune._default_out("NVIDIA H200") == tmp_path / "mine" / "NVIDIA_H200.json"
+    (tmp_path / "team").mkdir()
+    theirs = json.loads(configs.table_path("NVIDIA H200").read_text())
+    ours = dict(theirs, entries=theirs["entries"][:1])
+    configs.table_path("NVIDIA H200", tmp_path / "team").write_text(json.dumps(ours))
+    configs.reset()
+    try:
+        assert configs.load_table("NVIDIA H200") == ours
+        monkeypatch.delenv(configs.TUNED_DIR_ENV)
+        configs.reset()
+        assert configs.load_table("NVIDIA H200") == theirs
+    finally:
+        configs.reset()
 
 
 def test_the_tuner_refuses_to_write_a_table_the_library_would_refuse(tmp_path):

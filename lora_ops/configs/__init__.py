@@ -15,6 +15,7 @@ capture the table or heuristic config is used and not remembered, so a later war
 import functools
 import json
 import math
+import os
 import pathlib
 import re
 
@@ -25,12 +26,15 @@ from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig,
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
            "stacked_config", "store_config", "stack_pad_rows", "stack_limit_tokens",
-           "enable_autotune", "force_path", "use_tuned_tables", "table_path", "table_source", "gpu_kind",
-           "token_bucket", "reset", "generation"]
+           "enable_autotune", "force_path", "use_tuned_tables", "table_dirs", "table_path", "table_source",
+           "gpu_kind", "token_bucket", "reset", "generation"]
 
 PATHS = ("fused", "split")
 
-TUNED_DIR = pathlib.Path(__file__).with_name("tuned")
+TUNED_DIR = pathlib.Path(__file__).with_name("tuned")   # the tables shipped in the package
+# Folders of the user's own tables (os.pathsep-separated), looked up before the package's and written by the
+# tuner: an installed package's folder may not be writable.
+TUNED_DIR_ENV = "LORA_OPS_TUNED_DIR"
 _resolved = {}
 _autotune = {"on": False}
 _forced = {"path": None}
@@ -39,9 +43,11 @@ _generation = [0]
 
 
 def reset():
-    """Forget every resolved config (they are resolved again on next use), e.g. after a table changed.
-    Bumps :func:`generation`, which lora_ops.plan keys on: plans hold configs."""
+    """Forget every resolved config and loaded table (they are resolved and read again on next use), e.g.
+    after a table changed or ``$LORA_OPS_TUNED_DIR`` did. Bumps :func:`generation`, which lora_ops.plan keys
+    on: plans hold configs."""
     _resolved.clear()
+    load_table.cache_clear()
     _generation[0] += 1
 
 
@@ -72,8 +78,17 @@ def use_tuned_tables(on=True):
     reset()
 
 
-def table_path(gpu_name):
-    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", gpu_name).strip("_") + ".json")
+def table_dirs():
+    """The folders tuned tables are looked up in, in order: those in ``$LORA_OPS_TUNED_DIR``, then the
+    package's. The tuner writes into the first."""
+    extra = os.environ.get(TUNED_DIR_ENV, "")
+    return [pathlib.Path(p) for p in extra.split(os.pathsep) if p] + [TUNED_DIR]
+
+
+def table_path(gpu_name, directory=None):
+    """The file of ``gpu_name``'s table in ``directory`` (default: the package's folder)."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", gpu_name).strip("_") + ".json"
+    return pathlib.Path(TUNED_DIR if directory is None else directory) / name
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,22 +115,25 @@ def _read_table(path):
 
 @functools.lru_cache(maxsize=None)
 def load_table(gpu_name, capability=None, multiprocessors=None):
-    """The tuned table a GPU looks its configs up in, or None (the heuristic serves): its own
-    (``table_path(gpu_name)``), else, given its compute capability and multiprocessor count, the first table
-    (by file name) tuned on a GPU with both equal. Kernel configs follow the SMs (grids, split counts) and
+    """The tuned table a GPU looks its configs up in, or None (the heuristic serves): its own (the first of
+    :func:`table_dirs` that holds one), else, given its compute capability and multiprocessor count, the first
+    table (by folder, then file name) tuned on a GPU with both equal. Kernel configs follow the SMs (grids, split counts) and
     their shared memory (stages, tiles), both the same there. Measured: the H200's table on an H100 SXM
     (both sm_90, 132 SMs; 2026-12-05) took add_lora_ to 0.84 of the heuristic's time on the core grid and
     0.86 at ranks 128-320; one row of 116 lost more than 5%."""
-    path = table_path(gpu_name)
-    if path.exists():
-        return _read_table(path)
+    dirs = table_dirs()
+    for directory in dirs:
+        path = table_path(gpu_name, directory)
+        if path.exists():
+            return _read_table(path)
     if capability is None:
         return None
     kind = dict(capability=list(capability), multiprocessors=multiprocessors)
-    for other in sorted(TUNED_DIR.glob("*.json")):
-        table = _read_table(other)
-        if {k: table.get(k) for k in kind} == kind:
-            return table
+    for directory in dirs:
+        for other in sorted(directory.glob("*.json")):
+            table = _read_table(other)
+            if {k: table.get(k) for k in kind} == kind:
+                return table
     return None
 
 
