@@ -117,10 +117,10 @@ def _read_table(path):
 def load_table(gpu_name, capability=None, multiprocessors=None):
     """The tuned table a GPU looks its configs up in, or None (the heuristic serves): its own (the first of
     :func:`table_dirs` that holds one), else, given its compute capability and multiprocessor count, the first
-    table (by folder, then file name) tuned on a GPU with both equal. Kernel configs follow the SMs (grids, split counts) and
-    their shared memory (stages, tiles), both the same there. Measured: the H200's table on an H100 SXM
-    (both sm_90, 132 SMs; 2026-12-05) took add_lora_ to 0.84 of the heuristic's time on the core grid and
-    0.86 at ranks 128-320; one row of 116 lost more than 5%."""
+    table (by folder, then file name) tuned on a GPU with both equal. Kernel configs follow the SMs (grids,
+    split counts) and their shared memory (stages, tiles), both the same there. Measured: the H200's table on
+    an H100 SXM (both sm_90, 132 SMs; 2026-12-05) took add_lora_ to 0.84 of the heuristic's time on the core
+    grid and 0.86 at ranks 128-320; one row of 116 lost more than 5%."""
     dirs = table_dirs()
     for directory in dirs:
         path = table_path(gpu_name, directory)
