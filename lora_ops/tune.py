@@ -474,6 +474,7 @@ def main(argv=None):
     progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
     table = _table(args, out, gpu, entries, compile_s, t0)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)     # (a new $LORA_OPS_TUNED_DIR folder)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
     # The speed-ups are the search's: entries that kept the table's configs (--min-gain) hold the search's

@@ -229,6 +229,8 @@ def test_the_user_folder_comes_first_and_takes_the_tuners_table(tmp_path, monkey
     monkeypatch.setenv(configs.TUNED_DIR_ENV, str(tmp_path / "mine") + os.pathsep + str(tmp_path / "team"))
     assert configs.table_dirs() == [tmp_path / "mine", tmp_path / "team", configs.TUNED_DIR]
     assert tune._default_out("NVIDIA H200") == tmp_path / "mine" / "NVIDIA_H200.json"
+    written = tune.main(DRY + ["--tokens", "1", "--kinds", "pair"])      # (a dry run's GPU is "dry-run")
+    assert json.loads((tmp_path / "mine" / "dry_run.json").read_text()) == written
     (tmp_path / "team").mkdir()
     theirs = json.loads(configs.table_path("NVIDIA H200").read_text())
     ours = dict(theirs, entries=theirs["entries"][:1])
