@@ -322,6 +322,42 @@ def test_cuda_graph_replays_new_slots_and_swapped_adapters(compiled, stack_a, mo
 
 
 @cuda_only
+@pytest.mark.parametrize("fill", [None, False], ids=["one_launch_fill", "torch_fill"])
+def test_cuda_graph_captures_the_batch_fill_from_device_slots(fill):
+    """A server may capture the batch fill with the step: set_token_slots from a static device buffer inside
+    the graph, so that each replay reads the slots copied there since, by either fill (the one-launch fill,
+    the GPU default, compiled during the warm-up). Replays equal eager steps on the same slots."""
+    from lora_ops import batch
+    before = batch._one_launch[0]
+    batch.set_one_launch_fill(fill)
+    try:
+        model, ctx, _ = toy_model("cuda")
+        a, b = ctx.slot_of("a"), ctx.slot_of("b")
+        static_ids = torch.randint(0, 64, (1, 8), device="cuda")
+        static_slots = torch.tensor([a, b, -1, a, b, b, -1, a], dtype=torch.int32, device="cuda")
+
+        def step(ids):
+            ctx.set_token_slots(static_slots)
+            return model(ids)
+        outs = []
+        with torch.no_grad():
+            graph, out = capture(step, static_ids)
+            ids = torch.randint(0, 64, (1, 8))
+            for slots in ([b, b, a, -1, a, b, a, -1], [-1] * 8, [a] * 8):     # (the last two on the same ids)
+                static_slots.copy_(torch.tensor(slots, dtype=torch.int32))
+                static_ids.copy_(ids if slots[0] != b else torch.randint(0, 64, (1, 8)))
+                with sync_is_an_error():
+                    graph.replay()
+                torch.cuda.synchronize()
+                outs.append(out.clone())
+                ctx.set_token_slots(static_slots.clone())      # the same slots, eagerly
+                assert rel_err(out, model(static_ids)) <= EXACT, slots
+        assert not torch.equal(outs[1], outs[2])     # (adapter a changes the output of the same ids)
+    finally:
+        batch.set_one_launch_fill(before)
+
+
+@cuda_only
 def test_reduce_overhead_mode():
     model, ctx, shapes = toy_model("cuda")
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
