@@ -159,6 +159,24 @@ def test_a_split_model_computes_what_one_device_does(devices):
             assert rel_err(split(rows.to(devices[0])).cpu(), one(rows)) <= TOLERANCE[torch.float32]
 
 
+@CUDA
+@pytest.mark.parametrize("devices", SPLITS.values(), ids=SPLITS.keys())
+def test_a_split_model_with_a_gpu_compiles_in_one_graph(devices):
+    """torch.compile(fullgraph=True) over a split with a GPU (the CPU / meta split above, on real devices): the
+    compiled model's logits equal the eager split model's, with set_batch and inside per_row."""
+    _, (split, ctx) = lora_lms(devices)
+    torch._dynamo.reset()
+    compiled = torch.compile(split, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 64, (2, 8), device=devices[0])
+    rows = torch.randint(0, 64, (3, 5), device=devices[0])
+    with torch.no_grad():
+        ctx.set_batch(REQUESTS)
+        assert rel_err(compiled(ids), split(ids)) <= 1e-6
+        with ctx.per_row(["b", None, "a"]):
+            assert rel_err(compiled(rows), split(rows)) <= 1e-6
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_hugging_face_device_map_over_two_gpus():
     """A tiny Llama dispatched over two GPUs by accelerate (device_map), with lora_ops' adapters: generate inside
