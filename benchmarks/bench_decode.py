@@ -128,11 +128,11 @@ def host_us_per_call(fn, calls, device, rounds=5):
     return statistics.median(times)
 
 
-def _batch_fill(device):
-    """How set_token_slots fills the batch metadata here (lora_ops.batch.set_one_launch_fill): "one launch"
-    (lora_ops.kernels.batch, where launch_batch.fits) or "torch ops"."""
+def _batch_fill(device, tokens, adapters):
+    """How set_token_slots fills this benchmark's batch metadata (lora_ops.batch.set_one_launch_fill): "one
+    launch" (lora_ops.kernels.batch, where it serves the shape) or "torch ops"."""
     from lora_ops import batch
-    return "torch ops" if batch._launch_batch(device, 1, 4) is None else "one launch"
+    return "torch ops" if batch._launch_batch(device, tokens, adapters) is None else "one launch"
 
 
 def main(argv=None):
@@ -159,7 +159,7 @@ def main(argv=None):
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "triton": getattr(__import__("triton"), "__version__", None), "layers": args.layers,
-              "batch": args.batch, "adapters": 4, "batch_fill": _batch_fill(device), "rows": []}
+              "batch": args.batch, "adapters": 4, "batch_fill": _batch_fill(device, args.batch, 4), "rows": []}
 
     def step():
         with torch.no_grad():

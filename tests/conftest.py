@@ -133,24 +133,40 @@ def backend(request):
 
 
 @pytest.fixture
-def pretend_gpu_table(tmp_path, monkeypatch):
-    """``install(entries)``: a tuned table of these entries for a pretend GPU, found through the normal
-    lookup from then on (returns the GPU's name); cached tables and resolved configs are dropped on both
-    sides."""
+def pretend_gpu_tables(tmp_path, monkeypatch):
+    """``install(tables, gpu)``: only these tuned tables ({file stem: table}) in the tuned folder (none of the
+    user's: $LORA_OPS_TUNED_DIR unset), and this process's GPU pretending to be ``gpu`` (name, compute
+    capability, multiprocessor count), found through the normal lookup from then on; resolved configs and read
+    tables are dropped on both sides."""
     import json
+    from lora_ops import configs
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+
+    def install(tables, gpu):
+        monkeypatch.setattr(configs, "TUNED_DIR", folder)
+        monkeypatch.delenv(configs.TUNED_DIR_ENV, raising=False)
+        for path in folder.glob("*.json"):
+            path.unlink()
+        for stem, table in tables.items():
+            (folder / f"{stem}.json").write_text(json.dumps(table))
+        monkeypatch.setattr(configs, "_gpu", lambda index: gpu)
+        configs.reset()
+    yield install
+    configs.reset()
+
+
+@pytest.fixture
+def pretend_gpu_table(pretend_gpu_tables):
+    """``install(entries)``: a tuned table of these entries for a pretend GPU (sm_90, 132 SMs), found through the
+    normal lookup from then on (returns the GPU's name)."""
     from lora_ops import configs
     name = "Pretend GPU 9000"
 
     def install(entries):
-        monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-        (tmp_path / configs.table_path(name).name).write_text(json.dumps(dict(gpu=name, entries=entries)))
-        monkeypatch.setattr(configs, "_gpu", lambda index: (name, (9, 0), 132))
-        configs.load_table.cache_clear()
-        configs.reset()
+        pretend_gpu_tables({configs.table_path(name).stem: dict(gpu=name, entries=entries)}, (name, (9, 0), 132))
         return name
-    yield install
-    configs.load_table.cache_clear()
-    configs.reset()
+    return install
 
 
 @pytest.fixture

@@ -268,25 +268,6 @@ def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):
     assert configs.shrink_config(40, 4096, 3, 16, 4) == heuristics.shrink_config(64, 4096, 3, 16, 4)
 
 
-@pytest.fixture
-def tables_of_kinds(monkeypatch, tmp_path):
-    """``install(tables, gpu)``: these tables ({file stem: table}) in the tuned folder, and this process's GPU
-    pretending to be ``gpu`` (name, capability, multiprocessors); cached tables and resolved configs are
-    dropped on both sides."""
-    def install(tables, gpu):
-        monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
-        for path in tmp_path.glob("*.json"):    # only these tables
-            path.unlink()
-        for stem, table in tables.items():
-            (tmp_path / f"{stem}.json").write_text(json.dumps(table))
-        monkeypatch.setattr(configs, "_gpu", lambda index: gpu)
-        configs.load_table.cache_clear()
-        configs.reset()
-    yield install
-    configs.load_table.cache_clear()
-    configs.reset()
-
-
 _TUNED_EXPAND = heuristics.ExpandConfig(32, 256, 16, 8, 2)
 _HOPPER = dict(capability=[9, 0], multiprocessors=132)
 
@@ -295,8 +276,8 @@ def _table_of(gpu, expand=_TUNED_EXPAND, **kind):
     return dict(gpu=gpu, **kind, entries=[dict(_GOOD_EXPAND, config=expand._asdict())])
 
 
-def test_gpu_without_table_falls_back_to_heuristic(tables_of_kinds):
-    tables_of_kinds({}, ("Unknown GPU", (8, 0), 108))
+def test_gpu_without_table_falls_back_to_heuristic(pretend_gpu_tables):
+    pretend_gpu_tables({}, ("Unknown GPU", (8, 0), 108))
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA) == heuristics.expand_config(64, 6144, 16, 4)
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA) != _TUNED_EXPAND     # the test can tell them apart
 
@@ -306,8 +287,8 @@ def test_gpu_without_table_falls_back_to_heuristic(tables_of_kinds):
     (("Fewer SMs GPU", (9, 0), 114), False),        # e.g. a PCIe card of the same chip: the heuristic
     (("Older GPU", (8, 0), 132), False),
 ], ids=["same_kind", "fewer_sms", "other_capability"])
-def test_a_gpu_without_its_own_table_takes_one_tuned_on_its_kind(tables_of_kinds, monkeypatch, gpu, served):
-    tables_of_kinds({"Tuned_GPU": _table_of("Tuned GPU", **_HOPPER)}, gpu)
+def test_a_gpu_without_its_own_table_takes_one_tuned_on_its_kind(pretend_gpu_tables, monkeypatch, gpu, served):
+    pretend_gpu_tables({"Tuned_GPU": _table_of("Tuned GPU", **_HOPPER)}, gpu)
     want = _TUNED_EXPAND if served else heuristics.expand_config(64, 6144, 16, 4)
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == want
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -319,26 +300,26 @@ def test_a_gpu_without_its_own_table_takes_one_tuned_on_its_kind(tables_of_kinds
         configs.use_tuned_tables(True)
 
 
-def test_its_own_table_wins_and_a_table_without_its_kind_serves_no_other_gpu(tables_of_kinds):
+def test_its_own_table_wins_and_a_table_without_its_kind_serves_no_other_gpu(pretend_gpu_tables):
     own = heuristics.ExpandConfig(16, 128, 16, 4, 3)
     tables = {"A_GPU": _table_of("A GPU", **_HOPPER),           # first in name order
               "Sibling_GPU": _table_of("Sibling GPU", own),    # its own, with no kind recorded
               "Old_GPU": _table_of("Old GPU")}                 # before tables recorded their GPU's kind
-    tables_of_kinds(tables, ("Sibling GPU", (9, 0), 132))
+    pretend_gpu_tables(tables, ("Sibling GPU", (9, 0), 132))
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == own
-    tables_of_kinds(tables, ("Another GPU", (9, 0), 132))
+    pretend_gpu_tables(tables, ("Another GPU", (9, 0), 132))
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == _TUNED_EXPAND
-    tables_of_kinds({"Old_GPU": _table_of("Old GPU")}, ("Another GPU", (9, 0), 132))
+    pretend_gpu_tables({"Old_GPU": _table_of("Old GPU")}, ("Another GPU", (9, 0), 132))
     assert configs.expand_config(64, 6144, 3, 16, 4, CUDA, torch.bfloat16) == heuristics.expand_config(64, 6144,
                                                                                                        16, 4)
 
 
-def test_stack_entries_come_from_the_table_of_its_kind_too(tables_of_kinds):
+def test_stack_entries_come_from_the_table_of_its_kind_too(pretend_gpu_tables):
     table = dict(gpu="Tuned GPU", **_HOPPER, entries=[dict(kind="stack_pad", features=8, in_features=8, rows=4,
                                                            pad=64)])
-    tables_of_kinds({"Tuned_GPU": table}, ("Sibling GPU", (9, 0), 132))
+    pretend_gpu_tables({"Tuned_GPU": table}, ("Sibling GPU", (9, 0), 132))
     assert configs.stack_pad_rows(8, 8, 4, CUDA) == 64
-    tables_of_kinds({"Tuned_GPU": table}, ("Fewer SMs GPU", (9, 0), 114))
+    pretend_gpu_tables({"Tuned_GPU": table}, ("Fewer SMs GPU", (9, 0), 114))
     assert configs.stack_pad_rows(8, 8, 4, CUDA) == 0
 
 

@@ -271,32 +271,27 @@ def test_a_table_tuned_on_a_gpu_records_its_kind(tmp_path, monkeypatch):
         assert {k: table[k] for k in ("capability", "multiprocessors") if k in table} == kind
 
 
-def test_merge_into_a_gpus_own_path_starts_from_the_table_of_its_kind(tmp_path, monkeypatch):
+def test_merge_into_a_gpus_own_path_starts_from_the_table_of_its_kind(tmp_path, monkeypatch, pretend_gpu_tables):
     """--merge where this GPU has no table of its own (the default --out): the run's entries go over the table it
     took from its kind, so tuning a few shapes keeps that table's entries for the rest. Elsewhere, or without
     --merge, the run's entries alone."""
     import argparse
     from lora_ops import configs
-    monkeypatch.setattr(configs, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(configs, "gpu_kind", lambda index=None: dict(capability=[9, 0], multiprocessors=132))
-    configs.load_table.cache_clear()
 
     def entry(rank):
         return dict(kind="expand", features=6144, model="llama3-8b", layer="qkv", slices=3, rank=rank, tokens=64,
                     config=heuristics.ExpandConfig(32, 256, 16, 8, 2)._asdict())
     sibling = dict(gpu="Tuned GPU", capability=[9, 0], multiprocessors=132, date="2026-12-04", entries=[entry(16)])
-    (tmp_path / "Tuned_GPU.json").write_text(json.dumps(sibling))
+    pretend_gpu_tables({"Tuned_GPU": sibling}, ("Pretend GPU", (9, 0), 132))
     own = str(configs.table_path("Pretend GPU"))
-    try:
-        merged = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=True, dry_run=False), own,
-                             "Pretend GPU", [entry(32)], 0, 0)
-        assert merged["entries"] == [entry(16), entry(32)] and merged["gpu"] == "Pretend GPU"
-        assert merged["merged_from"] == [dict(gpu="Tuned GPU", date="2026-12-04", torch=None, triton=None,
-                                              seconds=None)]
-        elsewhere = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=True, dry_run=False),
-                                str(tmp_path / "other.json"), "Pretend GPU", [entry(32)], 0, 0)
-        fresh = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=False, dry_run=False), own,
-                            "Pretend GPU", [entry(32)], 0, 0)
-        assert elsewhere["entries"] == fresh["entries"] == [entry(32)]
-    finally:
-        configs.load_table.cache_clear()
+    merged = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=True, dry_run=False), own,
+                         "Pretend GPU", [entry(32)], 0, 0)
+    assert merged["entries"] == [entry(16), entry(32)] and merged["gpu"] == "Pretend GPU"
+    assert merged["merged_from"] == [dict(gpu="Tuned GPU", date="2026-12-04", torch=None, triton=None,
+                                          seconds=None)]
+    elsewhere = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=True, dry_run=False),
+                            str(tmp_path / "other.json"), "Pretend GPU", [entry(32)], 0, 0)
+    fresh = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=False, dry_run=False), own,
+                        "Pretend GPU", [entry(32)], 0, 0)
+    assert elsewhere["entries"] == fresh["entries"] == [entry(32)]
