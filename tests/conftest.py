@@ -6,6 +6,7 @@ triton, hence first thing here). ``LORA_OPS_TEST_DEVICE=cuda`` runs the Triton s
 with the real compiler instead (one command on the GPU machine:
 ``LORA_OPS_TEST_DEVICE=cuda python -m pytest tests``).
 """
+import contextlib
 import os
 
 DEVICE = os.environ.get("LORA_OPS_TEST_DEVICE", "cpu")
@@ -130,6 +131,18 @@ def backend(request):
     ops.set_cpu_backend(request.param.name)
     yield request.param
     ops.set_cpu_backend(previous)
+
+
+@contextlib.contextmanager
+def fill_setting(on):
+    """lora_ops.batch.set_one_launch_fill(on) within the block, the setting before it restored after."""
+    from lora_ops import batch
+    before = batch._one_launch[0]
+    batch.set_one_launch_fill(on)
+    try:
+        yield
+    finally:
+        batch.set_one_launch_fill(before)
 
 
 @pytest.fixture

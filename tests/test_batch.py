@@ -1,12 +1,10 @@
 """Batch metadata: LoRABatch, build_batch_meta and fill_batch_meta against plain Python counting."""
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import DEVICE
+from conftest import DEVICE, fill_setting
 from lora_ops.batch import LoRABatch, batch_meta_of, build_batch_meta, fill_batch_meta
 
 SLOT_DTYPES = [torch.int32, torch.int64]
@@ -136,18 +134,6 @@ def test_cuda_batch_from_cuda_or_cpu_slots():
 
 
 # -- the one-launch fill (lora_ops.kernels.batch; on GPUs by default: batch.set_one_launch_fill) -----------
-
-@contextlib.contextmanager
-def fill_setting(on):
-    """batch.set_one_launch_fill(on) within the block, the setting before it restored after."""
-    from lora_ops import batch
-    before = batch._one_launch[0]
-    batch.set_one_launch_fill(on)
-    try:
-        yield
-    finally:
-        batch.set_one_launch_fill(before)
-
 
 @pytest.fixture
 def one_launch_fill(triton_kernels):

@@ -11,7 +11,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import lora_ops
-from conftest import DTYPES, TOLERANCE, dtype_id, rel_err
+from conftest import DTYPES, TOLERANCE, dtype_id, fill_setting, rel_err
 from layer_helpers import PACKED, data_ptrs, peft_tensors, request_slots, toy_lm
 from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
 from lora_ops.reference import lora_delta_reference
@@ -548,7 +548,6 @@ def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
     """Models on several GPUs of one process (a LoRAContext each): a layer's tensors need not be on the
     current device, where Triton launches. Forward (op path, then bound calls), backward and the batch fill
     run on the tensors' GPU: outputs and gradients as with that GPU current, the current one left as it was."""
-    from lora_ops import batch
     model, ctx = one_layer_model(None, torch.float32, "cuda:1")
     layer = model["proj"]
     layer.lora_a.requires_grad_(True)
@@ -564,17 +563,13 @@ def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
         with torch.no_grad():
             outs += [layer(x) for _ in range(3)]
         return outs, leaf.grad, layer.lora_b.grad.clone()
-    before = batch._one_launch[0]
-    batch.set_one_launch_fill(one_launch_fill)
-    try:
+    with fill_setting(one_launch_fill):
         with torch.cuda.device(1):
             want = run()
         layer.lora_b.grad = None
         torch.cuda.set_device(0)
         got = run()
         assert torch.cuda.current_device() == 0
-    finally:
-        batch.set_one_launch_fill(before)
     for a, b in zip(want[0] + [want[1], want[2]], got[0] + [got[1], got[2]]):
         assert torch.equal(a, b)
     ref = layer_reference(layer, x, request_slots(ctx, REQUESTS))

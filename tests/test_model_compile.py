@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from conftest import rel_err
+from conftest import fill_setting, rel_err
 from layer_helpers import PACKED, PROJECTIONS, fused_copy, module_shapes, peft_tensors, toy_lm
 from lora_ops.layers import apply_lora
 
@@ -327,10 +327,7 @@ def test_cuda_graph_captures_the_batch_fill_from_device_slots(fill):
     """A server may capture the batch fill with the step: set_token_slots from a static device buffer inside
     the graph, so that each replay reads the slots copied there since, by either fill (the one-launch fill,
     the GPU default, compiled during the warm-up). Replays equal eager steps on the same slots."""
-    from lora_ops import batch
-    before = batch._one_launch[0]
-    batch.set_one_launch_fill(fill)
-    try:
+    with fill_setting(fill):
         model, ctx, _ = toy_model("cuda")
         a, b = ctx.slot_of("a"), ctx.slot_of("b")
         static_ids = torch.randint(0, 64, (1, 8), device="cuda")
@@ -353,8 +350,6 @@ def test_cuda_graph_captures_the_batch_fill_from_device_slots(fill):
                 ctx.set_token_slots(static_slots.clone())      # the same slots, eagerly
                 assert rel_err(out, model(static_ids)) <= EXACT, slots
         assert not torch.equal(outs[1], outs[2])     # (adapter a changes the output of the same ids)
-    finally:
-        batch.set_one_launch_fill(before)
 
 
 @cuda_only
