@@ -59,7 +59,8 @@
 #                                              # since 33, LORA_OPS_ONE_LAUNCH_FILL=0 the torch path): its
 #                                              # GPU tests, then lab_batch_fill.py (host and GPU µs of
 #                                              # LoRABatch.update by either path, metadata compared), then the
-#                                              # decode step's synced column by either fill (~7 min)
+#                                              # decode step's synced column by either fill with FILL_DECODE=1
+#                                              # (~9 min; ~7 without)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -154,12 +155,19 @@ elif [ "$MODE" = hostab ]; then
     done
     grep -H "LoRA adds" "$R"/host*.log
 elif [ "$MODE" = fill ]; then
-    step tests 60 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_batch.py
+    # With session 33's two GPU-only tests: a CUDA graph capturing the fill, a split model compiled in one graph.
+    step tests 150 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_batch.py tests/test_split_devices.py \
+        "tests/test_model_compile.py::test_cuda_graph_captures_the_batch_fill_from_device_slots"
     # Compiled models, CUDA graphs and autograd with every fill through the kernel (the default).
-    step tests_on 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
+    step tests_on 220 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest \
         -q -p no:cacheprovider -rf tests/test_model_compile.py tests/test_batch_copies.py tests/test_eager_autograd.py
-    step fill 200 python benchmarks/lab_batch_fill.py
+    step fill 150 python benchmarks/lab_batch_fill.py
+    if [ -z "${FILL_DECODE:-}" ]; then   # FILL_DECODE=1: the decode step too (~160 s more)
+        tar czf "$OUT/results.tgz" -C "$OUT" r
+        for l in tests tests_on; do echo "== $l"; grep -E "^FAILED|^ERROR" "$R/$l.log" | head -5; tail -1 "$R/$l.log"; done
+        grep -A30 "| L |" "$R/fill.log" | tail -32; exit 0
+    fi
     # The decode step's synced column (set_token_slots, replay, synchronize) by either fill.
     step decode_fill_off 80 env LORA_OPS_ONE_LAUNCH_FILL=0 python benchmarks/bench_decode.py --stack-a \
         --out "$R/decode_fill_off"

@@ -32,7 +32,8 @@ def set_one_launch_fill(on):
     for bit either way (tests/test_batch.py).
 
     ``None`` (the default): on CUDA tensors, for batches of a few steps of the kernel (launch_batch.
-    DEFAULT_MAX_STEPS: 4 slots up to 4096 tokens, 64 slots up to 256). ``True``: wherever it fits
+    DEFAULT_MAX_STEPS: 4 slots up to 16384 tokens, 64 slots up to 1024: where its GPU time stays under the
+    torch path's). ``True``: wherever it fits
     (launch_batch.MAX_STEPS), CPU tensors under ``ops.set_cpu_backend("triton")`` (Triton's interpreter)
     too. ``False``: the torch path everywhere. ``LORA_OPS_ONE_LAUNCH_FILL=1`` / ``=0`` sets
     True / False at import. Under torch.compile's tracing the torch path serves (it traces; a Triton launch

@@ -14,12 +14,13 @@ MIN_BLOCK_T, MAX_BLOCK_T = 16, 1024
 # One program walks the tokens twice, BLOCK_T at a time: past this many steps a pass, the torch path's
 # parallel sort serves (e.g. 4 slots: up to 32768 tokens; 64 slots: up to 2048).
 MAX_STEPS = 32
-# By default (lora_ops.batch.set_one_launch_fill(None)) the kernel serves only batches of a few steps a pass
-# (4 slots: up to 4096 tokens; 64 slots: up to 256): measured at one step (a decode batch of 64 on an H100,
-# session 33), where it saves the host a dozen launches. Its GPU time grows with the steps, one program on
-# one SM, and at 32 steps it may exceed the torch path's parallel kernels; not yet timed
-# (benchmarks/lab_batch_fill.py).
-DEFAULT_MAX_STEPS = 4
+# By default (lora_ops.batch.set_one_launch_fill(None)) the kernel serves batches of at most 16 steps a pass
+# (4 slots: up to 16384 tokens; 16: 4096; 64: 1024). Its GPU time grows with the steps (one program on one SM,
+# BLOCK_T x KEYS a step); the torch path's kernels run in parallel. H100, torch 2.11, Triton 3.6 (session 34,
+# benchmarks/results/lab_batch_fill-h100-2026-12-05-session34.md), GPU us one launch / torch: 16 steps
+# 91 / 106 (4 slots), 36 / 63 (16), 53 / 55 (64); 32 steps (4 slots, 32768 tokens) 181 / 96. The host time
+# saved is 120-170 us at every size.
+DEFAULT_MAX_STEPS = 16
 
 
 def _keys(num_slots):

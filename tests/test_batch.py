@@ -208,12 +208,12 @@ def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch
 
 
 @pytest.mark.parametrize("setting, served", [
-    (None, {(64, 4): True, (4096, 4): True, (4097, 4): False, (256, 64): True, (257, 64): False}),
+    (None, {(64, 4): True, (16384, 4): True, (16385, 4): False, (1024, 64): True, (1025, 64): False}),
     (True, {(4097, 4): True, (32768, 4): True, (32769, 4): False, (2048, 64): True, (2049, 64): False}),
     (False, {(64, 4): False}),
 ], ids=["default", "on", "off"])
 def test_which_gpu_batches_the_one_launch_fill_serves(setting, served):
-    """By default a few steps of the kernel a pass (launch_batch.DEFAULT_MAX_STEPS: timed at one), switched on
+    """By default up to 16 steps of the kernel a pass (launch_batch.DEFAULT_MAX_STEPS, timed), switched on
     wherever it fits (MAX_STEPS), off never; shapes only, so no GPU is needed to ask."""
     from lora_ops import batch
     with fill_setting(setting):
