@@ -209,7 +209,7 @@ def test_one_launch_fill_serves_what_fits_and_the_torch_path_the_rest(one_launch
 
 @pytest.mark.parametrize("setting, served", [
     (None, {(64, 4): True, (16384, 4): True, (16385, 4): False, (1024, 64): True, (1025, 64): False}),
-    (True, {(4097, 4): True, (32768, 4): True, (32769, 4): False, (2048, 64): True, (2049, 64): False}),
+    (True, {(16385, 4): True, (32768, 4): True, (32769, 4): False, (2048, 64): True, (2049, 64): False}),
     (False, {(64, 4): False}),
 ], ids=["default", "on", "off"])
 def test_which_gpu_batches_the_one_launch_fill_serves(setting, served):
