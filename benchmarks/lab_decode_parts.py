@@ -18,13 +18,9 @@ slot's B, at 4.1 TB/s.
 import contextlib
 from unittest import mock
 
-import torch
-import torch.nn.functional as F
-
 import repo_path  # noqa: F401,E402
-from lab_env import DEV, ints, lab_rows, problem  # noqa: E402
+from lab_env import DEV, ints, lab_rows, problem, stacked_parts  # noqa: E402
 from lora_ops import configs, launch, plan  # noqa: E402
-from lora_ops.layers import stacked_weight  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
 TOKENS = ints("MS", "64,16")
@@ -46,26 +42,12 @@ def main():
           "bytes floor µs |\n|---|---|---|---|---|---|---|---|---|---|")
     for layer, rank, M in lab_rows(TOKENS, RANKS, 400):
         p = problem(layer, rank, M)
-        sets = {}
-
-        def inputs(k):
-            if k not in sets:
-                i = p.inputs(k)
-                w = p.base_inputs(k)[1]
-                ws = stacked_weight(w, i.lora_a)
-                sets[k] = (i, w, ws, F.linear(i.x, ws))
-            return sets[k]
+        inputs, shipped_call = stacked_parts(p)
 
         def call(name, k):
             i, w, ws, out = inputs(k)
-            if name == "base":
-                return lambda: F.linear(i.x, w)
-            if name == "gemm":
-                return lambda: F.linear(i.x, ws)
-            if name in ("layer", "layer_nopdl"):
-                op = torch.ops.lora_ops.lora_linear_stacked
-                args = (i.x, ws, None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-                return lambda: op(*args)
+            if name != "expand":
+                return shipped_call("layer" if name == "layer_nopdl" else name, k)
             cfg = configs.stacked_config(M, p.N, p.S, p.R, p.L, p.K, i.x.device, i.x.dtype)
             return launch.launch_expand_stacked(out, p.N, i.lora_b, p.widths, p.rank, p.scale, *p.meta, cfg,
                                                 run=False, pdl=False)
@@ -79,7 +61,6 @@ def main():
         print(f"| {layer.name} | {rank} | {M} | {med['base']:.1f} | {paired_delta(runs, 'gemm', 'base'):.1f} | "
               f"{paired_delta(runs, 'layer', 'base'):.1f} | {paired_delta(runs, 'layer_nopdl', 'base'):.1f} | "
               f"{med['expand']:.1f} | {extra} | {floor_us:.1f} |", flush=True)
-        sets.clear()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,37 @@ def rank_loop_rows(rows, tokens):
             yield layer, rank, M, p, i, buffers[0], configs.expand_config(M, p.N, p.S, p.R, p.L, i.x.device, DTYPE)
 
 
+def stacked_parts(p):
+    """For the stacked-layer labs (lab_decode_parts, lab_token_slot_expand): (inputs, call) over problem ``p``.
+    inputs(k) -> (input set k, base weight W, the stack [W; A], F.linear(x, [W; A]) computed once), cached;
+    call(name, k) -> the callable of "base" (F.linear(x, W)), "gemm" (F.linear(x, [W; A])) or "layer"
+    (lora_linear_stacked as shipped), else None."""
+    import torch.nn.functional as F
+    from lora_ops.layers import stacked_weight
+    sets = {}
+
+    def inputs(k):
+        if k not in sets:
+            i = p.inputs(k)
+            w = p.base_inputs(k)[1]
+            ws = stacked_weight(w, i.lora_a)
+            sets[k] = (i, w, ws, F.linear(i.x, ws))
+        return sets[k]
+
+    def call(name, k):
+        i, w, ws, _ = inputs(k)
+        if name == "base":
+            return lambda: F.linear(i.x, w)
+        if name == "gemm":
+            return lambda: F.linear(i.x, ws)
+        if name == "layer":
+            op = torch.ops.lora_ops.lora_linear_stacked
+            args = (i.x, ws, None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
+            return lambda: op(*args)
+        return None
+    return inputs, call
+
+
 def lab_rows(tokens, ranks, budget):
     """(layer, rank, M) for every token count, rank and layer, in that nesting, while fewer than ``budget``
     seconds have passed since the lab started; the GPU's cache is emptied after each row."""

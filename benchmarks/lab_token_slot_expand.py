@@ -42,11 +42,10 @@ import triton.language as tl
 
 import repo_path  # noqa: F401,E402  (first: this checkout's lora_ops)
 import problems  # noqa: E402
-from lab_env import DEV, TINY, ints, lab_rows, problem  # noqa: E402
+from lab_env import DEV, TINY, ints, lab_rows, problem, stacked_parts  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
 from lora_ops.configs.heuristics import next_power_of_2  # noqa: E402
 from lora_ops.kernels.work import find_slice_chunk, gdc_wait  # noqa: E402
-from lora_ops.layers import stacked_weight  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
 TOKENS = ints("MS", "64,16" if not TINY else "13")
@@ -129,15 +128,7 @@ def main():
     print("|---" * (6 + 2 * len(ts_names) + 1) + "|")
     for layer, rank, M in lab_rows(TOKENS, RANKS, int(os.environ.get("BUDGET", "400"))):
         p = problem(layer, rank, M)
-        sets = {}
-
-        def inputs(k):
-            if k not in sets:
-                i = p.inputs(k)
-                w = p.base_inputs(k)[1]
-                ws = stacked_weight(w, i.lora_a)
-                sets[k] = (i, w, ws, F.linear(i.x, ws))
-            return sets[k]
+        inputs, shipped_call = stacked_parts(p)
 
         def stacked_then(i, ws, go):
             def run():
@@ -148,14 +139,8 @@ def main():
 
         def call(name, k):
             i, w, ws, out = inputs(k)
-            if name == "base":
-                return lambda: F.linear(i.x, w)
-            if name == "gemm":
-                return lambda: F.linear(i.x, ws)
-            if name == "layer":
-                op = torch.ops.lora_ops.lora_linear_stacked
-                args = (i.x, ws, None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-                return lambda: op(*args)
+            if name in ("base", "gemm", "layer"):
+                return shipped_call(name, k)
             if name.startswith("layer_ts"):
                 bn = int(name[len("layer_ts"):])
                 return stacked_then(i, ws, lambda o: token_slot_expand(o, p.N, i.lora_b, p.widths, p.rank, p.scale,
@@ -167,7 +152,7 @@ def main():
             return launch.launch_expand_stacked(out, p.N, i.lora_b, p.widths, p.rank, p.scale, *p.meta, cfg,
                                                 run=False, pdl=False)
 
-        check(p, inputs(0)[0], call)
+        check(p, inputs)
         names = ["base", "gemm", "layer"] + [f"layer_{n}" for n in ts_names] + ["expand"] + \
             [f"expand_{n}" for n in ts_names]
         set_bytes = p.set_bytes() + p.base_set_bytes()
@@ -178,12 +163,11 @@ def main():
               f"{paired_delta(runs, 'layer', 'base'):.1f} | " + " | ".join(f"{d:.1f}" for d in deltas)
               + f" | {med['expand']:.1f} | " + " | ".join(f"{med[f'expand_{n}']:.1f}" for n in ts_names) + " |",
               flush=True)
-        sets.clear()
 
 
-def check(p, i, call):
-    """Each expand on a fresh stacked output of input set 0 against float64 (problems.check_delta's bound)."""
-    ws = stacked_weight(p.base_inputs(0)[1], i.lora_a)
+def check(p, inputs):
+    """Each expand on a fresh stacked output of input set 0 against float64 (problems.TOLERANCE's bound)."""
+    i, _, ws, _ = inputs(0)
     ref = problems.reference_delta(p, i)
     for bn in BLOCKS:
         for shipped in (True, False):
