@@ -23,8 +23,13 @@ Config fields honoured (PEFT 0.21 semantics):
 Unsupported (an :class:`UnsupportedAdapterError` naming the feature): DoRA, LoRA bias (``lora_bias`` or
 ``bias != "none"``), ``modules_to_save``, trainable tokens, ``target_parameters``, layer replication,
 and the variants that change the forward (aLoRA, QALoRA, MonteCLoRA, BD-LoRA, Arrow, KaSA); layer types
-other than Linear (embeddings, convolutions). VeLoRA (a backward-only change) and MiCA (an
-initialisation) compute LoRA's own forward, so they load.
+other than Linear (embeddings, convolutions), and base-layer weights saved with the adapter; adapters saved
+with ``init_lora_weights`` PiSSA, CorDA, OLoRA or LoftQ, whose reload in PEFT rewrites the base weights
+(convert them to plain LoRA when saving). VeLoRA (a backward-only change) and the initialisations that
+leave the base weights alone (MiCA, EVA, orthogonal, LoRA-GA, Gaussian) compute LoRA's own forward, so they
+load. A factor that is finite in its file but overflows the layer's dtype is refused, as NaN is.
+
+``path`` may also name the directory's weights file (``adapter_model.safetensors`` / ``.bin``).
 
 A packed layer (several output slices, see ``apply_lora(packed_modules=...)``) holds one rank and one
 scale per slot: its rank is the largest of its slices' ranks (the others are zero-padded) and, when
@@ -67,12 +72,18 @@ _UNSUPPORTED_FIELDS = (
     ("kasa_config", "KaSA (kasa_config)"),
 )
 
+# init_lora_weights values whose reload in PEFT rewrites the base weights (PiSSA, CorDA, OLoRA, LoftQ): the
+# adapter's factors are meant for that residual base, not for the model's own weights.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq")
+
 # Tensor keys of unsupported features, tried before the plain lora_A / lora_B pattern.
 _UNSUPPORTED_KEYS = (
     (re.compile(r"lora_magnitude_vector"), "DoRA (lora_magnitude_vector)"),
     (re.compile(r"lora_embedding_[AB]"), "layer type Embedding (lora_embedding_A/B)"),
     (re.compile(r"modules_to_save"), "modules_to_save"),
     (re.compile(r"trainable_tokens"), "trainable tokens (trainable_token_indices)"),
+    (re.compile(r"\.base_layer\.weight$"), "base-layer weights saved with the adapter (PEFT saves them for "
+     "targeted embed_tokens / lm_head layers)"),
     (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "LoRA bias (lora_bias)"),
     (re.compile(r"\.bias$"), "LoRA bias (bias != 'none': the adapter carries base-layer biases)"),
 )
@@ -122,15 +133,26 @@ def unload_adapter(ctx, name):
 
 def read_peft_directory(path):
     """(config dict, {key: tensor}) of a PEFT adapter directory, reading data only."""
-    return read_adapter_config(path), _read_weights(os.fspath(path))
+    return read_adapter_config(path), _read_weights(_adapter_directory(path))
 
 
 def read_adapter_config(path):
     """The adapter_config.json of a PEFT adapter directory, as a dict."""
+    path = _adapter_directory(path)
+    return _read_config(os.path.join(path, CONFIG_FILE))
+
+
+def _adapter_directory(path):
+    """The adapter directory ``path`` names: itself, or the folder of its weights file."""
     path = os.fspath(path)
+    if os.path.isfile(path) and os.path.basename(path) in (SAFETENSORS_FILE, LEGACY_BIN_FILE):
+        return os.path.dirname(path) or "."
+    if os.path.isfile(path):
+        raise AdapterError(f"path: expected a PEFT adapter directory (holding {CONFIG_FILE} and {SAFETENSORS_FILE}), "
+                           f"got the file {path!r}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"adapter directory {path!r} does not exist")
-    return _read_config(os.path.join(path, CONFIG_FILE))
+    return path
 
 
 def check_config_supported(config):
@@ -144,6 +166,13 @@ def check_config_supported(config):
     bias = config.get("bias", "none")
     if bias not in (None, "none"):
         raise UnsupportedAdapterError(f"LoRA bias (bias={bias!r}) is not supported: only bias='none' loads")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise UnsupportedAdapterError(
+            f"an adapter initialised with init_lora_weights={init!r} is not supported: PEFT loads it onto base "
+            f"weights it rewrites (the residual of the initial factors), so on the unchanged base layer it "
+            f"computes something else. Save it converted to plain LoRA (PEFT: save_pretrained(..., "
+            f"path_initial_model_for_weight_conversion=...)) and load that")
 
 
 # ---- files ---------------------------------------------------------------------------------------------
@@ -269,10 +298,17 @@ def _pattern_value(patterns, path, default):
     return default
 
 
-def _module_scale(config, path, rank):
+def _module_scale(config, path, rank, source):
     """(expected rank or None, scale) of module ``path`` under ``config`` (PEFT's rules)."""
     r = _pattern_value(config.get("rank_pattern"), path, config.get("r"))
     alpha = _pattern_value(config.get("alpha_pattern"), path, config.get("lora_alpha"))
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or r != int(r) or r < 1):
+        raise AdapterError(f"{source}: {path!r}: the adapter config gives r={r!r} (r / rank_pattern); expected a "
+                           f"positive integer")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not math.isfinite(alpha)):
+        raise AdapterError(f"{source}: {path!r}: the adapter config gives lora_alpha={alpha!r} (lora_alpha / "
+                           f"alpha_pattern); expected a finite number")
     r_eff = rank if r is None else int(r)
     alpha = r_eff if alpha is None else float(alpha)
     scale = alpha / math.sqrt(r_eff) if config.get("use_rslora") else alpha / r_eff
@@ -306,7 +342,7 @@ def _plan_writes(ctx, modules, config, source):
     for path, (a, b) in modules.items():
         layer, index = _resolve_target(ctx, path, source)
         rank = a.shape[0]
-        expected_rank, scale = _module_scale(config, path, rank)
+        expected_rank, scale = _module_scale(config, path, rank, source)
         _check_shapes(layer, index, path, a, b, expected_rank, source)
         slices = plan.setdefault(layer, [None] * len(layer.slice_widths))
         offsets = layer.slice_offsets
@@ -316,8 +352,8 @@ def _plan_writes(ctx, modules, config, source):
                 raise AdapterError(f"{source}: {path!r} writes slice {i} of a packed layer that another key of "
                                    f"the adapter also writes")
             b_i = b if index is not None else b[offsets[i]:offsets[i + 1]]
-            slices[i] = (a, b_i, rank, scale)
-    return {layer: _fold_slices(layer, slices) for layer, slices in plan.items()}
+            slices[i] = (a, b_i, rank, scale, path)
+    return {layer: _fold_slices(layer, slices, source) for layer, slices in plan.items()}
 
 
 def _check_shapes(layer, index, path, a, b, expected_rank, source):
@@ -339,8 +375,9 @@ def _check_shapes(layer, index, path, a, b, expected_rank, source):
                            f"(the {'slice' if index is not None else 'layer'}'s out features, lora_A's rank)")
 
 
-def _fold_slices(layer, slices):
-    """(per-slice (A, B) in the layer's dtype or None, layer scale, layer rank)."""
+def _fold_slices(layer, slices, source):
+    """(per-slice (A, B) in the layer's dtype or None, layer scale, layer rank). A factor finite in its file
+    but not in the layer's dtype (a float32 value past float16's range) is an error, as a NaN in the file is."""
     used = [s for s in slices if s is not None]
     rank = max(s[2] for s in used)
     scale = max((s[3] for s in used), key=abs)
@@ -350,10 +387,15 @@ def _fold_slices(layer, slices):
         if s is None:
             prepared.append(None)
             continue
-        a, b, _, slice_scale = s
+        a, b, _, slice_scale, path = s
         ratio = slice_scale / scale if scale != 0 else 0.0
         b = b.float() * ratio if ratio != 1.0 else b
-        prepared.append((a.detach().to(dtype), b.detach().to(dtype)))
+        a, b = a.detach().to(dtype), b.detach().to(dtype)
+        for factor, t in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterError(f"{source}: {path!r}: {factor} does not fit the layer's dtype {dtype} (values "
+                                   f"overflow to infinity when cast)")
+        prepared.append((a, b))
     return prepared, scale, rank
 
 

@@ -332,6 +332,17 @@ ERROR_CASES = {
     "qalora": ({"use_qalora": True}, None, UnsupportedAdapterError, r"QALoRA \(use_qalora\)"),
     "no_weights": ({}, lambda t: {}, AdapterError, "no LoRA weights"),
     "bad_pattern_regex": ({"rank_pattern": {"(q_proj": 2}}, None, AdapterError, r"key '\(q_proj' is not a valid regex"),
+    # Initialisations whose reload in PEFT rewrites the base weights: the factors are for that residual base.
+    **{f"{init}_init": ({"init_lora_weights": init}, None, UnsupportedAdapterError,
+                        f"init_lora_weights='{init}' is not supported: PEFT loads it onto base weights it rewrites")
+       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq")},
+    "rank_zero_in_config": ({"r": 0}, None, AdapterError, r"gives r=0 \(r / rank_pattern\); expected a positive"),
+    "rank_pattern_zero": ({"rank_pattern": {"q_proj": 0}}, None, AdapterError, r"'model.layers.0.self_attn.q_proj'"
+                          r": the adapter config gives r=0"),
+    "alpha_not_a_number": ({"alpha_pattern": {"q_proj": "big"}}, None, AdapterError,
+                           r"gives lora_alpha='big' \(lora_alpha / alpha_pattern\); expected a finite number"),
+    "base_layer_weights": ({}, lambda t: {**t, "base_model.model.lm_head.base_layer.weight": torch.ones(64, 32)},
+                           UnsupportedAdapterError, "base-layer weights saved with the adapter"),
 }
 
 
@@ -351,6 +362,40 @@ def test_invalid_adapter_is_refused_and_no_slot_changes(tmp_path, case, source):
         else:
             ctx.load_adapter_tensors("new", tensors, config)
     assert_state_unchanged(before, ctx)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica", "lora_ga"], ids=str)
+def test_initialisations_that_keep_the_base_weights_load(init):
+    """Only the factors' starting values differ (PEFT's reload leaves the base layer as it is)."""
+    model, ctx = lora_model()
+    tensors = _tensors(model)
+    slot = ctx.load_adapter_tensors("a", tensors, lora_config(4, 8, init_lora_weights=init))
+    assert_loaded(ctx, slot, tensors, 2.0)
+
+
+def test_a_factor_that_overflows_the_layers_dtype_is_refused():
+    """Finite in its file (float32) but past float16's range in a float16 model: refused before any write, as a
+    NaN is (it would have turned that adapter's outputs to inf)."""
+    model = toy_lm(dtype=torch.float16)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=MAX_RANK, max_tokens=16)
+    ctx.load_adapter_tensors("kept", _tensors(model, seed=1), lora_config(4, 8))
+    before = slot_state(ctx)
+    tensors = _edit(_tensors(model), "lora_B.weight", lambda b: b.float().index_fill(0, torch.tensor([2]), 1e5))
+    with pytest.raises(AdapterError, match=f"'{Q0}': lora_B does not fit the layer's dtype torch.float16"):
+        ctx.load_adapter_tensors("new", tensors, lora_config(4, 8))
+    assert_state_unchanged(before, ctx)
+
+
+def test_a_weights_file_path_names_its_directory(tmp_path):
+    model, ctx = lora_model()
+    tensors = _tensors(model)
+    path = write_adapter_dir(tmp_path / "a", lora_config(4, 8), tensors)
+    slot = ctx.load_adapter("a", os.path.join(path, "adapter_model.safetensors"))
+    assert_loaded(ctx, slot, tensors, 2.0)
+    other = tmp_path / "notes.txt"
+    other.write_text("not an adapter")
+    with pytest.raises(AdapterError, match="path: expected a PEFT adapter directory .* got the file"):
+        ctx.load_adapter("b", other)
 
 
 def test_no_free_slot_and_duplicate_name():
