@@ -117,6 +117,9 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     plan = _plan_writes(ctx, modules, config, source)
     _write(ctx, slot, name, plan)
     _configs(ctx)[slot] = config      # for save_peft_adapter (use_rslora) and training (lora_dropout)
+    # Packed layers the adapter targeted as one module (Phi-3's qkv_proj): saved back that way.
+    _fused_sources(ctx)[slot] = {path for path in modules if ctx.targets[path][1] is None
+                                 and len(ctx.targets[path][0].slice_widths) > 1}
     return slot
 
 
@@ -129,6 +132,7 @@ def unload_adapter(ctx, name):
         layer.clear_slot(slot)
     ctx.slot_names[slot] = None
     _configs(ctx).pop(slot, None)
+    _fused_sources(ctx).pop(slot, None)
 
 
 def read_peft_directory(path):
@@ -416,14 +420,25 @@ def _configs(ctx):
     return ctx.adapter_configs
 
 
+def _fused_sources(ctx):
+    """The context's {slot: paths of the packed layers its adapter targeted as one module} record."""
+    if not hasattr(ctx, "adapter_fused_sources"):
+        ctx.adapter_fused_sources = {}
+    return ctx.adapter_fused_sources
+
+
 # ---- saving --------------------------------------------------------------------------------------------
 
 def save_peft_adapter(ctx, name, directory):
     """Write the slot of adapter ``name`` as a PEFT adapter directory; returns the directory.
 
     ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight [r, in]`` and
-    ``.lora_B.weight [out, r]`` in the stacks' dtype, a packed layer split back into its projections (a
-    slice with all-zero factors, i.e. a projection the adapter does not target, is left out).
+    ``.lora_B.weight [out, r]`` in the stacks' dtype. A packed layer is saved in the form the adapter was
+    loaded in: split back into its projections (a slice with all-zero factors, i.e. a projection the adapter
+    does not target, is left out), or, where the adapter targeted the packed module itself (Phi-3's
+    ``qkv_proj``: PEFT on that model has no ``q_proj``), as that module: at its rank while every slice holds
+    the same ``lora_A`` (as loaded), else at the slices' ranks summed, ``lora_A`` the slices' stacked and
+    ``lora_B`` block-diagonal (the same function; reloading it here needs that rank's capacity).
     ``adapter_config.json``: ``r`` / ``lora_alpha`` the most common rank and alpha across modules, with
     ``rank_pattern`` / ``alpha_pattern`` (exact module paths) for the others; ``use_rslora`` and
     ``lora_dropout`` as loaded. Each module's alpha is its slot scale times r (or sqrt(r) for rsLoRA),
@@ -471,6 +486,7 @@ def _saved_modules(ctx, slot):
         if index is not None:
             slice_paths.setdefault(layer, {})[index] = path
     modules = {}
+    fused = _fused_sources(ctx).get(slot, ())
     for path, layer in ctx.layers.items():
         r = layer.slot_ranks[slot]
         if r == 0:
@@ -478,6 +494,9 @@ def _saved_modules(ctx, slot):
         scale = float(layer.scale[slot])
         a, b = layer.lora_a[slot, :, :r], layer.lora_b[slot, :, :r]
         offsets = layer.slice_offsets
+        if path in fused:
+            modules[path] = (*_fused_factors(a, b, offsets), scale)
+            continue
         named = slice_paths.get(layer, {0: path})
         for i, slice_path in sorted(named.items()):
             a_i, b_i = a[i], b[offsets[i]:offsets[i + 1]]
@@ -485,6 +504,18 @@ def _saved_modules(ctx, slot):
                 continue
             modules[slice_path] = (a_i, b_i, scale)
     return modules
+
+
+def _fused_factors(a, b, offsets):
+    """(A, B) of a packed layer's slot as one module: A [S, r, K] and B [N, r] as stored. One A when every
+    slice holds the same (as a fused adapter loads); else A [S·r, K] and B [N, S·r] block-diagonal."""
+    if all(torch.equal(a[0], a_i) for a_i in a[1:]):
+        return a[0], b
+    S, r = a.shape[0], a.shape[1]
+    b_diag = b.new_zeros(b.shape[0], S * r)
+    for i in range(S):
+        b_diag[offsets[i]:offsets[i + 1], i * r:(i + 1) * r] = b[offsets[i]:offsets[i + 1]]
+    return a.reshape(S * r, a.shape[2]), b_diag
 
 
 def _alpha(scale, r, use_rslora):

@@ -155,6 +155,7 @@ class LoRAContext:
         self.targets = {}     # adapter module path -> (LoRALinear, slice index, or None for the whole layer)
         self._model = None    # weakref to the model apply_lora wrapped (for error messages)
         self.adapter_configs = {}   # slot -> the adapter config it was loaded with (saving, dropout)
+        self.adapter_fused_sources = {}   # slot -> packed layers its adapter targeted as one module (saving)
         self.dropout_p = None       # [L + 1] per-slot lora_dropout while training (lora_ops.training)
         self._copy = None           # the batch's BatchCopy for autograd (set_batch with grad mode on)
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)

@@ -13,6 +13,8 @@
 - Dropout: each slot's lora_dropout from its config, in training mode only.
 """
 import copy
+import json
+import os
 
 import pytest
 import torch
@@ -288,6 +290,34 @@ def test_packed_slices_saved_per_projection(tmp_path):
     with torch.no_grad():
         assert rel_err(fused(input_ids), peft_model(input_ids)) <= TOL
     assert_reload_identical(ctx, "p", directory)
+
+
+def test_adapter_of_packed_modules_saved_as_those_modules(tmp_path):
+    """An adapter PEFT trained on a fused model's packed modules (Phi-3's qkv_proj) is saved under them, so
+    PEFT on that model loads it (it has no q_proj): at its rank while every slice holds the same lora_A (as
+    loaded), at the slices' ranks summed with a block-diagonal lora_B once training made them differ."""
+    fused = fused_copy(toy_lm(seed=4))
+    torch.manual_seed(7)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["qkv_proj", "gate_up_proj", "o_proj"],
+                             init_lora_weights=False)
+    peft.get_peft_model(copy.deepcopy(fused), config).save_pretrained(tmp_path / "in")
+    model = copy.deepcopy(fused)
+    ctx = ours_with(model, {"f": str(tmp_path / "in")}, packed=True)
+    input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    for label, want_ranks in (("as_loaded", {"qkv_proj": 2, "gate_up_proj": 2}), ("trained", {"qkv_proj": 6,
+                                                                                              "gate_up_proj": 4})):
+        if label == "trained":
+            train_a_little(model, ctx, ["f"], ["f", None, "f"], vocab=VOCAB)
+        directory = save_peft_adapter(ctx, "f", tmp_path / label)
+        saved = json.load(open(os.path.join(directory, "adapter_config.json")))
+        assert all(path.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj", "o_proj")
+                   for path in saved["target_modules"]), saved["target_modules"]
+        ranks = {path.rsplit(".", 1)[-1]: saved["rank_pattern"].get(path.replace(".", "\\."), saved["r"])
+                 for path in saved["target_modules"]}
+        assert ranks == {**want_ranks, "o_proj": 2}, label
+        assert_peft_reproduces(fused, ctx, model, directory, "f", input_ids)
+        if label == "as_loaded":
+            assert_reload_identical(ctx, "f", directory)
 
 
 def test_per_slot_dropout_in_training_mode_only():
