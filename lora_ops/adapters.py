@@ -128,6 +128,10 @@ def unload_adapter(ctx, name):
     if name is None:
         raise AdapterError("unload_adapter: expected an adapter name, got None")
     slot = ctx.slot_of(name)
+    if slot in getattr(ctx, "row_slots", ()):
+        # (per_row holds slots, not names: another adapter loaded into the freed slot would serve these rows)
+        raise AdapterError(f"unload_adapter: adapter {name!r} serves rows of the active per_row block; unload it "
+                           f"after the block (replacing it, load_adapter(..., replace=True), keeps its slot)")
     for layer in ctx.layers.values():
         layer.clear_slot(slot)
     ctx.slot_names[slot] = None

@@ -55,6 +55,12 @@ def plain_linear(module):
             and not _global_forward_hooks and not _global_forward_pre_hooks)
 
 
+def hooks_see_output(module):
+    """Whether a forward hook may keep ``module``'s output (activation capture): the delta then goes into a
+    copy, as PEFT adds it out of place, not into the tensor the hook holds."""
+    return bool(module._forward_hooks or _global_forward_hooks)
+
+
 def _shaped(t):
     return t.shape, t.stride(), t.dtype
 

@@ -149,6 +149,9 @@ class LoRAContext:
         # The layers read this tuple; its tensors are refilled in place, never replaced.
         self.meta = self.batch.meta
         self.token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)
+        # Never read: its views' lengths carry the batch's token count into compiled code (_set_batch_tokens).
+        self._count_base = torch.empty(self.max_tokens + 2, dtype=torch.uint8, device=self.device)
+        self._set_batch_tokens(0)
         self._staging = _PinnedStaging(self.max_tokens) if self.device.type == "cuda" else None
         self.slot_names = [None] * self.max_loras
         self.layers = {}      # module path -> LoRALinear
@@ -167,6 +170,7 @@ class LoRAContext:
         self._row_batches = {}      # per_row: (rows, tokens per row, device) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
         self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
+        self.row_slots = frozenset()  # per_row: the slots its rows take, while a block runs
         # A model split across devices (Hugging Face's device_map): the batch's buffers on each other device a
         # layer is on, {device: (metadata, per-token slots)}, copied from this device's at each fill.
         self._mirrors = {}
@@ -176,6 +180,23 @@ class LoRAContext:
         for t in (*self.meta, self.token_slots):
             # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
             torch._dynamo.mark_static_address(t, guard=True)
+
+    def __getstate__(self):
+        # torch.save of a whole model and copy.deepcopy reach the context through its layers. The model's
+        # weakref cannot be pickled, and a deep copy must point at the copied model (training's freeze_base
+        # and the error messages read it), so the state holds the model itself: both keep one object per id,
+        # and the copy's model is the copy.
+        state = dict(self.__dict__)
+        state["_model"] = self._model() if self._model is not None else None
+        return state
+
+    def __setstate__(self, state):
+        model = state.pop("_model")
+        self.__dict__.update(state)
+        self._model = weakref.ref(model) if model is not None else None
+        for t in (*self.meta, self.token_slots):     # (attributes of the tensors, which a copy may not carry)
+            torch._dynamo.mark_static_address(t, guard=True)
+        self._set_batch_tokens(self.batch.num_tokens)
 
     # ---- slots ---------------------------------------------------------------------------------------
 
@@ -285,6 +306,9 @@ class LoRAContext:
         ``context_fn=ctx.checkpoint_context`` recomputes on the block's batches; without it the recompute
         reads the context's own batch and raises, and a reentrant one's cannot be checked (run its backward
         in the block)."""
+        if isinstance(adapters, str):
+            raise TypeError(f"per_row: adapters must be a list of adapter names (or None), one per row; got the "
+                            f"string {adapters!r}")
         names = list(adapters)
         if not names:
             raise ValueError("per_row: adapters is empty; expected an adapter name or None per row")
@@ -293,6 +317,7 @@ class LoRAContext:
             raise RuntimeError("per_row: already active on this context")
         host = torch.tensor(slots, dtype=torch.int32)
         self._rows = {device: host.to(device) for device in (self.device, *self._mirrors)}
+        self.row_slots = frozenset(slots)   # (unload_adapter refuses these while the block runs)
         self._row_batches, self._row_current, self._row_shape = {}, None, None
         for t in self._rows.values():
             # (Its length a constant of the graph: with dynamic shapes, duck sizing would otherwise tie it to
@@ -302,6 +327,7 @@ class LoRAContext:
             yield self
         finally:
             self._rows, self._row_batches, self._row_current, self._row_shape = None, {}, None, None
+            self.row_slots = frozenset()
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
@@ -366,6 +392,7 @@ class LoRAContext:
         else:
             self.token_slots[:M].copy_(token_slots)
         self.batch._refill(self.token_slots[:M])     # (checked by the caller: set_token_slots, set_batch)
+        self._set_batch_tokens(M)
         for mirror in self._mirrors.values():
             _copy_buffers(*mirror, self.meta, self.token_slots)
         # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
@@ -373,6 +400,17 @@ class LoRAContext:
         self._copy = self._copy_batch() if torch.is_grad_enabled() and not capturing else None
         for listener in self.fill_listeners:
             listener(self.meta)
+
+    def _set_batch_tokens(self, num_tokens):
+        """Keep a view of ``num_tokens`` + 2 elements, for compiled code to compare its input's token count
+        with (:meth:`traced_check_input`). Marked dynamic, so that the comparison guards on the two counts being
+        equal, not on either's value: one graph serves every count. Two longer than the batch: a dimension of
+        size 0 or 1 is never dynamic, and its static guard would recompile the graphs of an input marked
+        unbacked. A static address: CUDA graphs do not copy it."""
+        view = self._count_base[:num_tokens + 2]
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+        torch._dynamo.mark_static_address(view, guard=False)
+        self._batch_tokens = view
 
     def _copy_batch(self):
         """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
@@ -484,17 +522,39 @@ class LoRAContext:
             return
         num_tokens = self.batch.num_tokens if self._restored is None else self._restored.num_tokens
         if x2d.shape[0] != num_tokens:
-            raise ValueError(
-                f"{self._name(layer)}: the input has {x2d.shape[0]} tokens but the batch was set for {num_tokens}; "
-                f"call set_batch / set_token_slots for this step's tokens, or run code that steps the model itself "
-                f"(model.generate) inside ctx.per_row(adapters). (A layer that sees only some of the "
-                f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
-                f"per-token adapters: leave it out of target_modules)")
+            raise self._token_count_error(x2d.shape[0], num_tokens, layer)
+
+    def traced_check_input(self, x2d, layer):
+        """check_input's token count under torch.compile, against the length of the view :meth:`_fill` keeps:
+        the graph guards on the two counts being equal, so an input of another count than the batch's retraces
+        and raises (Dynamo's TorchRuntimeError holding this message) where the kernels would have given its
+        extra tokens no adapter, or dropped the batch's extra slots. Not while torch.export traces: a program's
+        inputs are its own, the batch's buffers a constant of it."""
+        if torch.compiler._is_exporting_flag:
+            return
+        # torch._check, not a raise: Dynamo runs it on the retrace's fake tensors and reports its message, the
+        # compiled frame kept (a raise inside the trace made Dynamo skip the frame for good without
+        # fullgraph); the message a constant (a closure over the counts does not trace).
+        torch._check(x2d.shape[0] == self._batch_tokens.shape[0] - 2, lambda: _TRACED_COUNT_MESSAGE)
+
+    def _token_count_error(self, got, num_tokens, layer):
+        return ValueError(
+            f"{self._name(layer)}: the input has {got} tokens but the batch was set for {num_tokens}; "
+            f"call set_batch / set_token_slots for this step's tokens, or run code that steps the model itself "
+            f"(model.generate) inside ctx.per_row(adapters). (A layer that sees only some of the "
+            f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
+            f"per-token adapters: leave it out of target_modules)")
 
     def _name(self, layer):
         """'LoRALinear' and the layer's path in the model where apply_lora put it there (for messages)."""
         path = next((p for p, known in self.layers.items() if known is layer), None)
         return "LoRALinear" if path is None else f"LoRALinear {path!r}"
+
+
+_TRACED_COUNT_MESSAGE = (
+    "LoRALinear under torch.compile: the input's token count differs from the batch's (the last set_batch / "
+    "set_token_slots); call set_batch / set_token_slots for this step's tokens, or run code that steps the model "
+    "itself (model.generate) inside ctx.per_row(adapters)")
 
 
 def _checkpoint_contexts(context):
@@ -652,6 +712,8 @@ class LoRALinear(nn.Module):
                 return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
         elif context._rows is not None:     # (per_row under torch.compile: the batch built in the graph)
             row = context.traced_row_batch(x, self)
+        else:
+            context.traced_check_input(x2d, self)
         dropout = self.training and context.dropout_p is not None
         # From the module's dicts, not nn.Module.__getattr__: a Python call per read, ~1 µs of eager host
         # time each. Through the attributes where something moved them (a parametrization).
@@ -713,6 +775,9 @@ class LoRALinear(nn.Module):
         # forward-mode AD (add_lora has a formula: ops.FORWARD_AD).
         functional = grad or (eager and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))
         name = "add_lora" if functional else "add_lora_"
+        if not functional and eager_ops.hooks_see_output(base):
+            y = y.clone()
+            y2d = y.view(-1, y.shape[-1])
         # (Bound deltas are add_lora_ in place, or add_lora where autograd needs it: bind_delta tells them apart
         # by whether the output is y; not the functional op taken for vmap or forward mode.)
         bindable = eager and cast_to is None and not dropout and functional == grad
@@ -765,6 +830,12 @@ class LoRALinear(nn.Module):
         self.scale[slot] = 0.0
         self.rank[slot] = 0
         self.slot_ranks[slot] = 0
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
+        # (a host sync, once a load). The adapters' names are the context's and not in the state dict.
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.slot_ranks = [int(r) for r in self.rank.tolist()]
 
     def __setstate__(self, state):
         # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.

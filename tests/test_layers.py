@@ -352,23 +352,29 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
                             r"features\] or the flattened tokens of the last such input, got shape \(6, 24\)"),
     ("compiled_rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its "
                                      r"3 adapters"),
+    ("a_string", r"per_row: adapters must be a list of adapter names \(or None\), one per row; got the string 'ab'"),
+    ("unload_in_block", r"unload_adapter: adapter 'b' serves rows of the active per_row block"),
 ])
 def test_per_row_errors(what, match):
     layers, ctx = one_layer_model(None, torch.float32, "cpu")
     proj = layers["proj"]
-    rows = {"unknown_adapter": ["a", "nope"], "no_adapters": []}.get(what, ["a", None, "b"])
+    rows = {"unknown_adapter": ["a", "nope"], "no_adapters": [], "a_string": "ab"}.get(what, ["a", None, "b"])
     x = {"rows_not_a_multiple": torch.randn(4, 2, K), "flat_input": torch.randn(5, K), "compiled_flat_input":
          torch.randn(6, K), "over_capacity": torch.randn(3, 11, K), "compiled_rows_not_a_multiple":
          torch.randn(4, 2, K)}.get(what, torch.randn(3, 2, K))
     run = torch.compile(proj, backend="eager", fullgraph=True) if what.startswith("compiled") else proj
     torch._dynamo.reset()
-    with pytest.raises((ValueError, RuntimeError), match=match):
+    with pytest.raises((ValueError, RuntimeError, TypeError), match=match):
         with ctx.per_row(rows):
             if what == "nested":
                 with ctx.per_row(rows):
                     pass
+            if what == "unload_in_block":
+                ctx.unload_adapter("b")
             run(x)
-    assert ctx._rows is None
+    assert ctx._rows is None and ctx.row_slots == frozenset()
+    if what == "unload_in_block":
+        ctx.unload_adapter("b")      # after the block
 
 
 def test_base_layer_is_reused_not_copied():
@@ -540,6 +546,76 @@ def test_pinned_staging_is_copied_fresh(monkeypatch):
         assert [b.shape for b in twin._buffers] == [(12,)] * 3 and len(twin._copied) == 3
         assert all(isinstance(e, Event) for e in twin._copied)
         assert not any(a.data_ptr() == b.data_ptr() for a in twin._buffers for b in staging._buffers)
+
+
+@pytest.mark.parametrize("how", ["torch_save", "deepcopy"])
+def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(how, tmp_path):
+    """torch.save of a model after apply_lora raised (the context's weakref to the model cannot be pickled);
+    a deep copy's context pointed at the original model, so the copy's train_slots froze the original's base
+    weights. Either copy now holds the adapters by name and its context the copied model."""
+    import copy
+    model = toy_lm(seed=3)
+    ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32)
+    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
+    ctx.set_batch([("a", 3), (None, 2)])
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids)
+    if how == "torch_save":
+        torch.save(model, tmp_path / "model.pt")
+        twin = torch.load(tmp_path / "model.pt", weights_only=False)
+    else:
+        twin = copy.deepcopy(model)
+    twin_ctx = twin.model.layers[0].self_attn.q_proj.context
+    assert twin_ctx is not ctx and twin_ctx.model() is twin and twin_ctx.slot_names == ["a", None]
+    twin_ctx.set_batch([("a", 3), (None, 2)])
+    with torch.no_grad():
+        assert torch.equal(twin(ids), want)
+    twin_ctx.train_slots(["a"])        # (freeze_base: the copy's base weights, not the original's)
+    assert not twin.model.layers[0].self_attn.q_proj.base.weight.requires_grad
+    assert model.model.layers[0].self_attn.q_proj.base.weight.requires_grad
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_forward_hook_on_the_base_layer_keeps_the_base_output(grad):
+    """A hook on the base nn.Linear that keeps its output (activation capture) sees the base layer's output,
+    as under PEFT: under no_grad the delta was added in place into the tensor the hook held."""
+    torch.manual_seed(0)
+    base = nn.Linear(16, 24)
+    captured = []
+    base.register_forward_hook(lambda module, args, out: captured.append(out))
+    model = nn.Sequential(base)
+    ctx = apply_lora(model, ["0"], max_loras=1, max_rank=4, max_tokens=8)
+    ctx.load_adapter_tensors("a", peft_tensors({"0": (16, 24)}, 4, seed=1, prefix=""))
+    ctx.set_batch([("a", 5)])
+    x = torch.randn(5, 16)
+    with torch.set_grad_enabled(grad):
+        out = model(x)
+    assert torch.equal(captured[0], nn.functional.linear(x, base.weight, base.bias))
+    want = layer_reference(model[0], x, torch.zeros(5, dtype=torch.int32)).float()
+    assert rel_err(out.detach(), want) <= 1e-5
+
+
+def test_load_state_dict_restores_the_slots_and_their_host_ranks():
+    """A state dict carries each layer's stacks, scale and rank (not the names, the context's): loaded into a
+    fresh model, slots addressed by id compute as before, and the host mirror of the ranks (read by
+    save_adapter and the checks) follows the rank buffer it loaded, where it stayed at zero."""
+    def build():
+        model = toy_lm(seed=3)
+        return model, apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32)
+    model, ctx = build()
+    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 3, seed=1))
+    twin, twin_ctx = build()
+    twin.load_state_dict(model.state_dict())
+    assert all(layer.slot_ranks == [3, 0] for layer in twin_ctx.layers.values())
+    slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    ctx.set_token_slots(slots)
+    twin_ctx.set_token_slots(slots)
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -182,6 +182,29 @@ def test_batch_of_one_token_with_mark_unbacked():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph_breaks_allowed"])
+def test_an_input_of_another_token_count_than_the_batch_raises_when_compiled(fullgraph):
+    """As eagerly (check_input): a compiled model fed more or fewer tokens than the batch set raises, where its
+    kernels gave the extra tokens no adapter (or dropped the batch's extra slots) without a word. The graph
+    guards on the two counts being equal, so matching counts still share one graph, after the error too."""
+    model, ctx, _ = toy_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=fullgraph)
+    with torch.no_grad():
+        for n in (3, 7, 5):
+            ctx.set_batch([("a", n - 1), ("b", 1)])
+            check_step(compiled, model, token_ids(n, seed=n))
+        assert counter.frame_count == 1
+        for fed, batch in ((8, 4), (4, 8)):
+            ctx.set_batch([("a", batch)])
+            with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="the input's token count differs from "
+                               "the batch's"):
+                compiled(token_ids(fed, seed=0))
+        ctx.set_batch([("b", 6)])
+        check_step(compiled, model, token_ids(6, seed=6))
+    assert counter.frame_count == 1
+
+
 def test_batch_of_one_token_padded_to_two():
     """mark_dynamic specialises size 1, so a one-token step is padded with a no-adapter token at the end;
     the real token's output is unchanged."""
