@@ -5,6 +5,8 @@ meta, CPU and CUDA tensors and costs no device sync. Each error names the argume
 expected. The one data-dependent check (slot ids in range) lives in lora_ops.batch, where it runs only
 for CPU tensors.
 """
+import math
+
 import torch
 
 try:
@@ -332,6 +334,37 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
 
 
+def check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                    slot_counts):
+    """add_lora_'s arguments: add_lora's, and y writable in place (check_written_in_place)."""
+    check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    check_written_in_place("y", y)
+
+
+def check_written_in_place(name, t):
+    """A 2-D output the kernels write in place: no two of its elements may share memory (an expanded view, a
+    stride 0, rows that overlap), whose rows would take each other's deltas; torch's own in-place ops refuse
+    such outputs too. Exact for two dimensions: elements (i, j) and (i + di, j + dj) meet where
+    di·s0 + dj·s1 = 0, whose smallest solution is (s1 / g, -s0 / g), g = gcd(s0, s1). Symbolic sizes or
+    strides (tracing) are left to the run."""
+    (M, N), (s0, s1) = t.shape, t.stride()
+    if s1 == 1 and type(N) is int and type(s0) is int and s0 >= N:   # rows of a row-major tensor: the usual case
+        return
+    if not all(type(v) is int for v in (M, N, s0, s1)) or M == 0 or N == 0:
+        return
+    if (M > 1 and s0 == 0) or (N > 1 and s1 == 0):
+        overlap = True
+    elif M == 1 or N == 1:
+        overlap = False
+    else:
+        g = math.gcd(s0, s1)
+        overlap = abs(s1) // g < M and abs(s0) // g < N
+    if overlap:
+        _fail(ValueError, f"{name}: written in place, but more than one of its elements refers to one memory "
+                          f"location (shape {tuple(t.shape)}, strides {tuple(t.stride())}: an expanded or "
+                          f"overlapping view); pass a tensor of its own, e.g. {name}.clone()")
+
+
 def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                       slot_counts):
     """weight [N, K] and bias [N] (or None) of the base layer, in x's dtype and on its device; then the
@@ -404,6 +437,7 @@ def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_cou
 
 def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     check_float("y", y, 2)
+    check_written_in_place("y", y)
     if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.dtype != torch.float32:
         _fail(TypeError, f"h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got "
                          f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}")

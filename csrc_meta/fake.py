@@ -18,8 +18,8 @@ def expand_fake(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts,
 
 @torch.library.register_fake("lora_ops::add_lora_")
 def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
-    checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
-                          slot_counts)
+    checks.check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                           slot_counts)
 
 
 @torch.library.register_fake("lora_ops::lora_linear")

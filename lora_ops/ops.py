@@ -304,6 +304,6 @@ def call_trusted(name, *args):
 
 register_kernels("lora_ops::shrink", _triton, checks.check_shrink, cpu.shrink, trusted=True)
 register_kernels("lora_ops::expand_", _triton, checks.check_expand, cpu.expand_)
-register_kernels("lora_ops::add_lora_", _triton, checks.check_add_lora, cpu.add_lora_)
+register_kernels("lora_ops::add_lora_", _triton, checks.check_add_lora_, cpu.add_lora_)
 register_kernels("lora_ops::lora_linear", _triton, checks.check_lora_linear, cpu.lora_linear)
 register_kernels("lora_ops::lora_linear_stacked", _triton, checks.check_lora_linear_stacked, cpu.lora_linear_stacked)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import lora_ops
@@ -136,6 +138,13 @@ BAD = [
         {"add_lora_": "y: expected 4 rows (x's tokens), got shape (5, 10)",
          "expand_": "h: expected 5 rows (y's tokens), got shape (4, 2, 4)"}),
     Bad("y_1d", "y", lambda a, d: torch.zeros(N, device=d), ValueError, "y: expected a 2-D tensor, got shape (10,)"),
+    # y written in place: no two elements in one memory location (torch's own in-place ops refuse them too)
+    Bad("y_expanded_row", "y", lambda a, d: torch.zeros(N, device=d).expand(M, N), ValueError,
+        "y: written in place, but more than one of its elements refers to one memory location (shape (4, 10), "
+        "strides (0, 1)"),
+    Bad("y_overlapping_rows", "y", lambda a, d: torch.zeros(M * N, device=d).as_strided((M, N), (2, 1)),
+        ValueError, "y: written in place, but more than one of its elements refers to one memory location "
+                    "(shape (4, 10), strides (2, 1)"),
     Bad("h_rows_not_y", "h", lambda a, d: torch.zeros(M - 1, S, R, device=d), ValueError,
         "h: expected 4 rows (y's tokens), got shape (3, 2, 4)"),
     Bad("h_2d", "h", lambda a, d: torch.zeros(M, S * R, device=d), TypeError,
@@ -433,3 +442,20 @@ def test_segment_outer_grid_limit_names_the_slots(monkeypatch):
         launch_grad.launch_segment_outer(torch.empty(L, P, Q), u, v, case.rank, *case.meta, cfg, run=False)
     monkeypatch.setattr(launch, "MAX_GRID_YZ", 3)
     launch_grad.launch_segment_outer(torch.empty(L, P, Q), u, v, case.rank, *case.meta, cfg, run=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.tuples(st.integers(0, 6), st.integers(0, 6)), strides=st.tuples(st.integers(0, 9), st.integers(0, 9)))
+def test_written_in_place_check_is_exact_for_two_dimensions(shape, strides):
+    """check_written_in_place refuses an output exactly when two of its elements share an offset (brute force
+    over every pair): legal odd layouts (transposed, a column block of a wider tensor, strides (3, 2) over two
+    columns) pass, expanded and overlapping ones do not."""
+    from csrc_meta.checks import check_written_in_place
+    t = torch.empty(6 * 9 * 2).as_strided(shape, strides)   # (the largest offset: 5 * 9 * 2)
+    offsets = [i * strides[0] + j * strides[1] for i in range(shape[0]) for j in range(shape[1])]
+    overlaps = len(set(offsets)) != len(offsets)
+    if overlaps:
+        with pytest.raises(ValueError, match="more than one of its elements refers to one memory location"):
+            check_written_in_place("y", t)
+    else:
+        check_written_in_place("y", t)
