@@ -6,7 +6,7 @@ from typing import Callable
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import strategies
 import torch
 
 import lora_ops
@@ -445,7 +445,8 @@ def test_segment_outer_grid_limit_names_the_slots(monkeypatch):
 
 
 @settings(max_examples=300, deadline=None)
-@given(shape=st.tuples(st.integers(0, 6), st.integers(0, 6)), strides=st.tuples(st.integers(0, 9), st.integers(0, 9)))
+@given(shape=strategies.tuples(strategies.integers(0, 6), strategies.integers(0, 6)),
+       strides=strategies.tuples(strategies.integers(0, 9), strategies.integers(0, 9)))
 def test_written_in_place_check_is_exact_for_two_dimensions(shape, strides):
     """check_written_in_place refuses an output exactly when two of its elements share an offset (brute force
     over every pair): legal odd layouts (transposed, a column block of a wider tensor, strides (3, 2) over two
