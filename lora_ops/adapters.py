@@ -134,6 +134,9 @@ def unload_adapter(ctx, name):
                            f"after the block (replacing it, load_adapter(..., replace=True), keeps its slot)")
     for layer in ctx.layers.values():
         layer.clear_slot(slot)
+    trainer = getattr(ctx, "trainer", None)
+    if trainer is not None:
+        trainer.forget_slot(slot)
     ctx.slot_names[slot] = None
     _configs(ctx).pop(slot, None)
     _fused_sources(ctx).pop(slot, None)

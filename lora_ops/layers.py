@@ -164,6 +164,7 @@ class LoRAContext:
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
         self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
+        self.trainer = None         # the open lora_ops.training.SlotTrainer (train_slots), one at a time
         # per_row, while a block runs: {device served: each adapter's slot [len(adapters)]} (also read under
         # torch.compile, which builds the batches in the graph from it)
         self._rows = None

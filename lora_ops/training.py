@@ -122,6 +122,14 @@ class SlotTrainer:
         names = list(names)
         if not names or any(n is None for n in names):
             raise ValueError(f"train_slots: expected one or more adapter names, got {names!r}")
+        open_trainer = getattr(ctx, "trainer", None)
+        if open_trainer is not None:
+            # (Two trainers' gradient masks on one stack multiply to zero, and closing one freezes the stacks
+            # under the other.)
+            held = [ctx.slot_names[s] for s in open_trainer.slots]
+            raise RuntimeError(f"train_slots: a trainer of this context is open (adapters {held!r}); close it "
+                               f"(trainer.close(), or train in a `with ctx.train_slots(...)` block) first, or "
+                               f"train every adapter with one train_slots call")
         self.ctx = ctx
         self.slots = [ctx.slot_of(n) for n in names]
         L = ctx.max_loras
@@ -149,6 +157,7 @@ class SlotTrainer:
                 stack.requires_grad_(True)
                 self._hooks.append(stack.register_hook(self._grad_hook(layer, stack)))
         ctx.dropout_p = _dropout_table(ctx)
+        ctx.trainer = self
 
     # ---- public ----------------------------------------------------------------------------------------
 
@@ -191,6 +200,16 @@ class SlotTrainer:
             stack.requires_grad_(False)
             stack.grad = None
         self.ctx.dropout_p = None
+        if getattr(self.ctx, "trainer", None) is self:
+            self.ctx.trainer = None
+
+    def forget_slot(self, slot):
+        """Stop training ``slot`` (its adapter was unloaded): an adapter loaded there later is not this
+        trainer's, and step() restores it as any slot not chosen (the optimizer's moments for the stack
+        would otherwise have moved it)."""
+        self._chosen[slot] = False
+        if slot in self.slots:
+            self.slots.remove(slot)
 
     def __enter__(self):
         return self

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import DEVICE, TOLERANCE, rel_err
-from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, toy_lm
+from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, peft_tensors, toy_lm
 from lora_ops import training
 from lora_ops.adapters import load_peft_adapter, save_peft_adapter
 from lora_ops.layers import apply_lora
@@ -318,6 +318,65 @@ def test_adapter_of_packed_modules_saved_as_those_modules(tmp_path):
         assert_peft_reproduces(fused, ctx, model, directory, "f", input_ids)
         if label == "as_loaded":
             assert_reload_identical(ctx, "f", directory)
+
+
+def _trainable_model(names, seed=9):
+    model = toy_lm(seed=seed)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=4, max_tokens=64)
+    gen = torch.Generator().manual_seed(seed)
+    for name in names:
+        training.add_trainable_adapter(ctx, name, r=4, lora_alpha=4, generator=gen)
+        for layer in ctx.layers.values():     # non-zero B: the adapters' A get gradients too
+            with torch.no_grad():
+                layer.lora_b[ctx.slot_of(name)].normal_(generator=gen)
+    return model, ctx
+
+
+def _step(model, ctx, trainer, optimizer, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ctx.set_batch([(name, SEQ) for name in rows])
+    loss_of(model(torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen)),
+            torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen)).backward()
+    trainer.step(optimizer)
+    optimizer.zero_grad()
+
+
+def test_one_open_trainer_a_context():
+    """A second train_slots while one was open raised nothing and zeroed every gradient (the two trainers'
+    masks multiplied on the stacks); it now names the open one, and after close() a new one trains."""
+    model, ctx = _trainable_model(["a", "b"])
+    first = ctx.train_slots(["a"])
+    with pytest.raises(RuntimeError, match=r"train_slots: a trainer of this context is open \(adapters \['a'\]\)"):
+        ctx.train_slots(["b"])
+    first.close()
+    b = ctx.slot_of("b")
+    with ctx.train_slots(["b"]) as second:
+        ctx.set_batch([("b", SEQ)])
+        loss_of(model(torch.randint(0, VOCAB, (1, SEQ))), torch.randint(0, VOCAB, (1, SEQ))).backward()
+        assert all(layer.lora_b.grad[b].abs().sum() > 0 for layer in ctx.layers.values())
+        assert second.slots == [b]
+    assert ctx.trainer is None
+
+
+def test_an_adapter_loaded_where_a_trained_one_was_unloaded_is_not_trained():
+    """The trainer held slots by number: an adapter loaded into the slot of one unloaded during training was
+    moved by the next step (the stack's AdamW moments and weight decay), though never chosen."""
+    model, ctx = _trainable_model(["a", "c"])
+    trainer = ctx.train_slots(["a", "c"])
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    model.train()
+    _step(model, ctx, trainer, optimizer, ["a", "c", None], seed=1)
+    slot = ctx.slot_of("c")
+    ctx.unload_adapter("c")
+    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    assert ctx.load_adapter_tensors("e", peft_tensors(shapes, 2, seed=3)) == slot
+    before = {path: (layer.lora_a[slot].clone(), layer.lora_b[slot].clone()) for path, layer in ctx.layers.items()}
+    a_before = next(iter(ctx.layers.values())).lora_b[ctx.slot_of("a")].clone()
+    _step(model, ctx, trainer, optimizer, ["a", "e"], seed=2)
+    for path, layer in ctx.layers.items():
+        assert torch.equal(layer.lora_a[slot], before[path][0]) and torch.equal(layer.lora_b[slot], before[path][1])
+    assert not torch.equal(next(iter(ctx.layers.values())).lora_b[ctx.slot_of("a")], a_before)
+    trainer.close()
 
 
 def test_per_slot_dropout_in_training_mode_only():
