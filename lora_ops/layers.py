@@ -303,7 +303,7 @@ class LoRAContext:
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
         torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; flattened tokens
-        as above). A backward after the block ends: a non-reentrant checkpoint with
+        as above), one graph for every number of rows. A backward after the block ends: a non-reentrant checkpoint with
         ``context_fn=ctx.checkpoint_context`` recomputes on the block's batches; without it the recompute
         reads the context's own batch and raises, and a reentrant one's cannot be checked (run its backward
         in the block)."""
@@ -321,9 +321,10 @@ class LoRAContext:
         self.row_slots = frozenset(slots)   # (unload_adapter refuses these while the block runs)
         self._row_batches, self._row_current, self._row_shape = {}, None, None
         for t in self._rows.values():
-            # (Its length a constant of the graph: with dynamic shapes, duck sizing would otherwise tie it to
-            # an input dimension of the same size, and a later size would recompile.)
-            torch._dynamo.mark_static(t, 0)
+            # Its length dynamic: a compiled generate then serves blocks of any number of rows with its graphs,
+            # where a static length compiled two more (prefill, decode) for each new count, past Dynamo's
+            # recompile limit after a few batch sizes.
+            torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             yield self
         finally:
@@ -355,7 +356,8 @@ class LoRAContext:
     def traced_row_batch(self, x, layer):
         """per_row under torch.compile: (metadata, per-token slots) of ``x`` [rows, tokens, ..., K] computed in
         the graph from the adapters' slots (a few small ops; the layers of one input shape compute the same,
-        which Inductor computes once). The graph guards on the number of adapters, not on which they are."""
+        which Inductor computes once). Their number is dynamic (per_row marks it): the graph guards on neither
+        how many adapters there are nor which."""
         rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
@@ -372,7 +374,9 @@ class LoRAContext:
         if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:
             raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
                              f"features] or the flattened tokens of the last such input, got shape "
-                             f"{tuple(x.shape)} (no row is known for its tokens: call set_batch instead)")
+                             f"{tuple(x.shape)} (no row is known for its tokens: a layer that sees only some of "
+                             f"them, such as a pooler or a classification head, cannot take per-token adapters, so "
+                             f"leave it out of target_modules; for other inputs call set_batch instead)")
         return self._row_shape
 
     def _row_token_slots(self, slots, rows, tokens, layer):

@@ -96,7 +96,8 @@ def test_one_compile_serves_token_counts_slots_and_adapter_changes():
 def test_per_row_inside_a_compiled_model(device, backend, stack_a):
     """ctx.per_row (model.generate's way) under torch.compile(fullgraph=True): each layer's batch is built in the
     graph from its input's rows. One graph serves prefills of other lengths and row counts (beams: rows
-    repeated) and other adapters in the rows; a one-token decode step specialises once. Logits equal eager
+    repeated), other numbers of adapters and other adapters in the rows; a one-token decode step specialises
+    once. Logits equal eager
     set_batch's with the same requests; gradients of a compiled training forward too."""
     model, ctx, _ = toy_model(device, stack_a=stack_a)
     tol = EXACT if backend == "aot_eager" else 1e-5     # (Inductor fuses the model's own ops: float32 roundoff)
@@ -114,8 +115,11 @@ def test_per_row_inside_a_compiled_model(device, backend, stack_a):
         assert rel_err(got, model(ids)) <= tol, (rows, shape)
 
     with no_recompiles():
+        # (Other numbers of adapters too: with their count static, a compiled generate recompiled for each
+        # batch size, past Dynamo's recompile limit after a few.)
         for i, (rows, shape) in enumerate([(["a", None, "b"], (3, 4)), (["a", None, "b"], (3, 7)),
-                                           (["b", "b", None], (6, 5))]):
+                                           (["b", "b", None], (6, 5)), (["a", "b"], (2, 6)),
+                                           (["b", None, "a", "a", None], (5, 3)), (["a", None], (4, 4))]):
             step(rows, shape, i)
     with torch.no_grad():
         step(["a", None, "b"], (3, 1), 3)       # (one token a row: a graph of its own)
