@@ -22,6 +22,18 @@ def _meta(x, lora_a, token_slots, batch):
     raise TypeError(f"batch: expected a LoRABatch or BatchMeta, got {type(batch).__name__}")
 
 
+def _check_rank_values(rank, lora):
+    """rank's entries in [0, R], R the stack's capacity (``lora``'s last dimension), where rank is a CPU tensor
+    (no device sync; as token_slots' range). The kernels clamp a rank outside it, which no one means."""
+    if (isinstance(rank, torch.Tensor) and rank.device.type == "cpu" and rank.dim() == 1 and rank.numel()
+            and not rank.is_floating_point() and isinstance(lora, torch.Tensor) and lora.dim() >= 3):
+        R = lora.shape[-1] if lora.dim() == 3 else lora.shape[2]
+        lowest, highest = torch.aminmax(rank)
+        if int(lowest) < 0 or int(highest) > R:
+            i = int(((rank < 0) | (rank > R)).to(torch.uint8).argmax())
+            raise ValueError(f"rank: slot {i} has rank {int(rank[i])}, outside [0, R={R}] (the stack's capacity)")
+
+
 def _widths(y, slice_widths):
     return [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
 
@@ -35,6 +47,7 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
+    _check_rank_values(rank, lora_a)
     ops.call("add_lora_", y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
 
@@ -42,6 +55,7 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
 def shrink(x, lora_a, scale, rank, *, token_slots=None, batch=None):
     """h [M, S, R] float32 = scale * x A^T at each token's slot and rank (zero elsewhere)."""
     meta = _meta(x, lora_a, token_slots, batch)
+    _check_rank_values(rank, lora_a)
     return ops.call("shrink", x, lora_a, scale, rank, *meta)
 
 
@@ -49,6 +63,7 @@ def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=Non
     """y[:, slice i] += h[:, i, :rank] @ B[slot, slice i, :rank]^T, in place; returns y."""
     meta = _meta(h, lora_b, token_slots, batch)
     widths = _widths(y, slice_widths)
+    _check_rank_values(rank, lora_b)
     ops.call("expand_", y, h, lora_b, widths, rank, *meta)
     return y
 
@@ -75,5 +90,6 @@ def lora_forward(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=N
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
+    _check_rank_values(rank, lora_a)
     x_lora = lora_dropout(x, dropout, training)
     return ops.call("add_lora", y, x_lora, lora_a, lora_b, scale, rank, widths, *meta)

@@ -460,3 +460,15 @@ def test_written_in_place_check_is_exact_for_two_dimensions(shape, strides):
             check_written_in_place("y", t)
     else:
         check_written_in_place("y", t)
+
+
+@pytest.mark.parametrize("value", [R + 1, -1], ids=["above_capacity", "negative"])
+@pytest.mark.parametrize("op", OPS)
+def test_rank_outside_the_stack_raises_through_the_api_on_cpu_tensors(value, op):
+    """A CPU rank tensor's values are checked as token_slots' are (no device sync): the kernels would clamp a
+    rank above the stack's capacity R, or below 0, and compute something nobody asked for."""
+    a = valid_args("cpu")
+    a["rank"] = a["rank"].clone()
+    a["rank"][1] = value
+    with pytest.raises(ValueError, match=rf"rank: slot 1 has rank {value}, outside \[0, R={R}\]"):
+        call_public(op, a)
