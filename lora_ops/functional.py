@@ -25,6 +25,8 @@ def _meta(x, lora_a, token_slots, batch):
 def _check_rank_values(rank, lora):
     """rank's entries in [0, R], R the stack's capacity (``lora``'s last dimension), where rank is a CPU tensor
     (no device sync; as token_slots' range). The kernels clamp a rank outside it, which no one means."""
+    if torch.compiler.is_compiling():       # (the values are data: a compiled call reads them in the kernels only)
+        return
     if (isinstance(rank, torch.Tensor) and rank.device.type == "cpu" and rank.dim() == 1 and rank.numel()
             and not rank.is_floating_point() and isinstance(lora, torch.Tensor) and lora.dim() >= 3):
         R = lora.shape[-1] if lora.dim() == 3 else lora.shape[2]
