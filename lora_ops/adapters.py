@@ -420,18 +420,21 @@ def _write(ctx, slot, name, plan):
     ctx.slot_names[slot] = name
 
 
+def _slot_record(ctx, attr):
+    """One of the context's {slot: ...} records (a context built by hand, or pickled before it had it, may lack
+    it): ``adapter_configs`` (the config each slot was loaded with) or ``adapter_fused_sources`` (the packed
+    layers its adapter targeted as one module)."""
+    if not hasattr(ctx, attr):
+        setattr(ctx, attr, {})
+    return getattr(ctx, attr)
+
+
 def _configs(ctx):
-    """The context's {slot: adapter config} record (a context built by hand may lack it)."""
-    if not hasattr(ctx, "adapter_configs"):
-        ctx.adapter_configs = {}
-    return ctx.adapter_configs
+    return _slot_record(ctx, "adapter_configs")
 
 
 def _fused_sources(ctx):
-    """The context's {slot: paths of the packed layers its adapter targeted as one module} record."""
-    if not hasattr(ctx, "adapter_fused_sources"):
-        ctx.adapter_fused_sources = {}
-    return ctx.adapter_fused_sources
+    return _slot_record(ctx, "adapter_fused_sources")
 
 
 # ---- saving --------------------------------------------------------------------------------------------
@@ -519,10 +522,7 @@ def _fused_factors(a, b, offsets):
     if all(torch.equal(a[0], a_i) for a_i in a[1:]):
         return a[0], b
     S, r = a.shape[0], a.shape[1]
-    b_diag = b.new_zeros(b.shape[0], S * r)
-    for i in range(S):
-        b_diag[offsets[i]:offsets[i + 1], i * r:(i + 1) * r] = b[offsets[i]:offsets[i + 1]]
-    return a.reshape(S * r, a.shape[2]), b_diag
+    return a.reshape(S * r, a.shape[2]), torch.block_diag(*(b[offsets[i]:offsets[i + 1]] for i in range(S)))
 
 
 def _alpha(scale, r, use_rslora):

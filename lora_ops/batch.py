@@ -90,12 +90,19 @@ def check_token_slots(token_slots, max_loras, max_tokens=None):
         raise ValueError(f"token_slots: {token_slots.shape[0]} tokens exceed the batch capacity "
                          f"max_tokens={max_tokens}")
     if token_slots.device.type == "cpu" and token_slots.numel():
-        lowest, highest = torch.aminmax(token_slots)   # (one op: a server's host pays this check every step)
-        if int(lowest) < -1 or int(highest) >= max_loras:
-            bad = (token_slots < -1) | (token_slots >= max_loras)
-            i = int(bad.to(torch.uint8).argmax())
+        i = first_outside(token_slots, -1, max_loras)
+        if i is not None:
             raise ValueError(f"token_slots: slot {int(token_slots[i])} at token {i} is outside "
                              f"[-1, max_loras={max_loras})")
+
+
+def first_outside(values, low, high):
+    """The index of the first entry of the non-empty 1-D CPU tensor ``values`` outside [low, high), or None:
+    one aminmax when all are inside (a server's host pays the token slots' check every step)."""
+    lowest, highest = torch.aminmax(values)
+    if int(lowest) >= low and int(highest) < high:
+        return None
+    return int(((values < low) | (values >= high)).to(torch.uint8).argmax())
 
 
 def _slot_keys(token_slots, max_loras):

@@ -2,7 +2,7 @@
 import torch
 
 from lora_ops import ops
-from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta
+from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta, first_outside
 
 
 def _meta(x, lora_a, token_slots, batch):
@@ -23,16 +23,16 @@ def _meta(x, lora_a, token_slots, batch):
 
 
 def _check_rank_values(rank, lora):
-    """rank's entries in [0, R], R the stack's capacity (``lora``'s last dimension), where rank is a CPU tensor
-    (no device sync; as token_slots' range). The kernels clamp a rank outside it, which no one means."""
+    """rank's entries in [0, R], R the stack's capacity (dimension 2 of ``lora``: lora_a [L, S, R, K] or lora_b
+    [L, N, R]), where rank is a CPU tensor (no device sync; as token_slots' range). The kernels clamp a rank
+    outside it, which no one means. Other faults of rank or the stack are the op's checks to name."""
     if torch.compiler.is_compiling():       # (the values are data: a compiled call reads them in the kernels only)
         return
     if (isinstance(rank, torch.Tensor) and rank.device.type == "cpu" and rank.dim() == 1 and rank.numel()
             and not rank.is_floating_point() and isinstance(lora, torch.Tensor) and lora.dim() >= 3):
-        R = lora.shape[-1] if lora.dim() == 3 else lora.shape[2]
-        lowest, highest = torch.aminmax(rank)
-        if int(lowest) < 0 or int(highest) > R:
-            i = int(((rank < 0) | (rank > R)).to(torch.uint8).argmax())
+        R = lora.shape[2]
+        i = first_outside(rank, 0, R + 1)
+        if i is not None:
             raise ValueError(f"rank: slot {i} has rank {int(rank[i])}, outside [0, R={R}] (the stack's capacity)")
 
 

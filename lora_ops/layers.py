@@ -545,8 +545,7 @@ class LoRAContext:
     def _token_count_error(self, got, num_tokens, layer):
         return ValueError(
             f"{self._name(layer)}: the input has {got} tokens but the batch was set for {num_tokens}; "
-            f"call set_batch / set_token_slots for this step's tokens, or run code that steps the model itself "
-            f"(model.generate) inside ctx.per_row(adapters). (A layer that sees only some of the "
+            f"{_TOKEN_COUNT_REMEDY}. (A layer that sees only some of the "
             f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
             f"per-token adapters: leave it out of target_modules)")
 
@@ -556,10 +555,10 @@ class LoRAContext:
         return "LoRALinear" if path is None else f"LoRALinear {path!r}"
 
 
-_TRACED_COUNT_MESSAGE = (
-    "LoRALinear under torch.compile: the input's token count differs from the batch's (the last set_batch / "
-    "set_token_slots); call set_batch / set_token_slots for this step's tokens, or run code that steps the model "
-    "itself (model.generate) inside ctx.per_row(adapters)")
+_TOKEN_COUNT_REMEDY = ("call set_batch / set_token_slots for this step's tokens, or run code that steps the model "
+                       "itself (model.generate) inside ctx.per_row(adapters)")
+_TRACED_COUNT_MESSAGE = ("LoRALinear under torch.compile: the input's token count differs from the batch's (the last "
+                         "set_batch / set_token_slots); " + _TOKEN_COUNT_REMEDY)
 
 
 def _checkpoint_contexts(context):

@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, fill_setting, rel_err
-from layer_helpers import PACKED, data_ptrs, peft_tensors, request_slots, toy_lm
+from layer_helpers import PACKED, data_ptrs, module_shapes, peft_tensors, request_slots, toy_lm
 from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
 from lora_ops.reference import lora_delta_reference
 
@@ -556,7 +556,7 @@ def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(h
     import copy
     model = toy_lm(seed=3)
     ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32)
-    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    shapes = module_shapes(model, ["q_proj", "down_proj"])
     ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
     ctx.set_batch([("a", 3), (None, 2)])
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -605,7 +605,7 @@ def test_load_state_dict_restores_the_slots_and_their_host_ranks():
         model = toy_lm(seed=3)
         return model, apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32)
     model, ctx = build()
-    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
+    shapes = module_shapes(model, ["q_proj", "down_proj"])
     ctx.load_adapter_tensors("a", peft_tensors(shapes, 3, seed=1))
     twin, twin_ctx = build()
     twin.load_state_dict(model.state_dict())

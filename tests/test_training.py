@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import DEVICE, TOLERANCE, rel_err
-from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, peft_tensors, toy_lm
+from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, module_shapes, peft_tensors, toy_lm
 from lora_ops import training
 from lora_ops.adapters import load_peft_adapter, save_peft_adapter
 from lora_ops.layers import apply_lora
@@ -368,8 +368,7 @@ def test_an_adapter_loaded_where_a_trained_one_was_unloaded_is_not_trained():
     _step(model, ctx, trainer, optimizer, ["a", "c", None], seed=1)
     slot = ctx.slot_of("c")
     ctx.unload_adapter("c")
-    shapes = {path: (layer.in_features, layer.out_features) for path, layer in ctx.layers.items()}
-    assert ctx.load_adapter_tensors("e", peft_tensors(shapes, 2, seed=3)) == slot
+    assert ctx.load_adapter_tensors("e", peft_tensors(module_shapes(model), 2, seed=3)) == slot
     before = {path: (layer.lora_a[slot].clone(), layer.lora_b[slot].clone()) for path, layer in ctx.layers.items()}
     a_before = next(iter(ctx.layers.values())).lora_b[ctx.slot_of("a")].clone()
     _step(model, ctx, trainer, optimizer, ["a", "e"], seed=2)
