@@ -346,7 +346,12 @@ def check_written_in_place(name, t):
     stride 0, rows that overlap), whose rows would take each other's deltas; torch's own in-place ops refuse
     such outputs too. Exact for two dimensions: elements (i, j) and (i + di, j + dj) meet where
     di·s0 + dj·s1 = 0, whose smallest solution is (s1 / g, -s0 / g), g = gcd(s0, s1). Symbolic sizes or
-    strides (tracing) are left to the run."""
+    strides (tracing) are left to the run. Nor may it be an inference tensor outside inference mode, which
+    torch's in-place ops refuse (the CPU path did; the Triton kernels wrote it)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        _fail(RuntimeError, f"{name}: written in place, but it is an inference tensor (made under "
+                            f"torch.inference_mode) and inference mode is off now; write into a normal tensor "
+                            f"(e.g. {name}.clone()) or call under torch.inference_mode()")
     (M, N), (s0, s1) = t.shape, t.stride()
     if s1 == 1 and type(N) is int and type(s0) is int and s0 >= N:   # rows of a row-major tensor: the usual case
         return

@@ -230,10 +230,12 @@ def peft_generate(peft_model, prompts, request_adapters, new_tokens):
 @torch.no_grad()
 def hf_generate(model, ctx, prompts, request_adapters, new_tokens):
     """Hugging Face's generate on our model, greedy, every step's batch from each layer's input rows (per_row).
-    No end-of-sequence token: every request runs its new_tokens, as the loops above do."""
+    No end-of-sequence token: every request runs its new_tokens, as the loops above do. The attention mask is
+    all ones: without one, generate takes every prompt token equal to pad_token_id for padding and masks it."""
     model.generation_config.eos_token_id = None     # (a None argument would mean "the model's default")
     with ctx.per_row(request_adapters):
-        out = model.generate(prompts, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
     return out[:, prompts.shape[1]:]
 
 

@@ -107,6 +107,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
 
     ``config``: an adapter_config dict or a ``peft.LoraConfig``. Without one (or without ``r`` /
     ``lora_alpha`` in it) each module's rank is its tensors' and ``lora_alpha`` equals it (scale 1).
+    ``source``: what error messages call the tensors' origin (load_adapter passes the weights file's path).
     """
     slot = _pick_slot(ctx, name, replace)
     config = _config_dict(config)

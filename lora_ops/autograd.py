@@ -101,7 +101,8 @@ def lora_grads(grad_out, x, lora_a, lora_b, scale, rank, widths, meta, need_x, n
         if need_a:
             da = call("lora_grad_a", dh, x, rank, *meta)
     if need_b:
-        h = call("shrink", x, lora_a, scale, rank, *meta)
+        with torch.no_grad():   # (dB's h is a constant of the backward; shrink has no gradient and refuses one)
+            h = call("shrink", x, lora_a, scale, rank, *meta)
         db = call("lora_grad_b", grad_out, h, rank, widths, *meta)
     return dx, da, db
 
@@ -126,15 +127,17 @@ def _masked_delta(x, lora_a, lora_b, scale, rank, widths, meta):
     """The delta [M, N] in float32 from differentiable torch ops (:func:`_graph_grads`)."""
     L, S, R, K = lora_a.shape
     slots = _token_slots(meta, x.shape[0], L)
-    in_rank = (torch.arange(R, device=x.device) < rank.to(x.device)[:, None]).float()     # [L, R]
+    in_rank = torch.arange(R, device=x.device) < rank.to(x.device)[:, None]                # [L, R]
     xf, scales = x.float(), scale.float()
     bounds = [0, *itertools.accumulate(widths)]
     delta = x.new_zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32)
+    # Masks select (torch.where), never multiply: values the kernels do not read (past a slot's rank, other
+    # slots' tokens) may be NaN or inf, and NaN * 0 is NaN.
     for slot in range(L):
-        mine = (slots == slot).float()[:, None]
-        a = lora_a[slot].float() * in_rank[slot][None, :, None]                  # [S, R, K]
-        b = lora_b[slot].float() * in_rank[slot]                                 # [N, R]
-        h = torch.einsum("mk,srk->msr", xf * mine, a) * scales[slot]
+        mine = (slots == slot)[:, None]
+        a = torch.where(in_rank[slot][None, :, None], lora_a[slot].float(), 0.0)     # [S, R, K]
+        b = torch.where(in_rank[slot], lora_b[slot].float(), 0.0)                    # [N, R]
+        h = torch.einsum("mk,srk->msr", torch.where(mine, xf, 0.0), a) * scales[slot]
         delta = delta + torch.cat([h[:, i] @ b[bounds[i]:bounds[i + 1]].T for i in range(S)], dim=1)
     return delta
 
@@ -177,22 +180,29 @@ def _unchanged(ctx, tensors):
 
 def _batch_key(sorted_token_ids):
     """Which batch metadata holds: a LoRAContext's copy by its serial number (never written again), a
-    LoRABatch's buffers (tagged 0) and other metadata by their version counter (refilled in place). None while
-    tracing or for a tensor subclass."""
+    LoRABatch's buffers (tagged 0) and other metadata by their version counter (refilled in place), with the
+    address it was at. None while tracing or for a tensor subclass."""
     if type(sorted_token_ids) is not torch.Tensor or torch.compiler.is_compiling():
         return None
-    return getattr(sorted_token_ids, "_lora_batch", None), sorted_token_ids._version
+    try:
+        address = sorted_token_ids.data_ptr()
+    except RuntimeError:        # no storage: a torch.func wrapper (its version counter still counts)
+        address = None
+    return getattr(sorted_token_ids, "_lora_batch", None), sorted_token_ids._version, address
 
 
 def _check_batch(ctx, sorted_token_ids):
     """Refuse a backward whose metadata is not its forward's (a checkpointed forward recomputed on a later batch)."""
     then = ctx.batch_key
     now = _batch_key(sorted_token_ids) if then is not None else None
-    if now is not None and now[0] is None and then[0] is not None:
-        # Untagged where the forward's was tagged: a copy a saved-tensor hook made when the forward saved it
-        # (torch.autograd.graph.save_on_cpu, activation offloading), so it holds the forward's batch.
+    if now is None:
         return
-    if now is not None and now != then:
+    if now[0] is None and (then[0] is not None or now[2] != then[2]):
+        # Untagged where the forward's was tagged, or elsewhere than it was: a copy a saved-tensor hook made
+        # when the forward saved it (torch.autograd.graph.save_on_cpu, activation offloading), so it holds the
+        # forward's batch (its version counter starts again at 0).
+        return
+    if now[:2] != then[:2]:
         raise RuntimeError(
             "lora_ops: this backward's forward was recomputed (activation checkpointing) on another batch than "
             "it ran with: set_batch was called between them. Pass context_fn=ctx.checkpoint_context to "

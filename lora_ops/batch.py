@@ -162,6 +162,7 @@ class LoRABatch:
 
     @property
     def device(self):
+        """The device the metadata buffers live on."""
         return self.meta.slot_counts.device
 
     def update(self, token_slots):

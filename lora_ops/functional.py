@@ -16,6 +16,10 @@ def _meta(x, lora_a, token_slots, batch):
                              f"got {token_slots.shape[0]}")
         return meta
     if isinstance(batch, LoRABatch):
+        # (Not while compiling: a count compared with the input's would pin the graph to one token count.)
+        if batch.num_tokens != x.shape[0] and not torch.compiler.is_compiling():
+            raise ValueError(f"batch: filled for {batch.num_tokens} tokens (its last LoRABatch.update), but the "
+                             f"input has {x.shape[0]}; update it with this batch's token slots first")
         return batch.meta
     if isinstance(batch, BatchMeta):
         return batch

@@ -230,6 +230,7 @@ class LoRAContext:
         adapters.unload_adapter(self, name)
 
     def model(self):
+        """The model the context wraps (held weakly: None once it is gone)."""
         return self._model() if self._model is not None else None
 
     def train_slots(self, names, *, freeze_base=True, process_group="default"):
@@ -246,6 +247,7 @@ class LoRAContext:
 
     @property
     def num_tokens(self):
+        """The token count of the batch set last (set_batch / set_token_slots)."""
         return self.batch.num_tokens
 
     def set_batch(self, requests):
@@ -667,10 +669,12 @@ class LoRALinear(nn.Module):
 
     @property
     def in_features(self):
+        """The base layer's in_features."""
         return self.base.in_features
 
     @property
     def out_features(self):
+        """The base layer's out_features (every slice's)."""
         return self.base.out_features
 
     # The base layer's weight and bias, read-only, as PEFT's LoRA layers forward them: model code reads
@@ -679,18 +683,22 @@ class LoRALinear(nn.Module):
     # known case, is refused by apply_lora.
     @property
     def weight(self):
+        """The base layer's weight (LoRALinear computes with it; it is not copied)."""
         return self.base.weight
 
     @property
     def bias(self):
+        """The base layer's bias, or None."""
         return self.base.bias
 
     @property
     def max_rank(self):
+        """The stack's rank capacity R."""
         return self.lora_a.shape[2]
 
     @property
     def slice_offsets(self):
+        """Each output slice's first column, then out_features (S + 1 offsets)."""
         offsets = [0]
         for w in self.slice_widths:
             offsets.append(offsets[-1] + w)
@@ -829,6 +837,7 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def clear_slot(self, slot):
+        """Empty ``slot`` in this layer: its A and B zeroed, scale and rank 0 (its tokens get no delta here)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scale[slot] = 0.0
@@ -846,6 +855,11 @@ class LoRALinear(nn.Module):
         super().__setstate__(state)
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
+        if self._stacked is not None:
+            # copy.deepcopy clones each nn.Parameter on its own (Parameter.__deepcopy__): the copy's weight and
+            # lora_a were no longer views of its stack, and a compiled copy, which reads the stack, served the
+            # adapters as they were at the copy whatever was loaded into it after. Stack again (values kept).
+            self._stack()
 
     def _apply(self, fn, *args, **kwargs):
         # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.

@@ -77,7 +77,9 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     as nn.Linear's kaiming-uniform init, B zero: the adapter starts as a no-op); returns its slot.
 
     ``target_modules``: PEFT-style names or paths among the context's per-projection modules (a packed
-    layer's slices count as their projections); default all of them.
+    layer's slices count as their projections); default all of them. ``use_rslora``: scale lora_alpha /
+    sqrt(r) instead of lora_alpha / r; ``lora_dropout``: the adapter's dropout probability in training
+    (PEFT's); ``generator``: a torch.Generator for A's initialisation (reproducible adapters).
     """
     from lora_ops.layers import _matches     # layers imports this module
 
@@ -191,6 +193,8 @@ class SlotTrainer:
         self._no_grad_fills = False
 
     def close(self):
+        """Stop training: remove the gradient hooks and listeners and freeze the stacks again (the context
+        takes a new trainer after this)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -186,6 +186,9 @@ def tune_shape(job, args, device, dtype, problems):
     heur_expand_us = expand_timings.get(heur_expand) or tuning.time_config("expand", problems, heur_expand)
     shrink, split_us, timings, expand, expand_us = tuning.search_pair(problems, candidates("shrink", K),
                                                                       expand_timings, r)
+    if shrink is None:   # every candidate raised or failed its check (their errors are above, on stderr)
+        sys.stderr.write(f"\nlora_ops.tune: no shrink + expand pair ran for {key}: shape skipped\n")
+        return []
     heur_pair_us = tuning.time_config("shrink", problems, heur_shrink, heur_expand)
     entries = [
         dict(kind="shrink", features=K, out_features=N, **key, config=shrink._asdict(),
@@ -411,8 +414,21 @@ def _lookups_from(table, gpu):
             forget()
 
 
+def _use_the_interpreter():
+    """--dry-run runs the kernels on the CPU through Triton's interpreter, which Triton takes from
+    TRITON_INTERPRET when each kernel is defined: set it here, before the kernels are imported."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    if any(name.startswith("lora_ops.kernels") for name in sys.modules):
+        sys.exit("lora_ops.tune --dry-run: lora_ops' kernels were imported without Triton's interpreter; "
+                 "set TRITON_INTERPRET=1 before importing them")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.dry_run:
+        _use_the_interpreter()
     from lora_ops import launch
     from lora_ops.configs import heuristics, tuning
 

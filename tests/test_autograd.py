@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
 from lora_ops import autograd, launch, launch_grad
+from lora_ops.batch import BatchMeta
 from lora_ops.reference import lora_forward_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
@@ -236,6 +237,24 @@ def test_metadata_refilled_before_backward_raises(backend):
     case.batch.update(case.token_slots.flip(0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_copying_saved_tensor_hooks_keep_hand_built_metadata(backend):
+    """Metadata of the caller's own, filled in place (version counter past 0), saved under hooks that copy
+    (activation offloading): the copies start at version 0, and the batch check took them for a recompute on
+    another batch and refused the backward. A copy is told by its address now."""
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
+    own = BatchMeta(*(torch.empty_like(t).copy_(t) for t in case.meta))
+    assert all(t._version > 0 for t in own)
+    grad_out = signed((case.shape[0], case.shape[2]), case)
+    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = lora_ops.lora_forward(leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale,
+                                    case.rank, batch=own, slice_widths=case.slice_widths)
+    out.backward(grad_out)
+    _, ref = reference_grads(case, leaves, grad_out)
+    for name in LEAVES:
+        assert rel_err(leaves[name].grad, ref[name]) <= TOLERANCE[torch.float32], name
 
 
 def _halve_b_rank(leaves):
@@ -599,7 +618,7 @@ def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
 
 
 DOUBLE_BACKWARD_CASES = ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "slot_without_tokens",
-                         "all_minus_one"]
+                         "all_minus_one", "nan_past_rank"]
 
 
 def penalty_grads(fn, leaves, wrt, grad_out):
@@ -620,8 +639,12 @@ def penalty_grads(fn, leaves, wrt, grad_out):
 def test_double_backward_matches_float64_reference(backend, op, case_id):
     """create_graph=True (gradient penalties, Hessian-vector products): the first-order gradients are then
     differentiable, and the second-order ones match the float64 reference's. Without a formula of their own
-    the backward ops' second-order terms were dropped (torch only warned)."""
-    case = make_case(**GRAD_CASES[case_id], dtype=torch.float32, device=backend.device, seed=31, capacity=64)
+    the backward ops' second-order terms were dropped (torch only warned). "nan_past_rank": gate_up_mixed_ranks
+    with NaN in A and B past each slot's rank (a rank-0 slot all NaN), which no kernel reads: the graph's
+    masks multiplied them by zero, and every gradient came back NaN."""
+    poison = case_id == "nan_past_rank"
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks" if poison else case_id], dtype=torch.float32,
+                     device=backend.device, seed=31, capacity=64)
     M, K, N = case.shape[:3]
     values = {"x": same_layout_copy(case.x), "lora_a": case.lora_a, "lora_b": case.lora_b,
               "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case), "y": signed((M, N), case)}
@@ -642,6 +665,11 @@ def test_double_backward_matches_float64_reference(backend, op, case_id):
     grads = set(wrt) | {"y"}        # (y: so the reference's output needs grad where no token has an adapter)
     leaves = {n: same_layout_copy(v).requires_grad_(n in grads) for n, v in values.items()}
     ref_leaves = {n: v.detach().double().requires_grad_(n in grads) for n, v in values.items()}
+    if poison:
+        with torch.no_grad():
+            for slot, rank in enumerate(case.rank.tolist()):
+                leaves["lora_a"][slot, :, rank:] = float("nan")
+                leaves["lora_b"][slot, :, rank:] = float("nan")
     with warnings.catch_warnings():
         warnings.simplefilter("error")      # torch's "autograd kernel was not registered" warning included
         first, second = penalty_grads(ours, leaves, wrt, grad_out)

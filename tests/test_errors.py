@@ -472,3 +472,64 @@ def test_rank_outside_the_stack_raises_through_the_api_on_cpu_tensors(value, op)
     a["rank"][1] = value
     with pytest.raises(ValueError, match=rf"rank: slot 1 has rank {value}, outside \[0, R={R}\]"):
         call_public(op, a)
+
+
+def test_lora_batch_filled_for_another_token_count_raises(backend):
+    """A LoRABatch passed as ``batch`` carries its last update's token count: one for more or fewer tokens than
+    the input served the extra rows no adapter (or ignored some) without a word."""
+    a = valid_args(backend.device)
+    for filled in ([0, 1, 2], [0, 1, 2, -1, 0]):
+        batch = lora_ops.LoRABatch(8, L, device=backend.device)
+        batch.update(slots(filled, backend.device))
+        for op in OPS:
+            with pytest.raises(ValueError, match=rf"^batch: filled for {len(filled)} tokens .* the input has {M}"):
+                call_with_slots(op, a, batch=batch)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS), ids=list(ENTRY_POINTS))
+@pytest.mark.parametrize("op,wants", [("add_lora_", "x"), ("add_lora_", "lora_b"), ("shrink", "lora_a"),
+                                      ("expand_", "h")])
+def test_ops_without_a_gradient_refuse_inputs_that_require_one(backend, op, wants, entry):
+    """The in-place ops and shrink have no backward formula: torch's fallback ran them under grad mode and the
+    gradients came back without the LoRA term (A and B's None, x's the base layer's alone), no error."""
+    a = valid_args(backend.device)
+    a[wants] = a[wants].clone().requires_grad_()
+    y0 = a["y"].clone()
+    with pytest.raises(RuntimeError, match=rf"lora_ops::{op} has no gradient, but {wants} requires grad: use "):
+        ENTRY_POINTS[entry](op, a)
+    assert torch.equal(a["y"], y0)
+    with torch.no_grad():
+        ENTRY_POINTS[entry](op, a)
+
+
+def test_stacked_layer_op_refuses_inputs_that_require_grad(backend):
+    """lora_linear_stacked (stack_a, inference only) under grad mode returned its GEMM's graph alone: x's
+    gradient without the delta's term."""
+    from lora_ops.layers import stacked_weight
+    a = valid_args(backend.device)
+    weight = torch.randn(N, K, device=backend.device)
+    stacked = stacked_weight(weight, a["lora_a"])
+    meta = (a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
+    x = a["x"].clone().requires_grad_()
+    args = (x, stacked, None, a["lora_b"], a["scale"], a["rank"], a["slice_widths"], *meta)
+    for run in (lambda: lora_ops.ops.call("lora_linear_stacked", *args),
+                lambda: torch.ops.lora_ops.lora_linear_stacked(*args)):
+        with pytest.raises(RuntimeError, match=r"lora_ops::lora_linear_stacked has no gradient, but x requires "
+                                               r"grad: .*stack_a is inference only"):
+            run()
+        with torch.no_grad():
+            assert run().shape[0] == M
+
+
+@pytest.mark.parametrize("op", ["add_lora_", "expand_"])
+def test_inference_tensor_written_outside_inference_mode_raises(backend, op):
+    """y made under torch.inference_mode, written in place outside it: torch's own in-place ops (the torch CPU
+    path) refuse; the Triton kernels wrote it. Both refuse now, naming y; inside inference mode it is fine."""
+    a = valid_args(backend.device)
+    with torch.inference_mode():
+        a["y"] = a["y"].clone()
+    for entry in ENTRY_POINTS.values():
+        with pytest.raises(RuntimeError, match=r"^y: written in place, but it is an inference tensor"):
+            entry(op, a)
+    with torch.inference_mode():
+        call_public(op, a)

@@ -548,14 +548,17 @@ def test_pinned_staging_is_copied_fresh(monkeypatch):
         assert not any(a.data_ptr() == b.data_ptr() for a in twin._buffers for b in staging._buffers)
 
 
+@pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
 @pytest.mark.parametrize("how", ["torch_save", "deepcopy"])
-def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(how, tmp_path):
+def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(how, stack_a, tmp_path):
     """torch.save of a model after apply_lora raised (the context's weakref to the model cannot be pickled);
     a deep copy's context pointed at the original model, so the copy's train_slots froze the original's base
-    weights. Either copy now holds the adapters by name and its context the copied model."""
+    weights. Either copy now holds the adapters by name and its context the copied model. With stack_a, a deep
+    copy's parameters were clones apart from its stack (Parameter.__deepcopy__): compiled, the copy served the
+    adapters as they were at the copy, whatever was loaded into it after."""
     import copy
     model = toy_lm(seed=3)
-    ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32)
+    ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32, stack_a=stack_a)
     shapes = module_shapes(model, ["q_proj", "down_proj"])
     ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
     ctx.set_batch([("a", 3), (None, 2)])
@@ -572,6 +575,15 @@ def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(h
     twin_ctx.set_batch([("a", 3), (None, 2)])
     with torch.no_grad():
         assert torch.equal(twin(ids), want)
+    if stack_a:
+        for layer in twin_ctx.layers.values():
+            assert layer._stacked is not None and layer._stack_intact(layer.base.weight, layer.base.bias,
+                                                                      layer.lora_a)
+        twin_ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=2), replace=True)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager, compiled = twin(ids), torch.compile(twin, backend="eager")(ids)
+        assert rel_err(eager, want) > 1e-3 and rel_err(compiled, eager) <= 1e-5
     twin_ctx.train_slots(["a"])        # (freeze_base: the copy's base weights, not the original's)
     assert not twin.model.layers[0].self_attn.q_proj.base.weight.requires_grad
     assert model.model.layers[0].self_attn.q_proj.base.weight.requires_grad

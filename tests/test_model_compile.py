@@ -150,7 +150,7 @@ def test_export_reads_the_contexts_batch(grad_mode):
     context's metadata as constants that are the context's own buffers, so in this process the program serves
     whatever batch set_batch refills them with, as the model does (with grad mode on at export too: it once
     read the batch's copy for autograd, which froze the batch at export into the program). A program saved and
-    loaded (torch.export.save / load) carries the batch at export, a copy."""
+    loaded (torch.export.save / load) carries a copy of the batch set when it was saved."""
     model, ctx, _ = toy_model()
     ctx.set_batch([("a", 3), (None, 1), ("b", 4)])
     ids = token_ids(8, seed=3, mark=lambda t, d: None)
@@ -160,10 +160,13 @@ def test_export_reads_the_contexts_batch(grad_mode):
         program = torch.export.export(model, (ids,), strict=False)
     ops_traced = {str(node.target) for node in program.graph.nodes if "lora_ops" in str(node.target)}
     assert ops_traced == {"lora_ops.lora_linear.default"}, ops_traced
-    saved = io.BytesIO()
-    torch.export.save(program, saved)
-    saved.seek(0)
-    loaded = torch.export.load(saved).module()
+
+    def save_and_load():
+        saved = io.BytesIO()
+        torch.export.save(program, saved)
+        saved.seek(0)
+        return torch.export.load(saved).module()
+    loaded = save_and_load()
     with torch.no_grad():
         assert rel_err(program.module()(ids), want) <= EXACT
         ctx.set_batch([("b", 5), ("a", 3)])
@@ -171,6 +174,9 @@ def test_export_reads_the_contexts_batch(grad_mode):
         assert rel_err(new, want) > 1e-3
         assert rel_err(program.module()(ids), new) <= EXACT
         assert rel_err(loaded(ids), want) <= EXACT
+        loaded_later = save_and_load()
+        ctx.set_batch([("a", 3), (None, 1), ("b", 4)])
+        assert rel_err(loaded_later(ids), new) <= EXACT
 
 
 def test_batch_of_one_token_with_mark_unbacked():

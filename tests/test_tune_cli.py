@@ -295,3 +295,24 @@ def test_merge_into_a_gpus_own_path_starts_from_the_table_of_its_kind(tmp_path, 
     fresh = tune._table(argparse.Namespace(dtype="bf16", slots=4, merge=False, dry_run=False), own,
                         "Pretend GPU", [entry(32)], 0, 0)
     assert elsewhere["entries"] == fresh["entries"] == [entry(32)]
+
+
+def test_dry_run_from_a_shell_without_the_interpreter_set(tmp_path):
+    """``python -m lora_ops.tune --dry-run`` from a plain shell: the tuner sets TRITON_INTERPRET itself before
+    the kernels are imported (every candidate once raised on the CPU tensors, then a traceback)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "table.json"
+    run = subprocess.run([sys.executable, "-m", "lora_ops.tune", *DRY, "--tokens", "1", "--kinds", "pair",
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert {e["kind"] for e in json.load(open(out))["entries"]} == {"shrink", "expand", "fused"}
+
+
+def test_a_shape_where_no_candidate_runs_is_skipped_with_a_line(tmp_path, monkeypatch, capsys):
+    """Every candidate raising or failing its check: the shape is skipped and named, not a traceback."""
+    monkeypatch.setattr(tuning, "time_config", lambda *a, **k: None)
+    table = tune.main(DRY + ["--tokens", "1", "--kinds", "pair", "--out", str(tmp_path / "t.json")])
+    assert table["entries"] == []
+    assert "no shrink + expand pair ran for" in capsys.readouterr().err
