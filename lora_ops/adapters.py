@@ -314,7 +314,8 @@ def _module_scale(config, path, rank, source):
     """(expected rank or None, scale) of module ``path`` under ``config`` (PEFT's rules)."""
     r = _pattern_value(config.get("rank_pattern"), path, config.get("r"))
     alpha = _pattern_value(config.get("alpha_pattern"), path, config.get("lora_alpha"))
-    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or r != int(r) or r < 1):
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r)
+                          or r != int(r) or r < 1):
         raise AdapterError(f"{source}: {path!r}: the adapter config gives r={r!r} (r / rank_pattern); expected a "
                            f"positive integer")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))

@@ -55,10 +55,11 @@ def plain_linear(module):
             and not _global_forward_hooks and not _global_forward_pre_hooks)
 
 
-def hooks_see_output(module):
-    """Whether a forward hook may keep ``module``'s output (activation capture): the delta then goes into a
-    copy, as PEFT adds it out of place, not into the tensor the hook holds."""
-    return bool(module._forward_hooks or _global_forward_hooks)
+def output_may_be_kept(module):
+    """Whether ``module``'s output may be a tensor something else holds: a forward hook's (activation capture),
+    or whatever a subclass's forward returns (a tensor it caches, its input). The delta then goes into a copy,
+    as PEFT adds it out of place, not into that tensor. nn.Linear's own forward returns a fresh one."""
+    return bool(module._forward_hooks or _global_forward_hooks) or type(module) is not nn.Linear
 
 
 def _shaped(t):

@@ -632,7 +632,8 @@ class LoRALinear(nn.Module):
         self._stack_ptrs = None         # set by _stack
         self.stacked_max_tokens = 0     # set by _stack
         self._eager = eager_ops.EagerCalls()   # bound eager calls (lora_ops.eager)
-        if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
+        if (stack_a and _stackable(base)
+                and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype)):
             self._stack()
 
     @torch.no_grad()
@@ -787,7 +788,7 @@ class LoRALinear(nn.Module):
         # forward-mode AD (add_lora has a formula: ops.FORWARD_AD).
         functional = grad or (eager and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))
         name = "add_lora" if functional else "add_lora_"
-        if not functional and eager_ops.hooks_see_output(base):
+        if not functional and eager_ops.output_may_be_kept(base):
             y = y.clone()
             y2d = y.view(-1, y.shape[-1])
         # (Bound deltas are add_lora_ in place, or add_lora where autograd needs it: bind_delta tells them apart
@@ -878,6 +879,16 @@ class LoRALinear(nn.Module):
                f"slice_widths={list(self.slice_widths)}"
 
 
+def _stackable(base):
+    """Whether stack_a may replace ``base``'s weight and bias by views of a stack: plain parameters of its own.
+    A parametrized weight (torch.nn.utils.parametrize: weight_norm, orthogonal) or one a forward pre-hook
+    computes (the legacy weight_norm and spectral_norm) is not a parameter to replace; such a layer runs
+    unstacked (apply_lora raised torch's own errors on them, or the first forward did)."""
+    params = base._parameters
+    return (not torch.nn.utils.parametrize.is_parametrized(base) and isinstance(params.get("weight"), nn.Parameter)
+            and (base.bias is None or isinstance(params.get("bias"), nn.Parameter)))
+
+
 # ---- the model-wide helper -----------------------------------------------------------------------------
 
 # Where stack_a's one-GEMM path pays (H200, benchmarks/results/lab-h200-2026-12-03-session13.md): the GEMM
@@ -964,7 +975,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     for path, module, slices in selected:
         layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
                            stack_a=stack_a)
-        _replace_module(model, path, layer)
+        _replace_everywhere(model, module, layer)
         ctx.layers[path] = layer
         ctx.targets[path] = (layer, None)
         for i, (slice_path, _) in enumerate(slices or ()):
@@ -992,9 +1003,11 @@ def _select_targets(model, target_modules, packed):
         except re.error as e:
             raise ValueError(f"target_modules: {target_modules!r} is not a valid regex ({e})") from None
     output_layer = _output_layer(model) if target_modules == ALL_LINEAR else None
-    selected = []
-    for path, module in model.named_modules():
-        if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path):
+    selected, taken = [], set()
+    # Every name a module has (remove_duplicate=False): a module registered twice (tied, or one layer listed
+    # twice in a ModuleList) is selected by any of its names, once, and replaced under all of them.
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path) or id(module) in taken:
             continue
         slices = _slice_paths(path, packed)
         read_directly = isinstance(module, nn.Linear) and _weight_read_by_parent(model, path)
@@ -1020,6 +1033,7 @@ def _select_targets(model, target_modules, packed):
             raise ValueError(f"packed_modules: the slice widths of {path!r} sum to {sum(w for _, w in slices)}, "
                              f"but the layer has out_features={module.out_features}")
         selected.append((path, module, slices))
+        taken.add(id(module))
     return selected
 
 
@@ -1066,6 +1080,16 @@ def _inside_lora_linear(model, path):
     return bool(parent) and isinstance(model.get_submodule(parent), LoRALinear)
 
 
-def _replace_module(model, path, new):
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, new)
+def _replace_everywhere(model, module, new):
+    """Put ``new`` wherever ``module`` is registered in ``model``: under each name a module shared between
+    parents (or listed twice) has (it once got the delta under its first name only, silently), and inside a
+    selected nn.Linear subclass that is itself wrapped (a LoRALinear's base; the inner layer was once put on
+    the outer LoRALinear, where nothing called it). Not as a LoRALinear's own base."""
+    places = [(parent, name) for _, parent in model.named_modules(remove_duplicate=False)
+              if not isinstance(parent, LoRALinear) for name, child in parent._modules.items() if child is module]
+    for parent, name in places:
+        setattr(parent, name, new)
+        if isinstance(parent, nn.TransformerEncoderLayer) and name in ("linear1", "linear2"):
+            # Its fused inference path (eval, no grad) reads linear1's and linear2's weights itself and never
+            # calls them: the delta was skipped there. The flag that path requires, off for this layer.
+            parent.activation_relu_or_gelu = 0

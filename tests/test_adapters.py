@@ -337,6 +337,9 @@ ERROR_CASES = {
                         f"init_lora_weights='{init}' is not supported: PEFT loads it onto base weights it rewrites")
        for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq")},
     "rank_zero_in_config": ({"r": 0}, None, AdapterError, r"gives r=0 \(r / rank_pattern\); expected a positive"),
+    "rank_nan_in_config": ({"r": float("nan")}, None, AdapterError, r"gives r=nan \(r / rank_pattern\); expected a "),
+    "rank_pattern_infinite": ({"rank_pattern": {"q_proj": float("inf")}}, None, AdapterError,
+                              r"gives r=inf \(r / rank_pattern\); expected a positive"),
     "rank_pattern_zero": ({"rank_pattern": {"q_proj": 0}}, None, AdapterError, r"'model.layers.0.self_attn.q_proj'"
                           r": the adapter config gives r=0"),
     "alpha_not_a_number": ({"alpha_pattern": {"q_proj": "big"}}, None, AdapterError,

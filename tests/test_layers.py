@@ -662,3 +662,135 @@ def test_a_layer_on_another_gpu_than_the_current_one(one_launch_fill):
         assert torch.equal(a, b)
     ref = layer_reference(layer, x, request_slots(ctx, REQUESTS))
     assert rel_err(got[0][-1].cpu(), ref) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("wrap", ["weight_norm", "orthogonal", "legacy_spectral_norm", "legacy_weight_norm"])
+def test_stack_a_leaves_a_computed_weight_unstacked(wrap):
+    """stack_a replaces a layer's weight by a view of its stack; a parametrized weight (torch.nn.utils.
+    parametrize) or one a pre-hook computes (the legacy weight_norm / spectral_norm) is not a parameter to
+    replace: apply_lora raised torch's KeyError, or the first forward a TypeError. Such a layer runs unstacked,
+    with its adapters."""
+    import warnings
+    from torch.nn.utils import parametrizations
+    make = {"weight_norm": parametrizations.weight_norm, "orthogonal": parametrizations.orthogonal,
+            "legacy_spectral_norm": nn.utils.spectral_norm, "legacy_weight_norm": nn.utils.weight_norm}[wrap]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)     # (the legacy weight_norm's deprecation)
+        model = nn.ModuleDict({"proj": make(nn.Linear(16, 16))})
+    ctx = apply_lora(model, ["proj"], max_loras=2, max_rank=4, max_tokens=8, stack_a=True)
+    assert model["proj"]._stacked is None
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (16, 16)}, 4, seed=1, prefix=""))
+    ctx.set_batch([("a", 3), (None, 2)])
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        out = model["proj"](x)
+        want = layer_reference(model["proj"], x, torch.tensor([0, 0, 0, -1, -1])).float()
+    assert rel_err(out, want) <= 1e-5
+
+
+def _delta64(layer, z):
+    """float64 z W^T + b + slot 0's delta, for a one-slot layer whose every token takes slot 0."""
+    return layer_reference(layer, z, torch.zeros(z.shape[0], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("registered", ["tied_names", "listed_twice"])
+def test_a_module_registered_under_two_names_gets_its_delta_under_both(registered):
+    """named_modules() lists a shared module once: only its first name was wrapped, and calls through the other
+    names ran the bare layer (PEFT does the same). Selected by any of its names (here the second), it is one
+    LoRALinear wherever it is registered."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Module()
+    if registered == "tied_names":
+        model.enc_proj, model.dec_proj = shared, shared
+        target, calls = "dec_proj", lambda x: model.dec_proj(torch.tanh(model.enc_proj(x)))
+    else:
+        model.layers = nn.ModuleList([shared, shared])
+        target, calls = "layers.1", lambda x: model.layers[1](torch.tanh(model.layers[0](x)))
+    ctx = apply_lora(model, [target], max_loras=1, max_rank=4, max_tokens=8)
+    ctx.load_adapter_tensors("a", peft_tensors({target: (8, 8)}, 4, seed=1, prefix=""))
+    layer = ctx.layers[target]
+    assert all(m is layer for m in ([model.enc_proj, model.dec_proj] if registered == "tied_names" else model.layers))
+    ctx.set_batch([("a", 5)])
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        want = _delta64(layer, torch.tanh(_delta64(layer, x)).float())
+        assert rel_err(calls(x), want) <= 1e-5
+
+
+def test_a_linear_inside_a_selected_linear_subclass_runs_its_delta():
+    """A targeted nn.Linear inside a targeted nn.Linear subclass: the inner LoRALinear was put on the outer
+    LoRALinear, where nothing called it, and the inner delta was dropped silently (PEFT raises there)."""
+    class Gated(nn.Linear):
+        def __init__(self):
+            super().__init__(8, 8)
+            self.gate = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return super().forward(x) * torch.sigmoid(self.gate(x))
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.proj = Gated()
+    ctx = apply_lora(model, ["proj", "gate"], max_loras=1, max_rank=4, max_tokens=8)
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (8, 8), "proj.gate": (8, 8)}, 4, seed=1, prefix=""))
+    outer, inner = ctx.layers["proj"], ctx.layers["proj.gate"]
+    assert model.proj is outer and outer.base.gate is inner
+    ctx.set_batch([("a", 5)])
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        base = x.double() @ outer.base.weight.double().T + outer.base.bias.double()
+        want = base * torch.sigmoid(_delta64(inner, x)) + (_delta64(outer, x) - base)
+        assert rel_err(model(x), want) <= 1e-5
+
+
+def test_transformer_encoder_layers_fast_path_runs_the_delta():
+    """nn.TransformerEncoderLayer's fused inference path (eval, no grad) reads linear1's and linear2's weights
+    itself and never calls them: the delta was skipped there (PEFT too). The layer takes its ordinary path."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True,
+                                                             dropout=0.0), num_layers=1).eval()
+    ctx = apply_lora(model, ["linear1", "linear2"], max_loras=1, max_rank=4, max_tokens=8)
+    paths = {"layers.0.linear1": (16, 32), "layers.0.linear2": (32, 16)}
+    ctx.load_adapter_tensors("a", peft_tensors(paths, 4, seed=1, prefix=""))
+    x = torch.randn(1, 6, 16)
+    ctx.set_batch([(None, 6)])
+    with torch.no_grad():
+        without = model(x)
+    ctx.set_batch([("a", 6)])
+    with torch.no_grad():
+        fast = model(x)
+    with torch.enable_grad():
+        slow = model(x).detach()    # (autograd on: the ordinary path, which calls the layers)
+    assert rel_err(slow, without) > 1e-2 and rel_err(fast, slow) <= 1e-5
+
+
+@pytest.mark.parametrize("returns", ["a_cached_tensor", "its_input"])
+def test_a_subclass_output_it_keeps_is_not_written(returns):
+    """A Linear subclass may return a tensor it keeps (a cached projection) or its very input: the delta,
+    added in place, piled up across calls in its cache or rewrote the caller's tensor. It goes into a copy
+    (as PEFT adds it out of place)."""
+    class Keeping(nn.Linear):
+        cache = None
+
+        def forward(self, x):
+            if returns == "its_input":
+                return x
+            if self.cache is None:
+                self.cache = super().forward(x)
+            return self.cache
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.proj = Keeping(8, 8)
+    ctx = apply_lora(model, ["proj"], max_loras=1, max_rank=4, max_tokens=8)
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (8, 8)}, 4, seed=1, prefix=""))
+    layer = ctx.layers["proj"]
+    ctx.set_batch([("a", 5)])
+    x = torch.randn(5, 8)
+    x0 = x.clone()
+    base = x.double() if returns == "its_input" else x.double() @ layer.base.weight.double().T + layer.base.bias
+    want = base + _delta64(layer, x) - (x.double() @ layer.base.weight.double().T + layer.base.bias)
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(model(x), want) <= 1e-5
+    assert torch.equal(x, x0)
