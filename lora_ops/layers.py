@@ -318,7 +318,9 @@ class LoRAContext:
         slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
-        host = torch.tensor(slots, dtype=torch.int32)
+        # One entry past the adapters (never read: _row_token_slots drops it), so that one adapter is a length of
+        # 2: Dynamo specialises a dynamic length of 1, and one adapter for every row compiled graphs of its own.
+        host = torch.tensor(slots + [-1], dtype=torch.int32)
         self._rows = {device: host.to(device) for device in (self.device, *self._mirrors)}
         self.row_slots = frozenset(slots)   # (unload_adapter refuses these while the block runs)
         self._row_batches, self._row_current, self._row_shape = {}, None, None
@@ -381,16 +383,18 @@ class LoRAContext:
                              f"leave it out of target_modules; for other inputs call set_batch instead)")
         return self._row_shape
 
-    def _row_token_slots(self, slots, rows, tokens, layer):
-        """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``slots`` [adapters] (a
-        multiple k of the adapters in rows: each adapter takes k rows in a row, as beam search repeats them)."""
-        if rows % slots.shape[0]:
+    def _row_token_slots(self, padded, rows, tokens, layer):
+        """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``padded`` [adapters + 1]
+        (per_row's slots and one unread entry; a multiple k of the adapters in rows: each adapter takes k rows
+        in a row, as beam search repeats them)."""
+        adapters = padded.shape[0] - 1     # (no tensor of that length: its size-1 case would guard again)
+        if rows % adapters:
             raise ValueError(f"{self._name(layer)}: the input has {rows} rows; per_row expects a multiple of "
-                             f"its {slots.shape[0]} adapters (one per row, or each repeated for beam search / "
+                             f"its {adapters} adapters (one per row, or each repeated for beam search / "
                              f"num_return_sequences)")
         # Token i's adapter is i // (its tokens an adapter): an index, not repeat_interleave, whose broadcast
         # guards on a repeat count of 1 under torch.compile (one graph for rows == adapters, another for beams).
-        return slots[torch.arange(rows * tokens, device=slots.device) // (rows // slots.shape[0] * tokens)]
+        return padded[torch.arange(rows * tokens, device=padded.device) // (rows // adapters * tokens)]
 
     def _fill(self, token_slots):
         M = token_slots.shape[0]

@@ -119,7 +119,8 @@ def test_per_row_inside_a_compiled_model(device, backend, stack_a):
         # batch size, past Dynamo's recompile limit after a few.)
         for i, (rows, shape) in enumerate([(["a", None, "b"], (3, 4)), (["a", None, "b"], (3, 7)),
                                            (["b", "b", None], (6, 5)), (["a", "b"], (2, 6)),
-                                           (["b", None, "a", "a", None], (5, 3)), (["a", None], (4, 4))]):
+                                           (["b", None, "a", "a", None], (5, 3)), (["a", None], (4, 4)),
+                                           (["b"], (4, 5))]):      # (one adapter for every row: its own graph once)
             step(rows, shape, i)
     with torch.no_grad():
         step(["a", None, "b"], (3, 1), 3)       # (one token a row: a graph of its own)
