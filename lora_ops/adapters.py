@@ -40,6 +40,7 @@ import math
 import os
 import pickle
 import re
+import warnings
 
 import torch
 
@@ -112,7 +113,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     slot = _pick_slot(ctx, name, replace)
     config = _config_dict(config)
     check_config_supported(config)
-    modules = _group_by_module(tensors, source)
+    modules = {path: ab for path, ab in _group_by_module(tensors, source).items() if not _never_called(ctx, path)}
     if not modules:
         raise AdapterError(f"{source}: no LoRA weights (keys '<module>.lora_A.weight' / '.lora_B.weight') found")
     plan = _plan_writes(ctx, modules, config, source)
@@ -326,6 +327,26 @@ def _module_scale(config, path, rank, source):
     alpha = r_eff if alpha is None else float(alpha)
     scale = alpha / math.sqrt(r_eff) if config.get("use_rslora") else alpha / r_eff
     return r, scale
+
+
+def _never_called(ctx, path):
+    """Whether ``path`` is an nn.Linear that apply_lora does not wrap because its parent never calls it
+    (nn.MultiheadAttention's out_proj: the attention function reads its weight). PEFT's "all-linear" adapts
+    it, to no effect on the output (PEFT's own forward never runs the adapter there): its tensors are skipped,
+    with a warning, so that the adapter loads and computes what it computes under PEFT."""
+    from lora_ops.layers import _weight_read_by_parent     # layers imports this module
+    model = ctx.model()
+    if path in ctx.targets or model is None:
+        return False
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return False
+    if not (isinstance(module, torch.nn.Linear) and _weight_read_by_parent(model, path)):
+        return False
+    warnings.warn(f"lora_ops: the adapter's tensors for {path!r} are skipped: nn.MultiheadAttention never calls "
+                  f"its out_proj (it reads the weight), so they have no effect, under PEFT too", stacklevel=3)
+    return True
 
 
 def _resolve_target(ctx, path, source):

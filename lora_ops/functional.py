@@ -17,7 +17,7 @@ def _meta(x, lora_a, token_slots, batch):
         return meta
     if isinstance(batch, LoRABatch):
         # (Not while compiling: a count compared with the input's would pin the graph to one token count.)
-        if batch.num_tokens != x.shape[0] and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and batch.num_tokens != x.shape[0]:
             raise ValueError(f"batch: filled for {batch.num_tokens} tokens (its last LoRABatch.update), but the "
                              f"input has {x.shape[0]}; update it with this batch's token slots first")
         return batch.meta

@@ -4,6 +4,7 @@ Loaded values are checked exactly in the stacks (fp32 stacks hold the file's val
 rank columns zero). Scales and ranks under rank_pattern / alpha_pattern / rsLoRA are checked against
 PEFT's own layers. Every failed load must leave every slot byte-identical (tests/layer_helpers.slot_state).
 """
+import copy
 import math
 import os
 import pickle
@@ -467,3 +468,40 @@ def test_directory_contents_are_read_as_data_only(tmp_path):
             f.write(f"open({str(marker)!r}, 'w')\n")
     config, tensors = read_peft_directory(path)
     assert config["r"] == 4 and len(tensors) == 2 * 14 and not marker.exists()
+
+
+def test_tensors_for_a_multihead_attention_out_proj_are_skipped_with_a_warning():
+    """PEFT's "all-linear" adapts nn.MultiheadAttention's out_proj, which MHA never calls (it reads the weight):
+    the tensors have no effect under PEFT. apply_lora cannot wrap that layer, and the adapter was refused with
+    advice that could not be followed (SigLIP's pooling head). Its tensors are skipped with a warning."""
+    from layer_helpers import peft_tensors
+    from lora_ops.layers import _weight_read_by_parent
+
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(self.attn(x, x, x, need_weights=False)[0])
+    torch.manual_seed(0)
+    model = Pool().eval()
+    assert _weight_read_by_parent(model, "attn.out_proj")
+    ctx = apply_lora(model, "all-linear", max_loras=1, max_rank=4, max_tokens=16)
+    assert list(ctx.layers) == ["proj"]
+    tensors = peft_tensors({"proj": (8, 8), "attn.out_proj": (8, 8)}, 4, seed=1)
+    with pytest.warns(UserWarning, match=r"'attn.out_proj' are skipped: nn.MultiheadAttention never calls"):
+        ctx.load_adapter_tensors("a", tensors)
+    alone = peft_tensors({"proj": (8, 8)}, 4, seed=1)
+    twin = copy.deepcopy(model)
+    ctx.set_batch([("a", 6)])
+    x = torch.randn(1, 6, 8)
+    with torch.no_grad():
+        got = model(x)
+    twin_ctx = twin.proj.context
+    twin_ctx.unload_adapter("a")
+    twin_ctx.load_adapter_tensors("a", {k: v for k, v in alone.items()})
+    twin_ctx.set_batch([("a", 6)])
+    with torch.no_grad():
+        assert torch.equal(twin(x), got)
