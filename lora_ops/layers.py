@@ -29,6 +29,7 @@ import contextlib
 import functools
 import math
 import re
+import sys
 import weakref
 from typing import NamedTuple
 
@@ -987,6 +988,35 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     return ctx
 
 
+def conv1d_to_linear(model):
+    """Replace every Hugging Face ``Conv1D`` in ``model`` (GPT-2 and its kin: weight ``[in, out]``, the
+    transpose of nn.Linear's) by an equal ``nn.Linear``, in place, before :func:`apply_lora`, which wraps
+    nn.Linear only; returns the converted paths. Weights and biases are copied (same device, dtype and
+    requires_grad); the outputs are the same. PEFT adapters trained on the Conv1D model (``fan_in_fan_out``)
+    then load as they are."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is None:          # (transformers not imported: the model has no Conv1D)
+        return []
+    converted = []
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, conv1d):
+            continue
+        in_features, out_features = module.weight.shape
+        linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device=module.weight.device,
+                           dtype=module.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(module.weight.T)
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        linear.weight.requires_grad_(module.weight.requires_grad)
+        if module.bias is not None:
+            linear.bias.requires_grad_(module.bias.requires_grad)
+        linear.train(module.training)
+        _replace_everywhere(model, module, linear)
+        converted.append(path)
+    return converted
+
+
 def _normalise_packed(packed_modules):
     """{fused name: ((slice name, width), ...)} from the user's {fused name: {slice name: width}}."""
     packed = {}
@@ -1022,8 +1052,10 @@ def _select_targets(model, target_modules, packed):
         if not hit:
             continue
         if not isinstance(module, nn.Linear):
+            hint = (": convert the model's Conv1D layers first, lora_ops.conv1d_to_linear(model)"
+                    if type(module).__name__ == "Conv1D" else "")
             raise TypeError(f"target_modules selects {path!r}, a {type(module).__name__}: only nn.Linear layers "
-                            f"are supported (layer type {type(module).__name__} is not)")
+                            f"are supported (layer type {type(module).__name__} is not){hint}")
         if read_directly:
             raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
                             f"which reads its weight and bias itself and never calls it: a LoRALinear there "

@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from conftest import DEVICE, TOLERANCE, rel_err
 from layer_helpers import PACKED, PROJECTIONS, fused_copy, toy_lm
-from lora_ops.layers import apply_lora
+from lora_ops.layers import apply_lora, conv1d_to_linear
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -181,21 +181,6 @@ def test_packed_slices_match_unfused_peft(tmp_path):
         assert_rows_match(compiled(input_ids), theirs, rows)
 
 
-def _conv1d_as_linear(model):
-    """GPT-2's Conv1D layers (weight [in, out]) replaced by equal nn.Linear layers, in place."""
-    from transformers.pytorch_utils import Conv1D
-    for path, module in list(model.named_modules()):
-        if isinstance(module, Conv1D):
-            in_features, out_features = module.weight.shape
-            linear = torch.nn.Linear(in_features, out_features).to(module.weight)
-            with torch.no_grad():
-                linear.weight.copy_(module.weight.T)
-                linear.bias.copy_(module.bias)
-            parent, _, name = path.rpartition(".")
-            setattr(model.get_submodule(parent), name, linear)
-    return model
-
-
 def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
     torch.manual_seed(0)
@@ -203,7 +188,16 @@ def test_gpt2_fan_in_fan_out_adapters(tmp_path, kernels):
     targets = ["c_attn", "c_proj", "c_fc"]
     adapters = {"g1": dict(r=4, lora_alpha=8), "g2": dict(r=8, lora_alpha=4, use_rslora=True)}
     peft_model, paths = make_peft_adapters(base, targets, tmp_path, adapters=adapters, fan_in_fan_out=True)
-    ours = _conv1d_as_linear(copy.deepcopy(base))
+    ours = copy.deepcopy(base)
+    with pytest.raises(TypeError, match=r"a Conv1D: .*convert the model's Conv1D layers first, "
+                                        r"lora_ops.conv1d_to_linear\(model\)"):
+        apply_lora(ours, targets, max_loras=2, max_rank=8, max_tokens=64)
+    converted = conv1d_to_linear(ours)
+    assert len(converted) == 4 * config.n_layer and all(type(ours.get_submodule(p)) is torch.nn.Linear
+                                                        for p in converted)
+    with torch.no_grad():
+        ids = torch.randint(0, 128, (2, 9), device=DEVICE)
+        assert torch.allclose(ours(ids).logits, base(ids).logits, rtol=1e-5, atol=1e-5)
     ctx = load_ours(ours, targets, paths)
     mixed_batch_matches_peft(base, peft_model, ours, ctx, ["g1", None, "g2", "g2", "g1"], seed=3,
                              output=lambda out: out.logits)
