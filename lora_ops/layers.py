@@ -372,8 +372,17 @@ class LoRAContext:
         flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)), those of the last input
         with rows, where it had M tokens: nothing else says which row a token is in. Under torch.compile the
         shape remembered is the traced one (Dynamo carries the attribute through the graph), so the flattened
-        layer's batch follows its block's input within one graph, whatever the prefill's length."""
+        layer's batch follows its block's input within one graph, whatever the prefill's length. A 3-D input
+        whose first dimension is the inner one in memory is refused: a transposed view, [tokens, rows, K] as
+        Longformer's and LED's attention call their projections, whose tokens were taken for rows (a multiple
+        of the adapters: beam copies) and served the wrong adapters, silently. Which of its dimensions holds the
+        rows cannot be told from the shape."""
         if x.dim() >= 3:
+            if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(0) < x.stride(1):
+                raise ValueError(f"{self._name(layer)}: inside per_row the input {tuple(x.shape)} is a transposed "
+                                 f"view (strides {tuple(x.stride())}): the layer is called sequence first, as "
+                                 f"Longformer's and LED's attention call theirs, and its rows cannot be told from "
+                                 f"its tokens. Such a model takes one adapter for the whole batch (set_batch)")
             self._row_shape = (x.shape[0], math.prod(x.shape[1:-1]))
             return self._row_shape
         if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:

@@ -794,3 +794,28 @@ def test_a_subclass_output_it_keeps_is_not_written(returns):
         for _ in range(3):
             assert rel_err(model(x), want) <= 1e-5
     assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_per_row_refuses_a_sequence_first_view(compiled):
+    """Longformer and LED call their attention projections on hidden_states.transpose(0, 1), [tokens, rows, K]:
+    per_row took its tokens for rows (a multiple of the adapters, so beam copies) and gave them the wrong
+    adapters, silently. A 3-D input whose first dimension is the inner one in memory is refused, naming the
+    layer; a batch-first input of the same shape is served."""
+    class SeqFirstInside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query = nn.Linear(8, 8)
+
+        def forward(self, x):                    # x [rows, tokens, 8]
+            return self.query(x.transpose(0, 1)).transpose(0, 1)    # the projection on [tokens, rows, 8]
+    torch.manual_seed(0)
+    model = SeqFirstInside()
+    ctx = apply_lora(model, ["query"], max_loras=2, max_rank=4, max_tokens=64)
+    ctx.load_adapter_tensors("a", peft_tensors({"query": (8, 8)}, 4, seed=1, prefix=""))
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+    with torch.no_grad(), ctx.per_row(["a", None]):
+        with pytest.raises(Exception, match=r"LoRALinear 'query': inside per_row the input \(6, 4, 8\) is a "
+                                            r"transposed view"):
+            run(torch.randn(4, 6, 8))
+        model.query(torch.randn(6, 4, 8))       # (batch-first: 6 rows, 3 for each adapter)
