@@ -75,7 +75,7 @@ class BatchMeta(NamedTuple):
 
 
 def check_token_slots(token_slots, max_loras, max_tokens=None):
-    """Shape and dtype always; the range [-1, max_loras) only for CPU tensors (no device sync).
+    """Shape and dtype always; the range [-1, max_loras) only for CPU tensors (no device sync), eagerly.
 
     On a GPU an out-of-range slot is treated as 'no adapter' (see :func:`fill_batch_meta`), so no value
     can make a kernel read or write out of bounds.
@@ -89,7 +89,9 @@ def check_token_slots(token_slots, max_loras, max_tokens=None):
     if max_tokens is not None and token_slots.shape[0] > max_tokens:
         raise ValueError(f"token_slots: {token_slots.shape[0]} tokens exceed the batch capacity "
                          f"max_tokens={max_tokens}")
-    if token_slots.device.type == "cpu" and token_slots.numel():
+    # (Not while compiling: the values are data there, and reading them broke the graph on a host sync; a
+    # slot out of range is served no adapter, as on a GPU.)
+    if not torch.compiler.is_compiling() and token_slots.device.type == "cpu" and token_slots.numel():
         i = first_outside(token_slots, -1, max_loras)
         if i is not None:
             raise ValueError(f"token_slots: slot {int(token_slots[i])} at token {i} is outside "

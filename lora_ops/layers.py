@@ -101,6 +101,15 @@ class _PinnedStaging:
         return type(self), (self._buffers[0].shape[0], len(self._buffers))
 
 
+def _static_shape(t):
+    """Mark a batch buffer's (or its copy's) shape static for torch.compile, and return it. Under
+    torch.compile(dynamic=True) their lengths (max_tokens, max_loras + 1) were symbols of their own, and
+    Dynamo's duck sizing gave an input dimension of the same size the same symbol: a first token count equal
+    to either was tied to the buffer, and the next count compiled again (found by a probe)."""
+    torch._dynamo.mark_static(t)
+    return t
+
+
 class LoRAContext:
     """State shared by every :class:`LoRALinear` of a model: the slot table and the batch metadata.
 
@@ -182,6 +191,7 @@ class LoRAContext:
         for t in (*self.meta, self.token_slots):
             # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
             torch._dynamo.mark_static_address(t, guard=True)
+            _static_shape(t)
 
     def __getstate__(self):
         # torch.save of a whole model and copy.deepcopy reach the context through its layers. The model's
@@ -198,6 +208,7 @@ class LoRAContext:
         self._model = weakref.ref(model) if model is not None else None
         for t in (*self.meta, self.token_slots):     # (attributes of the tensors, which a copy may not carry)
             torch._dynamo.mark_static_address(t, guard=True)
+            _static_shape(t)
         self._set_batch_tokens(self.batch.num_tokens)
 
     # ---- slots ---------------------------------------------------------------------------------------
@@ -436,13 +447,13 @@ class LoRAContext:
     def _copy_batch(self):
         """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
         alignment those of the buffers), tagged with a serial number the backward checks (lora_ops.autograd)."""
-        meta = self._tag(BatchMeta(*(t.clone() for t in self.meta)))
+        meta = self._tag(BatchMeta(*(_static_shape(t.clone()) for t in self.meta)))
         on_devices = {}
         for device, (mirror_meta, mirror_slots) in self._mirrors.items():
-            copy = BatchMeta(*(t.clone() for t in mirror_meta))
+            copy = BatchMeta(*(_static_shape(t.clone()) for t in mirror_meta))
             copy.sorted_token_ids._lora_batch = meta.sorted_token_ids._lora_batch   # (one batch: one serial)
-            on_devices[device] = (copy, mirror_slots.clone())
-        return BatchCopy(meta, self.token_slots.clone(), self.batch.num_tokens, on_devices)
+            on_devices[device] = (copy, _static_shape(mirror_slots.clone()))
+        return BatchCopy(meta, _static_shape(self.token_slots.clone()), self.batch.num_tokens, on_devices)
 
     def _tag(self, meta):
         """``meta`` tagged with the next serial number: metadata never written again, which autograd's batch
@@ -486,6 +497,7 @@ class LoRAContext:
         _copy_buffers(meta, token_slots, self.meta, self.token_slots)
         for t in (*meta, token_slots):
             torch._dynamo.mark_static_address(t, guard=True)
+            _static_shape(t)
         self._mirrors[device] = (meta, token_slots)
         if self._copy is not None:      # (a batch set with grad mode on: its copy there too)
             self._copy = self._copy_batch()

@@ -398,3 +398,22 @@ def test_reduce_overhead_mode():
             ctx.set_batch(batch)
             out = compiled(ids).clone()
             assert rel_err(out, model(ids)) <= 1e-5
+
+
+def test_dynamic_true_compiles_alike_whatever_the_first_count():
+    """torch.compile(dynamic=True), no mark_dynamic: the batch buffers' lengths (max_loras + 1 = 4, max_tokens =
+    64) were symbols too, and duck sizing tied a first token count equal to either to the buffer: a graph for
+    that count alone, then another. Their shapes are static now: a first count of 4 or 64 compiles as many
+    graphs as one of 3."""
+    model, ctx, _ = toy_model(max_tokens=64)
+
+    def frames(first):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            for i, n in enumerate((first, 9, 11, 13)):
+                ctx.set_batch([("a", n - 2), (None, 1), ("b", 1)])
+                check_step(compiled, model, token_ids(n, seed=i, mark=lambda t, d: None))
+        return counter.frame_count
+    assert frames(4) == frames(64) == frames(3) <= 2

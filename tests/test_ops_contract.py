@@ -205,3 +205,27 @@ def test_compiled_add_lora_compiles_once_for_all_batch_sizes(backend, recompiles
     assert counter.frame_count == 1
     targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
     assert any("lora_ops.add_lora_" in t for t in targets), targets
+
+
+def test_compiled_functional_call_with_token_slots_has_no_graph_break(backend):
+    """lora_forward / add_lora given per-token slots (not a batch) under torch.compile(fullgraph=True): the CPU
+    range check of the slots read their values (a host sync), a data-dependent guard that fullgraph refused
+    and that broke the graph five times without it. The check is eager-only, as the ranks' is."""
+    capacity, K, N, L, S, R = 32, 17, 21, 3, 2, 8
+    case = make_case(capacity, K, N, L, S, R, dtype=torch.float32, device=backend.device, seed=6)
+
+    def layer(y, x, slots):
+        return lora_ops.lora_forward(y, x, case.lora_a, case.lora_b, case.scale, case.rank, token_slots=slots,
+                                     slice_widths=case.slice_widths)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(1)
+    for M in (5, 9, 20):
+        x, y = torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen)
+        slots = torch.randint(-1, L, (M,), generator=gen)
+        x, y, slots = (t.to(backend.device) for t in (x, y, slots))
+        for t in (x, y, slots):
+            torch._dynamo.mark_dynamic(t, 0)
+        assert torch.allclose(compiled(y, x, slots), layer(y, x, slots), rtol=1e-5, atol=1e-5), M
+    assert counter.frame_count == 1
