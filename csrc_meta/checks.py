@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from csrc_meta.schemas import NOT_DIFFERENTIABLE
+
 try:
     from torch.fx.experimental.symbolic_shapes import guard_or_true
 except ImportError:  # older torch: sizes are plain ints or backed symbols there
@@ -334,9 +336,29 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
 
 
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", None)
+
+
+def check_no_gradient(op, **tensors):
+    """Op ``op`` has no backward formula (schemas.NOT_DIFFERENTIABLE): refuse, naming them, inputs that require
+    grad while grad mode is on, whose gradients would come back without the op's part. Run by the kernels' and
+    the fake kernels' checks (no dispatcher hop of its own: ~0.1 µs where grad mode is off)."""
+    if not torch.is_grad_enabled():
+        return
+    values = tensors.values()
+    if _any_requires_grad is not None and not _any_requires_grad(*values):
+        return
+    wanting = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if wanting:
+        _fail(RuntimeError, f"lora_ops::{op} has no gradient, but {', '.join(wanting)} require"
+                            f"{'s' if len(wanting) == 1 else ''} grad: use {NOT_DIFFERENTIABLE[op]}")
+
+
 def check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                     slot_counts):
-    """add_lora_'s arguments: add_lora's, and y writable in place (check_written_in_place)."""
+    """add_lora_'s arguments: add_lora's, and y writable in place (check_written_in_place); none requiring grad
+    under grad mode (check_no_gradient)."""
+    check_no_gradient("add_lora_", y=y, x=x, lora_a=lora_a, lora_b=lora_b)
     check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
     check_written_in_place("y", y)
 
@@ -421,7 +443,10 @@ def stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths):
 def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                               slot_starts, slot_counts):
     """stacked_weight [N + L·S·R, K] (contiguous) and stacked_bias [N + L·S·R] (or None); then what
-    lora_linear checks, on the base weight, bias and lora_a the stack holds."""
+    lora_linear checks, on the base weight, bias and lora_a the stack holds; none requiring grad under grad
+    mode (check_no_gradient)."""
+    check_no_gradient("lora_linear_stacked", x=x, stacked_weight=stacked_weight, stacked_bias=stacked_bias,
+                      lora_b=lora_b)
     if _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                                slot_starts, slot_counts):
         return
@@ -431,6 +456,7 @@ def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, ra
 
 
 def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    check_no_gradient("shrink", x=x, lora_a=lora_a)
     if _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
         return
     check_lora_a(x, lora_a)
@@ -441,6 +467,7 @@ def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_cou
 
 
 def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
+    check_no_gradient("expand_", y=y, h=h, lora_b=lora_b)
     check_float("y", y, 2)
     check_written_in_place("y", y)
     if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.dtype != torch.float32:

@@ -64,31 +64,13 @@ OPS = {
 for _schema in OPS.values():
     LIB.define(_schema)
 
-# Ops with no backward formula. Called with an input that requires grad while grad mode is on, torch's
-# fallback let them through: an in-place op's delta went unseen by autograd, lora_linear_stacked's output
-# carried its GEMM's graph alone, and the gradients came back partial with no error. They refuse instead.
+# Ops with no backward formula, and what to call instead. Called with an input that requires grad while grad
+# mode is on, torch's fallback let them through: an in-place op's delta went unseen by autograd,
+# lora_linear_stacked's output carried its GEMM's graph alone, and the gradients came back partial with no
+# error. Their checks (csrc_meta.checks.check_no_gradient, in the kernels and the fake kernels) refuse instead.
 NOT_DIFFERENTIABLE = {
     "shrink": "lora_ops.lora_forward (differentiable) or torch.no_grad()",
     "expand_": "lora_ops.lora_forward (differentiable) or torch.no_grad()",
-    "add_lora_": "lora_ops.lora_forward (out of place, differentiable) or torch.no_grad()",
+    "add_lora_": "lora_ops.add_lora or lora_ops.lora_forward (differentiable) or torch.no_grad()",
     "lora_linear_stacked": "lora_linear (differentiable) or torch.no_grad(); stack_a is inference only",
 }
-
-
-def _refusing_autograd_kernel(name, instead):
-    op = getattr(torch.ops.lora_ops, name).default
-    arg_names = [a.name for a in op._schema.arguments]
-
-    def kernel(*args):
-        if torch.is_grad_enabled():
-            wanting = [n for n, a in zip(arg_names, args) if isinstance(a, torch.Tensor) and a.requires_grad]
-            if wanting:
-                raise RuntimeError(f"lora_ops::{name} has no gradient, but {', '.join(wanting)} require"
-                                   f"{'s' if len(wanting) == 1 else ''} grad: use {instead}")
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-    return kernel
-
-
-for _name, _instead in NOT_DIFFERENTIABLE.items():
-    LIB.impl(_name, _refusing_autograd_kernel(_name, _instead), "Autograd")

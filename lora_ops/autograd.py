@@ -61,9 +61,11 @@ def _add_lora_functional(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted
         ops._refuse_tangents("add_lora", (y, x, lora_a, lora_b, scale))
     # Contiguous like the fake kernel's output, whatever y's layout.
     out = y.clone(memory_format=torch.contiguous_format)
-    # Already below the dispatcher (real tensors, this op's own kernel): run add_lora_'s kernel directly.
-    ops.kernel_for("add_lora_", out)(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
-                                     slot_starts, slot_counts)
+    # Already below the dispatcher (real tensors, this op's own kernel): run add_lora_'s kernel directly (under
+    # no_grad: its inputs may require grad, which add_lora_'s check refuses; add_lora's autograd is outside).
+    with torch.no_grad():
+        ops.kernel_for("add_lora_", out)(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                                         slot_starts, slot_counts)
     return out
 
 
@@ -272,9 +274,10 @@ def _delta_tangent(tangent, x, lora_a, lora_b, t_x, t_a, t_b, rest):
     """Add the delta's tangent into ``tangent`` [M, N]: the delta is linear in each of x, A and B, so its
     tangent is the delta with one of them replaced by its tangent, summed over those that have one (three
     add_lora_ calls at most, the forward's kernels)."""
-    for x_, a_, b_, t in ((t_x, lora_a, lora_b, t_x), (x, t_a, lora_b, t_a), (x, lora_a, t_b, t_b)):
-        if t is not None:
-            ops.call("add_lora_", tangent, x_, a_, b_, *rest)
+    with torch.no_grad():   # (a tangent is not differentiated: forward over reverse is not supported)
+        for x_, a_, b_, t in ((t_x, lora_a, lora_b, t_x), (x, t_a, lora_b, t_a), (x, lora_a, t_b, t_b)):
+            if t is not None:
+                ops.call("add_lora_", tangent, x_, a_, b_, *rest)
     return tangent
 
 

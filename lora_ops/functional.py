@@ -50,10 +50,14 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     x [M, K]; y [M, N]; lora_a [L, S, R, K]; lora_b [L, N, R]; scale [L] float32; rank [L] int32;
     slice_widths: S widths summing to N (default: one slice [N]); token_slots [M] int32/int64 in
     [-1, L) (-1: no adapter), or batch: the metadata built from them.
+    Where autograd needs the call (grad mode on, y, x, lora_a or lora_b requiring grad), y is written by a
+    differentiable copy of :func:`lora_forward`'s result, so gradients flow as through y + delta.
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
     _check_rank_values(rank, lora_a)
+    if torch.is_grad_enabled() and ops.any_requires_grad(y, x, lora_a, lora_b):
+        return y.copy_(ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta))
     ops.call("add_lora_", y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
 

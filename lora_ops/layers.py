@@ -389,7 +389,7 @@ class LoRAContext:
         of the adapters: beam copies) and served the wrong adapters, silently. Which of its dimensions holds the
         rows cannot be told from the shape."""
         if x.dim() >= 3:
-            if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride(0) < x.stride(1):
+            if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and 0 < x.stride(0) < x.stride(1):
                 raise ValueError(f"{self._name(layer)}: inside per_row the input {tuple(x.shape)} is a transposed "
                                  f"view (strides {tuple(x.stride())}): the layer is called sequence first, as "
                                  f"Longformer's and LED's attention call theirs, and its rows cannot be told from "
@@ -678,10 +678,15 @@ class LoRALinear(nn.Module):
             base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
         self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
         self._stacked = (stacked, stacked_bias)
-        # The addresses the parameters have while they are the stack's views (_stack_intact compares them).
+        self._note_stack_ptrs()
+        self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
+
+    def _note_stack_ptrs(self):
+        """The addresses the parameters have while they are the stack's views (_stack_intact compares them)."""
+        stacked, stacked_bias = self._stacked
+        N = self.base.out_features
         self._stack_ptrs = (stacked.data_ptr(), stacked.data_ptr() + N * stacked.stride(0) * stacked.element_size(),
                             None if stacked_bias is None else stacked_bias.data_ptr())
-        self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
@@ -882,11 +887,14 @@ class LoRALinear(nn.Module):
         super().__setstate__(state)
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
-        if self._stacked is not None:
-            # copy.deepcopy clones each nn.Parameter on its own (Parameter.__deepcopy__): the copy's weight and
-            # lora_a were no longer views of its stack, and a compiled copy, which reads the stack, served the
-            # adapters as they were at the copy whatever was loaded into it after. Stack again (values kept).
-            self._stack()
+        if getattr(self, "_stacked", None) is not None:
+            self._note_stack_ptrs()     # (torch.load keeps the views, at new addresses)
+            if not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
+                # copy.deepcopy clones each nn.Parameter on its own (Parameter.__deepcopy__): the copy's weight
+                # and lora_a were no longer views of its stack, and a compiled copy, which reads the stack,
+                # served the adapters as they were at the copy whatever was loaded into it after. Stack again
+                # (values kept). (copy.copy shares the parameters, still views: left as they are.)
+                self._stack()
 
     def _apply(self, fn, *args, **kwargs):
         # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.
@@ -998,10 +1006,11 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     devices = [module.weight.device for _, module, _ in selected]
     ctx = LoRAContext(max_loras, max_tokens, device=next((d for d in devices if d.type == "cuda"), devices[0]))
     ctx._model = weakref.ref(model)
+    places = _places(model)
     for path, module, slices in selected:
         layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
                            stack_a=stack_a)
-        _replace_everywhere(model, module, layer)
+        _replace_everywhere(places[id(module)], layer)
         ctx.layers[path] = layer
         ctx.targets[path] = (layer, None)
         for i, (slice_path, _) in enumerate(slices or ()):
@@ -1018,7 +1027,7 @@ def conv1d_to_linear(model):
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
     if conv1d is None:          # (transformers not imported: the model has no Conv1D)
         return []
-    converted = []
+    converted, places = [], _places(model)
     for path, module in list(model.named_modules()):
         if not isinstance(module, conv1d):
             continue
@@ -1033,7 +1042,7 @@ def conv1d_to_linear(model):
         if module.bias is not None:
             linear.bias.requires_grad_(module.bias.requires_grad)
         linear.train(module.training)
-        _replace_everywhere(model, module, linear)
+        _replace_everywhere(places[id(module)], linear)
         converted.append(path)
     return converted
 
@@ -1137,13 +1146,25 @@ def _inside_lora_linear(model, path):
     return bool(parent) and isinstance(model.get_submodule(parent), LoRALinear)
 
 
-def _replace_everywhere(model, module, new):
-    """Put ``new`` wherever ``module`` is registered in ``model``: under each name a module shared between
+def _places(model):
+    """{id(module): [(parent, name), ...]}: every place a module of ``model`` is registered, each parent once
+    (one walk: apply_lora replaces thousands of experts' layers). Not inside a LoRALinear (its own base)."""
+    places = {}
+    for parent in model.modules():
+        if isinstance(parent, LoRALinear):
+            continue
+        for name, child in parent._modules.items():
+            if child is not None:
+                places.setdefault(id(child), []).append((parent, name))
+    return places
+
+
+def _replace_everywhere(places, new):
+    """Put ``new`` at each of ``places`` (:func:`_places`) of a module: under each name a module shared between
     parents (or listed twice) has (it once got the delta under its first name only, silently), and inside a
     selected nn.Linear subclass that is itself wrapped (a LoRALinear's base; the inner layer was once put on
-    the outer LoRALinear, where nothing called it). Not as a LoRALinear's own base."""
-    places = [(parent, name) for _, parent in model.named_modules(remove_duplicate=False)
-              if not isinstance(parent, LoRALinear) for name, child in parent._modules.items() if child is module]
+    the outer LoRALinear, where nothing called it). The parents are the model's modules before any
+    replacement, which stay in the model (a wrapped one as a LoRALinear's base)."""
     for parent, name in places:
         setattr(parent, name, new)
         if isinstance(parent, nn.TransformerEncoderLayer) and name in ("linear1", "linear2"):

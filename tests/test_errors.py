@@ -491,10 +491,22 @@ def test_lora_batch_filled_for_another_token_count_raises(backend):
                                       ("expand_", "h")])
 def test_ops_without_a_gradient_refuse_inputs_that_require_one(backend, op, wants, entry):
     """The in-place ops and shrink have no backward formula: torch's fallback ran them under grad mode and the
-    gradients came back without the LoRA term (A and B's None, x's the base layer's alone), no error."""
+    gradients came back without the LoRA term (A and B's None, x's the base layer's alone), no error. They
+    refuse now; lora_ops.add_lora, the public in-place call, computes a differentiable result instead."""
     a = valid_args(backend.device)
     a[wants] = a[wants].clone().requires_grad_()
     y0 = a["y"].clone()
+    if op == "add_lora_" and entry == "api":
+        want = lora_ops.lora_forward(y0, a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                     batch=BatchMeta(a["sorted_token_ids"], a["slot_starts"], a["slot_counts"]),
+                                     slice_widths=a["slice_widths"])
+        out = call_public(op, a)
+        assert out is a["y"] and torch.equal(out, want) and out.requires_grad
+        grad_out = torch.randn_like(out)
+        got, = torch.autograd.grad(out, a[wants], grad_out)
+        expected, = torch.autograd.grad(want, a[wants], grad_out)
+        assert torch.equal(got, expected)
+        return
     with pytest.raises(RuntimeError, match=rf"lora_ops::{op} has no gradient, but {wants} requires grad: use "):
         ENTRY_POINTS[entry](op, a)
     assert torch.equal(a["y"], y0)

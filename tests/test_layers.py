@@ -819,3 +819,40 @@ def test_per_row_refuses_a_sequence_first_view(compiled):
                                             r"transposed view"):
             run(torch.randn(4, 6, 8))
         model.query(torch.randn(6, 4, 8))       # (batch-first: 6 rows, 3 for each adapter)
+        model.query(torch.randn(1, 6, 8).expand(4, 6, 8))    # (an expanded row: stride 0, every row alike)
+
+
+def test_forward_mode_ad_through_layers_whose_base_weights_require_grad():
+    """torch.func.jvp / forward_ad through a LoRA model with nn.Linear's default requires_grad weights: the
+    delta's tangent is added by add_lora_ into a tangent that then requires grad, which add_lora_ refuses (it
+    has no gradient); the tangent is computed under no_grad. Against the same model's math in torch ops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ctx = apply_lora(model, ["0", "2"], max_loras=1, max_rank=4, max_tokens=8)
+    ctx.load_adapter_tensors("a", peft_tensors({"0": (8, 16), "2": (16, 8)}, 4, seed=1, prefix=""))
+    ctx.set_batch([("a", 5)])
+
+    def plain(x):
+        for i in (0, 2):
+            layer = model[i]
+            a, b, scale = layer.lora_a[0, 0, :4], layer.lora_b[0, :, :4], layer.scale[0]
+            x = nn.functional.linear(x, layer.base.weight, layer.base.bias) + scale * (x @ a.T) @ b.T
+            x = torch.relu(x) if i == 0 else x
+        return x
+    x, v = torch.randn(5, 8), torch.randn(5, 8)
+    out, tangent = torch.func.jvp(model, (x,), (v,))
+    want_out, want_tangent = torch.func.jvp(plain, (x,), (v,))
+    assert rel_err(out, want_out) <= 1e-5 and rel_err(tangent, want_tangent) <= 1e-5
+
+
+def test_a_shallow_copy_of_a_stacked_layer_leaves_the_original_stacked():
+    """copy.copy shares the parameters, still the stack's views: unpickling's restack (for deep copies) must not
+    replace the original's parameters (its optimizer's) and drop it off the stacked path."""
+    import copy
+    model = nn.Sequential(nn.Linear(16, 16))
+    apply_lora(model, ["0"], max_loras=2, max_rank=4, max_tokens=8, stack_a=True)
+    layer = model[0]
+    weight, lora_a = layer.base.weight, layer.lora_a
+    twin = copy.copy(layer)
+    assert layer.base.weight is weight and layer.lora_a is lora_a and twin.lora_a is lora_a
+    assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
