@@ -56,7 +56,9 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
     _check_rank_values(rank, lora_a)
-    if torch.is_grad_enabled() and ops.any_requires_grad(y, x, lora_a, lora_b):
+    # (requires_grad read tensor by tensor: Dynamo cannot trace ops.any_requires_grad's C call)
+    if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad or lora_a.requires_grad
+                                    or lora_b.requires_grad):
         return y.copy_(ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta))
     ops.call("add_lora_", y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
