@@ -336,22 +336,24 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
 
 
-_any_requires_grad = getattr(torch._C, "_any_requires_grad", None)
+def _any_requires_grad_py(*args):
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+# Whether any argument is a tensor that requires grad: torch's own C check (what torch.library's autograd
+# wrapper asks), a private name, so a Python loop where a torch lacks it.
+any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
 
 
 def check_no_gradient(op, **tensors):
     """Op ``op`` has no backward formula (schemas.NOT_DIFFERENTIABLE): refuse, naming them, inputs that require
     grad while grad mode is on, whose gradients would come back without the op's part. Run by the kernels' and
     the fake kernels' checks (no dispatcher hop of its own: ~0.1 µs where grad mode is off)."""
-    if not torch.is_grad_enabled():
-        return
-    values = tensors.values()
-    if _any_requires_grad is not None and not _any_requires_grad(*values):
+    if not torch.is_grad_enabled() or not any_requires_grad(*tensors.values()):
         return
     wanting = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
-    if wanting:
-        _fail(RuntimeError, f"lora_ops::{op} has no gradient, but {', '.join(wanting)} require"
-                            f"{'s' if len(wanting) == 1 else ''} grad: use {NOT_DIFFERENTIABLE[op]}")
+    _fail(RuntimeError, f"lora_ops::{op} has no gradient, but {', '.join(wanting)} require"
+                        f"{'s' if len(wanting) == 1 else ''} grad: use {NOT_DIFFERENTIABLE[op]}")
 
 
 def check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,

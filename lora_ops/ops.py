@@ -67,13 +67,8 @@ _eager_autograd = [True]
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _any_requires_grad_py(*args):
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-
-# Whether any argument is a tensor that requires grad: torch's own C check (what torch.library's autograd
-# wrapper asks), a private name, so a Python loop where a torch lacks it.
-any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
+_any_requires_grad_py = checks._any_requires_grad_py
+any_requires_grad = checks.any_requires_grad      # (the contract's checks use it too)
 # Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
 MUTATES_FIRST = set()
 
