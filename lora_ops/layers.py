@@ -110,6 +110,15 @@ def _static_shape(t):
     return t
 
 
+def _mark_buffers(tensors):
+    """The batch buffers (a context's own or a device mirror's): never reallocated, so
+    torch.compile(mode="reduce-overhead") reads them in place; their shapes static (:func:`_static_shape`).
+    (Attributes of the tensors, which a copy of them does not carry.)"""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=True)
+        _static_shape(t)
+
+
 class LoRAContext:
     """State shared by every :class:`LoRALinear` of a model: the slot table and the batch metadata.
 
@@ -188,10 +197,7 @@ class LoRAContext:
         # context_fn for torch.utils.checkpoint: a partial, not a bound method, which torch.compile's
         # checkpoint cannot call (it loses self), nor a callable object (not supported there).
         self.checkpoint_context = functools.partial(_checkpoint_contexts, self)
-        for t in (*self.meta, self.token_slots):
-            # Never reallocated: lets torch.compile(mode="reduce-overhead") read them in place.
-            torch._dynamo.mark_static_address(t, guard=True)
-            _static_shape(t)
+        _mark_buffers((*self.meta, self.token_slots))
 
     def __getstate__(self):
         # torch.save of a whole model and copy.deepcopy reach the context through its layers. The model's
@@ -206,9 +212,7 @@ class LoRAContext:
         model = state.pop("_model")
         self.__dict__.update(state)
         self._model = weakref.ref(model) if model is not None else None
-        for t in (*self.meta, self.token_slots):     # (attributes of the tensors, which a copy may not carry)
-            torch._dynamo.mark_static_address(t, guard=True)
-            _static_shape(t)
+        _mark_buffers((*self.meta, self.token_slots))
         self._set_batch_tokens(self.batch.num_tokens)
 
     # ---- slots ---------------------------------------------------------------------------------------
@@ -330,8 +334,8 @@ class LoRAContext:
         slots = [self.slot_of(name) for name in names]   # (a name not loaded raises here, not mid-generate)
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
-        # One entry past the adapters (never read: _row_token_slots drops it), so that one adapter is a length of
-        # 2: Dynamo specialises a dynamic length of 1, and one adapter for every row compiled graphs of its own.
+        # One entry past the adapters (never read: _row_token_slots indexes below it), so that one adapter is a
+        # length of 2: Dynamo specialises a dynamic length of 1, and one adapter for every row compiled graphs of its own.
         host = torch.tensor(slots + [-1], dtype=torch.int32)
         self._rows = {device: host.to(device) for device in (self.device, *self._mirrors)}
         self.row_slots = frozenset(slots)   # (unload_adapter refuses these while the block runs)
@@ -495,9 +499,7 @@ class LoRAContext:
         meta.sorted_token_ids._lora_batch = 0   # (a batch's own buffers, as LoRABatch tags them)
         token_slots = torch.empty_like(self.token_slots, device=device)
         _copy_buffers(meta, token_slots, self.meta, self.token_slots)
-        for t in (*meta, token_slots):
-            torch._dynamo.mark_static_address(t, guard=True)
-            _static_shape(t)
+        _mark_buffers((*meta, token_slots))
         self._mirrors[device] = (meta, token_slots)
         if self._copy is not None:      # (a batch set with grad mode on: its copy there too)
             self._copy = self._copy_batch()
@@ -1011,6 +1013,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
         layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
                            stack_a=stack_a)
         _replace_everywhere(places[id(module)], layer)
+        _keep_parents_calling(places[id(module)])
         ctx.layers[path] = layer
         ctx.targets[path] = (layer, None)
         for i, (slice_path, _) in enumerate(slices or ()):
@@ -1167,7 +1170,13 @@ def _replace_everywhere(places, new):
     replacement, which stay in the model (a wrapped one as a LoRALinear's base)."""
     for parent, name in places:
         setattr(parent, name, new)
+
+
+def _keep_parents_calling(places):
+    """A wrapped layer's parents that have a fused path reading its weight instead of calling it, kept off that
+    path: nn.TransformerEncoderLayer's fused inference path (eval, no grad) reads linear1's and linear2's
+    weights itself, and the delta was skipped there; the flag that path requires, off for that layer.
+    (nn.MultiheadAttention's out_proj, never called at all, is refused: _weight_read_by_parent.)"""
+    for parent, name in places:
         if isinstance(parent, nn.TransformerEncoderLayer) and name in ("linear1", "linear2"):
-            # Its fused inference path (eval, no grad) reads linear1's and linear2's weights itself and never
-            # calls them: the delta was skipped there. The flag that path requires, off for this layer.
             parent.activation_relu_or_gelu = 0
