@@ -335,7 +335,8 @@ class LoRAContext:
         if self._rows is not None:
             raise RuntimeError("per_row: already active on this context")
         # One entry past the adapters (never read: _row_token_slots indexes below it), so that one adapter is a
-        # length of 2: Dynamo specialises a dynamic length of 1, and one adapter for every row compiled graphs of its own.
+        # length of 2: Dynamo specialises a dynamic length of 1, and one adapter for every row compiled graphs of
+        # its own.
         host = torch.tensor(slots + [-1], dtype=torch.int32)
         self._rows = {device: host.to(device) for device in (self.device, *self._mirrors)}
         self.row_slots = frozenset(slots)   # (unload_adapter refuses these while the block runs)
