@@ -100,9 +100,12 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
         kwargs = _UNCHECKED if unchecked else {}
         other = on_other_device(args[0])
         if other is None:
-            return launcher[0](*args, **kwargs)
-        with torch.cuda.device(other):
-            return launcher[0](*args, **kwargs)
+            out = launcher[0](*args, **kwargs)
+        else:
+            with torch.cuda.device(other):
+                out = launcher[0](*args, **kwargs)
+        _bump_written(name, args[0])
+        return out
 
     def on_cpu_tensors(args, unchecked):
         if _cpu_backend == "triton":
@@ -136,6 +139,14 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     first = getattr(torch.ops.lora_ops, name).default._schema.arguments[0]
     if first.alias_info is not None and first.alias_info.is_write:
         MUTATES_FIRST.add(name)
+
+
+def _bump_written(name, first):
+    """A Triton kernel writes an in-place op's output through its pointer, which the dispatcher does not see:
+    bump the output's version counter as a torch in-place op would (the CPU kernels' torch ops bump their own),
+    so autograd refuses a backward that saved the tensor before the write."""
+    if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
+        torch.autograd.graph.increment_version(first)
 
 
 def kernel_for(name, t, table=KERNELS):
@@ -203,8 +214,7 @@ def call(name, *args):
     """``torch.ops.lora_ops.<name>(*args)``, straight to the registered kernel when the dispatcher adds
     nothing (see :func:`direct`): in eager mode the dispatcher costs ~25 µs of host time per
     call on the H200 host (benchmarks/host_overhead.py), about one whole Triton launch. The kernel is the
-    one the dispatcher would run, with its checks; an in-place op bumps its output's version counter as
-    the dispatcher would.
+    one the dispatcher would run, with its checks (an in-place op's kernel bumps its output's version counter).
 
     A call that needs autograd (grad mode on, an argument requiring grad) runs the op's :data:`AUTOGRAD`
     Function where it has one and every tensor argument is a plain tensor or nn.Parameter: the kernel and
@@ -228,10 +238,7 @@ def call(name, *args):
         if function is None:
             return getattr(torch.ops.lora_ops, name)(*args)
         return function.apply(*args)
-    out = kernel(*args)
-    if name in MUTATES_FIRST and not first.is_inference():   # inference tensors have no version counter
-        torch.autograd.graph.increment_version(first)
-    return out
+    return kernel(*args)
 
 
 def _call_with_tangents(name, args, tangents):

@@ -151,6 +151,37 @@ def test_call_matches_the_op_and_bumps_the_version():
     assert ops.MUTATES_FIRST == {"add_lora_", "expand_"}   # read from the schemas' Tensor(a!)
 
 
+def _in_place_args(name, case, y):
+    if name == "add_lora_":
+        return (y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, list(case.slice_widths), *case.meta)
+    h = torch.randn(case.x.shape[0], case.lora_a.shape[1], case.lora_a.shape[2], generator=case.gen).to(DEVICE)
+    return (y, h, case.lora_b, list(case.slice_widths), case.rank, *case.meta)
+
+
+@pytest.mark.parametrize("route", ["torch.ops", "ops.call"])
+@pytest.mark.parametrize("name", ["add_lora_", "expand_"])
+def test_in_place_ops_bump_the_version_on_every_backend(backend, name, route):
+    """A Triton kernel writes y through its pointer, unseen by the dispatcher: the registered kernel bumps
+    y's version counter itself, so autograd refuses a backward that saved y before the write. (Through
+    torch.ops the Triton path left it unmoved.)"""
+    case = _case()
+    y = case.new_y("random")
+    version = y._version
+    args = _in_place_args(name, case, y)
+    if route == "torch.ops":
+        getattr(torch.ops.lora_ops, name)(*args)
+    else:
+        ops.call(name, *args)
+    assert y._version > version
+
+    leaf = torch.randn(y.shape, device=DEVICE, requires_grad=True)
+    saved = case.new_y("random")
+    out = leaf * saved                          # saves `saved` for the backward
+    getattr(torch.ops.lora_ops, name)(*_in_place_args(name, case, saved))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_call_under_inference_mode():
     """Inference tensors have no version counter: the in-place op must not try to bump it."""
     case = _case()
