@@ -354,18 +354,19 @@ class LoRAContext:
 
     def _row_batch(self, x, layer):
         """per_row: the (metadata, per-token slots) for ``x`` [rows, tokens, ..., K], built on first use of its
-        shape in the block (the buffers' shapes, so bound calls' plans apply; a serial of its own, so a
+        shape in the block (the buffers' shapes, capacity max_tokens or the input's tokens where more, so bound
+        calls' plans apply; a serial of its own, so a
         backward that recomputes on another batch is refused as for set_batch's copies)."""
         rows, tokens = self._row_shape_of(x, layer)
         key = (rows, tokens, x.device)      # (a model split across devices: each device's own)
         found = self._row_batches.get(key)
         if found is None:
             slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
-            if rows * tokens > self.max_tokens:
-                raise ValueError(f"{self._name(layer)}: {rows} x {tokens} tokens exceed the context's capacity "
-                                 f"max_tokens={self.max_tokens}")
-            batch = LoRABatch(self.max_tokens, self.max_loras, device=x.device)
-            token_slots = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=x.device)
+            # Past max_tokens (a long prompt in generate) a batch of its own size: the compiled path computes
+            # the batch in the graph with no capacity, and the two must serve the same inputs.
+            capacity = max(self.max_tokens, rows * tokens)
+            batch = LoRABatch(capacity, self.max_loras, device=x.device)
+            token_slots = torch.full((capacity,), -1, dtype=torch.int32, device=x.device)
             token_slots[:rows * tokens].copy_(slots)
             batch.update(token_slots[:rows * tokens])
             meta = self._tag(batch.meta)
