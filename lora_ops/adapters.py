@@ -89,6 +89,13 @@ _UNSUPPORTED_KEYS = (
     (re.compile(r"\.bias$"), "LoRA bias (bias != 'none': the adapter carries base-layer biases)"),
 )
 
+# Tensors that change nothing the forward computes, skipped: VeLoRA's per-module buffer (its embedding of the
+# activations, read by its backward only).
+_SKIPPED_KEYS = re.compile(r"\.lora_velora_embed(\.[^.]+)?$")
+
+# PEFT's LoraConfig defaults for the fields a config file may leave out (PEFT reads the file into a LoraConfig).
+PEFT_CONFIG_DEFAULTS = {"r": 8, "lora_alpha": 8}
+
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<factor>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -107,7 +114,8 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     """Load a PEFT-style state dict ``{key: tensor}`` into ``ctx`` as ``name``; returns its slot.
 
     ``config``: an adapter_config dict or a ``peft.LoraConfig``. Without one (or without ``r`` /
-    ``lora_alpha`` in it) each module's rank is its tensors' and ``lora_alpha`` equals it (scale 1).
+    ``lora_alpha`` in it) each module's rank is its tensors' and ``lora_alpha`` equals it (scale 1); a PEFT
+    directory's config file takes PEFT's defaults instead (:func:`read_peft_directory`).
     ``source``: what error messages call the tensors' origin (load_adapter passes the weights file's path).
     """
     slot = _pick_slot(ctx, name, replace)
@@ -119,6 +127,10 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     plan = _plan_writes(ctx, modules, config, source)
     _write(ctx, slot, name, plan)
     _configs(ctx)[slot] = config      # for save_peft_adapter (use_rslora) and training (lora_dropout)
+    # Packed layers whose slices' scale ratios were folded into lora_B: training refuses them.
+    paths = {layer: path for path, layer in ctx.layers.items()}
+    _folded_layers(ctx)[slot] = {paths[layer] for layer, (_, _, _, folded) in plan.items() if folded}
+    _configs_changed(ctx)
     # Packed layers the adapter targeted as one module (Phi-3's qkv_proj): saved back that way.
     _fused_sources(ctx)[slot] = {path for path in modules if ctx.targets[path][1] is None
                                  and len(ctx.targets[path][0].slice_widths) > 1}
@@ -141,12 +153,16 @@ def unload_adapter(ctx, name):
         trainer.forget_slot(slot)
     ctx.slot_names[slot] = None
     _configs(ctx).pop(slot, None)
+    _folded_layers(ctx).pop(slot, None)
+    _configs_changed(ctx)
     _fused_sources(ctx).pop(slot, None)
 
 
 def read_peft_directory(path):
-    """(config dict, {key: tensor}) of a PEFT adapter directory, reading data only."""
-    return read_adapter_config(path), _read_weights(_adapter_directory(path))
+    """(config dict, {key: tensor}) of a PEFT adapter directory, reading data only. The config's missing ``r`` /
+    ``lora_alpha`` take PEFT's defaults (8 and 8), as PEFT's own load does (in-memory tensors loaded without
+    them take their tensors' rank and scale 1 instead: :func:`load_adapter_tensors`)."""
+    return {**PEFT_CONFIG_DEFAULTS, **read_adapter_config(path)}, _read_weights(_adapter_directory(path))
 
 
 def read_adapter_config(path):
@@ -268,11 +284,17 @@ def _group_by_module(tensors, source):
         raise TypeError(f"tensors: expected a dict of tensors, got {type(tensors).__name__}")
     factors = {}
     for key, t in tensors.items():
+        if _SKIPPED_KEYS.search(key):
+            continue
         for pattern, feature in _UNSUPPORTED_KEYS:
             if pattern.search(key):
                 raise UnsupportedAdapterError(f"{feature} is not supported ({source}: tensor {key!r})")
         match = _LORA_KEY.match(key)
         if match is None:
+            if key.endswith(".weight") and "lora_" not in key:
+                raise UnsupportedAdapterError(
+                    f"base-model weights saved with the adapter are not supported ({source}: tensor {key!r}; PEFT "
+                    f"saves the embeddings with save_embedding_layers, or when the vocabulary was resized)")
             raise AdapterError(f"{source}: unexpected tensor {key!r} (expected '<module>.lora_A.weight' "
                                f"and '<module>.lora_B.weight' only)")
         _check_factor(key, t, source)
@@ -371,7 +393,8 @@ def _resolve_target(ctx, path, source):
 
 
 def _plan_writes(ctx, modules, config, source):
-    """{layer: [per slice: (A, B, rank, scale) or None]}, every shape, rank and scale checked."""
+    """{layer: (per-slice (A, B) or None, scale, rank, whether the slices' scales differed)}, every shape, rank
+    and scale checked (:func:`_fold_slices`)."""
     plan = {}
     for path, (a, b) in modules.items():
         layer, index = _resolve_target(ctx, path, source)
@@ -387,7 +410,11 @@ def _plan_writes(ctx, modules, config, source):
                                    f"the adapter also writes")
             b_i = b if index is not None else b[offsets[i]:offsets[i + 1]]
             slices[i] = (a, b_i, rank, scale, path)
-    return {layer: _fold_slices(layer, slices, source) for layer, slices in plan.items()}
+    return {layer: (*_fold_slices(layer, slices, source), _scales_differ(slices)) for layer, slices in plan.items()}
+
+
+def _scales_differ(slices):
+    return len({s[3] for s in slices if s is not None}) > 1
 
 
 def _check_shapes(layer, index, path, a, b, expected_rank, source):
@@ -424,7 +451,9 @@ def _fold_slices(layer, slices, source):
         a, b, _, slice_scale, path = s
         ratio = slice_scale / scale if scale != 0 else 0.0
         b = b.float() * ratio if ratio != 1.0 else b
-        a, b = a.detach().to(dtype), b.detach().to(dtype)
+        # (Copies, always: write_slot clears the slot first, and the source may be a view of it, as a
+        # replace=True load of the slot's own tensors is.)
+        a, b = a.detach().to(dtype, copy=True), b.detach().to(dtype, copy=True)
         for factor, t in (("lora_A", a), ("lora_B", b)):
             if not bool(torch.isfinite(t).all()):
                 raise AdapterError(f"{source}: {path!r}: {factor} does not fit the layer's dtype {dtype} (values "
@@ -437,7 +466,7 @@ def _write(ctx, slot, name, plan):
     """The only writes: every layer's slot (cleared where the adapter has no weights), then the name."""
     for layer in ctx.layers.values():
         if layer in plan:
-            layer.write_slot(slot, *plan[layer])
+            layer.write_slot(slot, *plan[layer][:3])
         else:
             layer.clear_slot(slot)
     ctx.slot_names[slot] = name
@@ -454,6 +483,17 @@ def _slot_record(ctx, attr):
 
 def _configs(ctx):
     return _slot_record(ctx, "adapter_configs")
+
+
+def _folded_layers(ctx):
+    return _slot_record(ctx, "adapter_folded_layers")
+
+
+def _configs_changed(ctx):
+    """An open trainer's per-slot dropout follows the adapters' configs as they are loaded and unloaded."""
+    trainer = getattr(ctx, "trainer", None)
+    if trainer is not None:
+        trainer.refresh_dropout()
 
 
 def _fused_sources(ctx):

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks,
+                                     _global_forward_pre_hooks)
 
 from lora_ops import autograd, configs, ops, plan, triton_launch
 
@@ -50,9 +51,13 @@ def set_enabled(on):
 
 
 def plain_linear(module):
-    """A bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM in place of its forward."""
+    """A bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM in place of its forward. Backward
+    hooks too (register_full_backward_hook on the base, or global ones): they fire only where the base's own
+    forward runs."""
     return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not _global_forward_hooks and not _global_forward_pre_hooks)
+            and not module._backward_hooks and not module._backward_pre_hooks
+            and not _global_forward_hooks and not _global_forward_pre_hooks
+            and not _global_backward_hooks and not _global_backward_pre_hooks)
 
 
 def output_may_be_kept(module):

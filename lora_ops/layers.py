@@ -206,6 +206,12 @@ class LoRAContext:
         # and the copy's model is the copy.
         state = dict(self.__dict__)
         state["_model"] = self._model() if self._model is not None else None
+        # An open trainer stays with the original: its gradient hooks are on the original's stacks, so the
+        # copy's would be a trainer without them (unmasked gradients) that refuses a new train_slots.
+        trainer = state.get("trainer")
+        if trainer is not None:
+            state["trainer"], state["dropout_p"] = None, None
+            state["fill_listeners"] = [f for f in self.fill_listeners if getattr(f, "__self__", None) is not trainer]
         return state
 
     def __setstate__(self, state):

@@ -23,16 +23,22 @@ parameter whose gradient is zero. So the trainer does both:
 1. a gradient hook on each stack multiplies its gradient by the mask "chosen slot and rank column below
    the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
 2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
-   back everywhere outside "chosen slot, within its rank, and with tokens in a batch since the last
-   step" (``torch.where``: bit-identical, no host sync; a batch counts when it is set with grad mode on,
-   and one set under ``torch.no_grad()``, an evaluation between steps, only for the slots it gave a
-   gradient). A chosen slot absent from the batches trained stays put, as it would with its own optimizer
-   and ``zero_grad(set_to_none=True)``.
+   back everywhere outside "chosen slot, within its rank, and trained since the last step"
+   (``torch.where``: bit-identical, no host sync). A slot is trained when it has tokens in a batch set with
+   grad mode on since the last step, or when a backward since then gave it a gradient that is not all zero:
+   so a batch set once and trained on for many steps, batches ``per_row`` builds inside a compiled graph,
+   and batches set under ``torch.no_grad()`` and trained on anyway all count, while an evaluation under
+   ``torch.no_grad()`` between steps does not. A chosen slot absent from the batches trained stays put, as
+   it would with its own optimizer and ``zero_grad(set_to_none=True)``.
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
 trained on fewer steps than its stack has taken sees different bias corrections. Gradients are per slot
-exactly (tests/test_training.py checks them against PEFT trained one adapter at a time).
+exactly (tests/test_training.py checks them against PEFT trained one adapter at a time). An adapter whose
+slices of a packed layer were loaded with different scales (``alpha_pattern`` across q/k/v of one fused
+layer) holds each slice's ratio to the largest folded into its ``lora_B`` (lora_ops.adapters): the forward
+is PEFT's, but the optimizer trains the rescaled factor (each slice's effective learning rate differs from
+PEFT's by the ratio), and :func:`train_slots` warns of it.
 
 **Dropout.** In training mode (``model.train()``) each token's LoRA input is ``dropout(x, p)`` with the
 ``lora_dropout`` of its slot's adapter config (PEFT's semantics: only the adapter sees the dropped x;
@@ -44,6 +50,7 @@ the result: AOTAutograd compiles the backward too. The hooks run in the autograd
 stacks, outside the compiled graphs; the step helper is eager.
 """
 import math
+import warnings
 
 import torch
 
@@ -134,25 +141,23 @@ class SlotTrainer:
                                f"train every adapter with one train_slots call")
         self.ctx = ctx
         self.slots = [ctx.slot_of(n) for n in names]
+        _warn_folded_scales(ctx, names, self.slots)
         L = ctx.max_loras
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
-        # Slots with tokens since the last step: in batches set with grad mode on, and in batches set under
-        # no_grad (an evaluation between steps), which count only for slots whose gradient is not all zero.
+        # Slots trained since the last step: with tokens in batches set with grad mode on, or given a gradient
+        # that is not all zero (the hooks).
         self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
-        self._seen_no_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._has_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
-        self._no_grad_fills = False     # whether _seen_no_grad holds any batch (host side: skips the check)
         self.process_group = process_group     # resolved at each step: the group may be set up later
         model = ctx.model()
         if freeze_base and model is not None:
             model.requires_grad_(False)
         self._layers = list(ctx.layers.values())
         # Slots with tokens in a batch set since the last step, noted at set_batch (a backward may run after
-        # later batches were set: LoRAContext's docstring), starting with the batch set now.
+        # later batches were set: LoRAContext's docstring). Not the batch set now, whose grad mode is not
+        # known (an evaluation's): its slots count once a backward gives them a gradient.
         ctx.fill_listeners.append(self._note_batch)
-        if ctx.num_tokens:
-            self._note_batch(ctx.meta)
         self._hooks = []
         for layer in self._layers:
             for stack in (layer.lora_a, layer.lora_b):
@@ -178,7 +183,7 @@ class SlotTrainer:
             optimizer.step()
         else:
             scaler.step(optimizer)
-        seen = self._seen | (self._seen_no_grad & self._has_grad) if self._no_grad_fills else self._seen
+        seen = self._seen | self._has_grad
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
             seen = seen.to(torch.uint8)
@@ -188,9 +193,8 @@ class SlotTrainer:
             updatable = self._trainable(layer) & _on(seen, layer.rank.device)[:, None]   # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
-        for mask in (self._seen, self._seen_no_grad, self._has_grad):
+        for mask in (self._seen, self._has_grad):
             mask.zero_()
-        self._no_grad_fills = False
 
     def close(self):
         """Stop training: remove the gradient hooks and listeners and freeze the stacks again (the context
@@ -206,6 +210,16 @@ class SlotTrainer:
         self.ctx.dropout_p = None
         if getattr(self.ctx, "trainer", None) is self:
             self.ctx.trainer = None
+
+    def refresh_dropout(self):
+        """The context's per-slot dropout table from the adapters' configs again (one was loaded, replaced or
+        unloaded while this trainer is open). In place where the table stays: compiled code and captured
+        graphs read the same tensor."""
+        table, current = _dropout_table(self.ctx), self.ctx.dropout_p
+        if table is not None and current is not None and current.shape == table.shape:
+            current.copy_(table)
+        else:
+            self.ctx.dropout_p = table
 
     def forget_slot(self, slot):
         """Stop training ``slot`` (its adapter was unloaded): an adapter loaded there later is not this
@@ -226,13 +240,9 @@ class SlotTrainer:
     def _note_batch(self, meta):
         """A fill listener: the batch just set. One set under no_grad serves forwards that record no autograd
         (an evaluation between steps, a reference model's forward), and its slots move only on evidence of a
-        gradient; a forward with autograd on it (allowed: LoRAContext) gives them one."""
-        with_tokens = _on(meta.slot_counts[:self._seen.shape[0]] > 0, self._seen.device)   # (per_row: any device)
+        gradient (the hooks'); a forward with autograd on it (allowed: LoRAContext) gives them one."""
         if torch.is_grad_enabled():
-            self._seen |= with_tokens
-        else:
-            self._seen_no_grad |= with_tokens
-            self._no_grad_fills = True
+            self._seen |= _on(meta.slot_counts[:self._seen.shape[0]] > 0, self._seen.device)   # (per_row: any device)
 
     def _trainable(self, layer):
         """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
@@ -247,10 +257,25 @@ class SlotTrainer:
             mask = self._trainable(layer)
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
             grad = grad * mask.to(grad.dtype)
-            if self._no_grad_fills:     # (only then: one more pass over the gradient)
-                self._has_grad |= _on(grad.flatten(1).ne(0).any(1), self._has_grad.device)
+            self._has_grad |= _on(grad.flatten(1).ne(0).any(1), self._has_grad.device)
             return grad
         return hook
+
+
+def _warn_folded_scales(ctx, names, slots):
+    """train_slots warns of an adapter whose slices of a packed layer carry folded scale ratios (see the module
+    docstring): its stored lora_B is not the factor PEFT trains."""
+    folded = getattr(ctx, "adapter_folded_layers", {})
+    for name, slot in zip(names, slots):
+        paths = folded.get(slot)
+        if paths:
+            warnings.warn(
+                f"train_slots: adapter {name!r} was loaded with different scales for the slices of the packed "
+                f"layer(s) {sorted(paths)!r} (lora_alpha / alpha_pattern / rank_pattern per projection): each "
+                f"slice's ratio to the largest scale is folded into its lora_B, so the optimizer trains that "
+                f"rescaled factor (the same forward, but each slice's effective learning rate differs from "
+                f"PEFT's by the ratio: 1/ratio under Adam, 1/ratio² under SGD). To train as PEFT does, wrap the "
+                f"projections as separate layers (apply_lora without packed_modules for them)", stacklevel=3)
 
 
 def train_slots(ctx, names, *, freeze_base=True, process_group="default"):

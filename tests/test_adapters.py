@@ -347,6 +347,9 @@ ERROR_CASES = {
                            r"gives lora_alpha='big' \(lora_alpha / alpha_pattern\); expected a finite number"),
     "base_layer_weights": ({}, lambda t: {**t, "base_model.model.lm_head.base_layer.weight": torch.ones(64, 32)},
                            UnsupportedAdapterError, "base-layer weights saved with the adapter"),
+    "saved_embeddings": ({}, lambda t: {**t, "base_model.model.model.embed_tokens.weight": torch.ones(64, 32)},
+                         UnsupportedAdapterError, r"base-model weights saved with the adapter are not supported .*"
+                                                  r"save_embedding_layers"),
 }
 
 
@@ -374,6 +377,72 @@ def test_initialisations_that_keep_the_base_weights_load(init):
     model, ctx = lora_model()
     tensors = _tensors(model)
     slot = ctx.load_adapter_tensors("a", tensors, lora_config(4, 8, init_lora_weights=init))
+    assert_loaded(ctx, slot, tensors, 2.0)
+
+
+def test_velora_buffers_are_skipped():
+    """VeLoRA changes the backward only: its per-module buffer (lora_velora_embed) is skipped and the factors
+    load as plain LoRA."""
+    model, ctx = lora_model()
+    tensors = _tensors(model)
+    with_buffers = {**tensors, **{f"base_model.model.{path}.lora_velora_embed": torch.randn(4, 8)
+                                  for path in ctx.layers}}
+    slot = ctx.load_adapter_tensors("a", with_buffers, lora_config(4, 8))
+    assert_loaded(ctx, slot, tensors, 2.0)
+
+
+def test_peft_velora_adapter_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    velora = pytest.importorskip("peft.tuners.lora.config").__dict__.get("VeloraConfig")
+    if velora is None:
+        pytest.skip("this PEFT has no VeLoRA")
+    model, ctx = lora_model()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             velora_config=velora(num_groups=4, init_type="random"))
+    peft_model = peft.get_peft_model(copy.deepcopy(toy_lm()), config)
+    peft_model.save_pretrained(tmp_path)
+    config_, tensors = read_peft_directory(tmp_path)
+    assert any("velora" in key for key in tensors)
+    slot = ctx.load_adapter("v", tmp_path)
+    layer = ctx.layers[Q0]
+    assert layer.slot_ranks[slot] == 4 and layer.scale[slot].item() == 2.0
+
+
+@pytest.mark.parametrize("missing", ["lora_alpha", "r", "both"])
+def test_a_directory_config_without_r_or_alpha_takes_peft_defaults(tmp_path, missing):
+    """PEFT reads adapter_config.json into a LoraConfig, whose r and lora_alpha default to 8: a file without
+    them scales as PEFT's load does (it took lora_alpha = r, scale 1, silently unlike PEFT). In-memory tensors
+    without a config keep their own rank and scale 1."""
+    model, ctx = lora_model()
+    rank = 8 if missing == "both" else 4
+    tensors = _tensors(model, rank=rank)
+    config = lora_config(rank, 16)
+    for field in (("r", "lora_alpha") if missing == "both" else (missing,)):
+        del config[field]
+    path = write_adapter_dir(tmp_path / "a", config, tensors)
+    if missing == "r":      # PEFT's r=8 against rank-4 tensors: PEFT's load fails too
+        with pytest.raises(AdapterError, match=r"lora_A has rank 4, but the adapter config gives r=8"):
+            ctx.load_adapter("a", path)
+        return
+    slot = ctx.load_adapter("a", path)
+    assert_loaded(ctx, slot, tensors, 8 / rank)
+    slot = ctx.load_adapter_tensors("t", tensors)
+    assert_loaded(ctx, slot, tensors, 1.0)
+
+
+def test_replace_with_views_of_the_adapters_own_slot_changes_nothing():
+    """replace=True fed the slot's own stored factors (views): the write clears the slot before copying, so
+    views read after the clear wrote zeros."""
+    model, ctx = lora_model()
+    tensors = _tensors(model)
+    slot = ctx.load_adapter_tensors("a", tensors, lora_config(4, 8))
+    views = {}
+    for path, layer in ctx.layers.items():
+        views[f"{path}.lora_A.weight"] = layer.lora_a[slot, 0, :4]
+        views[f"{path}.lora_B.weight"] = layer.lora_b[slot, :, :4]
+    before = slot_state(ctx)
+    ctx.load_adapter_tensors("a", views, lora_config(4, 8), replace=True)
+    assert_state_unchanged(before, ctx)
     assert_loaded(ctx, slot, tensors, 2.0)
 
 

@@ -91,6 +91,31 @@ def test_every_forward_route_gives_the_same_output(backend, route):
     assert torch.equal(y.detach(), expected)
 
 
+@pytest.mark.parametrize("hook", ["module", "pre", "global"])
+def test_backward_hooks_on_the_base_layer_fire(backend, hook):
+    """A full backward hook on the wrapped nn.Linear (or a global one) fired never: the layer ran lora_linear in
+    place of the base's forward, where the hook lives. The base's own forward now runs, the hook fires once a
+    backward with the base's gradients, and the gradients are unchanged."""
+    model, ctx = one_layer_model(None, torch.float32, backend.device)
+    layer = model["proj"]
+    ctx.set_batch(REQUESTS)
+    x = torch.randn(12, K, device=backend.device, requires_grad=True)
+    weight = layer.base.weight
+    weight.requires_grad_(True)
+    want = torch.autograd.grad(layer(x).square().sum(), (weight, x))
+    seen = []
+    record = lambda module, *grads: seen.append(module) if module is layer.base else None   # noqa: E731
+    handle = (layer.base.register_full_backward_hook(record) if hook == "module" else
+              layer.base.register_full_backward_pre_hook(record) if hook == "pre" else
+              torch.nn.modules.module.register_module_full_backward_hook(record))
+    try:
+        got = torch.autograd.grad(layer(x).square().sum(), (weight, x))
+    finally:
+        handle.remove()
+    assert seen == [layer.base]
+    assert all(rel_err(g, w) <= TOLERANCE[torch.float32] for g, w in zip(got, want))
+
+
 def test_empty_slot_and_raw_token_slots(backend):
     """Per-token slots in any order; a slot with no adapter loaded (rank 0) leaves its rows alone."""
     model, ctx = one_layer_model(None, torch.float32, backend.device)

@@ -282,7 +282,10 @@ def test_packed_slices_saved_per_projection(tmp_path):
     _, paths = peft_model_with(unfused, adapters, tmp_path / "in")
     fused = fused_copy(unfused)
     ctx = ours_with(fused, paths, packed=True)
-    train_a_little(fused, ctx, ["p"], ["p", None, "p"], vocab=VOCAB)
+    # (The slices' scales differ, folded into lora_B: the trainer warns that it trains the folded factor.)
+    with pytest.warns(UserWarning, match=r"train_slots: adapter 'p' was loaded with different scales for the "
+                                         r"slices of the packed layer\(s\) \['model.layers.0.self_attn.qkv_proj'"):
+        train_a_little(fused, ctx, ["p"], ["p", None, "p"], vocab=VOCAB)
     directory = save_peft_adapter(ctx, "p", tmp_path / "out")
     input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
     peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(unfused), directory, adapter_name="p").eval()
@@ -339,6 +342,81 @@ def _step(model, ctx, trainer, optimizer, rows, seed):
             torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen)).backward()
     trainer.step(optimizer)
     optimizer.zero_grad()
+
+
+def _moved(trainer, before):
+    return sum(int((p != b).sum()) for p, b in zip(trainer.parameters(), before))
+
+
+@pytest.mark.parametrize("how", ["set_once", "compiled_per_row"])
+def test_every_step_trains_a_batch_not_set_since_the_last(fresh_dynamo, how):
+    """The trainer counted only batches *set* since the last step: a batch set once and trained on for many
+    steps moved at the first step only, and per_row's batches under torch.compile (built in the graph, no
+    fill) never; every later step restored the update. A slot a backward gives a gradient now counts."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    ctx = apply_lora(model, ["0"], max_loras=2, max_rank=4, max_tokens=64)
+    for name in ("a", "b"):
+        training.add_trainable_adapter(ctx, name, r=4, lora_alpha=8)
+    trainer = ctx.train_slots(["a", "b"])
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
+    x, target = torch.randn(2, 4, 16), torch.randn(2, 4, 32)
+    forward = model
+    if how == "set_once":
+        ctx.set_batch([("a", 4), ("b", 4)])
+    else:
+        forward = torch.compile(model, fullgraph=True, backend="aot_eager")
+    losses = []
+    for _ in range(3):
+        before = [p.detach().clone() for p in trainer.parameters()]
+        if how == "set_once":
+            loss = F.mse_loss(forward(x), target)
+            loss.backward()
+        else:
+            with ctx.per_row(["a", "b"]):
+                loss = F.mse_loss(forward(x), target)
+                loss.backward()
+        trainer.step(optimizer)
+        optimizer.zero_grad()
+        assert _moved(trainer, before) == 2 * (16 * 4 + 32 * 4), "a step restored the trained slots"
+        losses.append(loss.item())
+    assert losses[2] < losses[1] < losses[0]
+    trainer.close()
+
+
+def test_a_batch_set_before_the_trainer_opened_counts_only_if_trained():
+    """A batch set under no_grad before train_slots (an evaluation) was noted as trained when the trainer
+    opened: a chosen slot of it with no tokens in the batch trained moved by AdamW's weight decay."""
+    model, ctx = _trainable_model(["a", "b"])
+    ctx.set_batch([("b", SEQ)])
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, SEQ)))
+    trainer = ctx.train_slots(["a", "b"])
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    b = ctx.slot_of("b")
+    before = {path: (layer.lora_a[b].clone(), layer.lora_b[b].clone()) for path, layer in ctx.layers.items()}
+    _step(model, ctx, trainer, optimizer, ["a", None], seed=1)
+    for path, layer in ctx.layers.items():
+        assert torch.equal(layer.lora_a[b], before[path][0]) and torch.equal(layer.lora_b[b], before[path][1])
+    trainer.close()
+
+
+def test_a_copy_of_a_model_in_training_has_no_trainer():
+    """copy.deepcopy with a trainer open gave the copy a trainer without its gradient hooks (the copy's
+    gradients unmasked) that refused a new train_slots; the copy now starts with none, the original trains on."""
+    model, ctx = _trainable_model(["a", "b"])
+    trainer = ctx.train_slots(["a"])
+    copied = copy.deepcopy(model)
+    copy_ctx = next(m for m in copied.modules() if hasattr(m, "context")).context
+    assert copy_ctx is not ctx and copy_ctx.trainer is None and not copy_ctx.fill_listeners
+    with copy_ctx.train_slots(["b"]) as copy_trainer:
+        copy_ctx.set_batch([("a", SEQ), ("b", SEQ)])
+        loss_of(copied(torch.randint(0, VOCAB, (2, SEQ))), torch.randint(0, VOCAB, (2, SEQ))).backward()
+        a = copy_ctx.slot_of("a")
+        assert all(not layer.lora_b.grad[a].any() for layer in copy_ctx.layers.values())
+        assert copy_trainer.slots == [copy_ctx.slot_of("b")]
+    assert ctx.trainer is trainer
+    trainer.close()
 
 
 def test_one_open_trainer_a_context():
@@ -412,6 +490,29 @@ def test_per_slot_dropout_in_training_mode_only():
     assert rel_err(out[slots == 0][kept], 2 * x[slots == 0][kept]) <= 1e-7
     trainer.close()
     assert ctx.dropout_p is None
+
+
+def test_dropout_follows_adapters_loaded_while_a_trainer_is_open():
+    """The per-slot dropout table is rebuilt as adapters are loaded, replaced and unloaded under an open
+    trainer (it was built once when the trainer opened: a replacement's lora_dropout went unused), in place
+    while a table is needed (compiled code reads that tensor)."""
+    model = toy_lm(seed=5)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=4, max_tokens=64)
+    gen = torch.Generator().manual_seed(8)
+    training.add_trainable_adapter(ctx, "a", r=4, lora_alpha=4, generator=gen)
+    trainer = ctx.train_slots(["a"])
+    assert ctx.dropout_p is None
+    tensors = peft_tensors(module_shapes(model), 4, seed=3)
+    slot = ctx.load_adapter_tensors("a", tensors, {"r": 4, "lora_alpha": 4, "lora_dropout": 0.5}, replace=True)
+    table = ctx.dropout_p
+    assert table is not None and table.tolist() == [0.5 if s == slot else 0.0 for s in range(3)]
+    other = ctx.load_adapter_tensors("b", tensors, {"r": 4, "lora_alpha": 4, "lora_dropout": 0.25})
+    assert ctx.dropout_p is table and table[other].item() == 0.25
+    ctx.unload_adapter("b")
+    assert ctx.dropout_p is table and table.tolist() == [0.5 if s == slot else 0.0 for s in range(3)]
+    ctx.load_adapter_tensors("a", tensors, {"r": 4, "lora_alpha": 4}, replace=True)
+    assert ctx.dropout_p is None
+    trainer.close()
 
 
 def test_grad_scaler_steps_through_the_trainer():
