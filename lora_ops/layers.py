@@ -666,11 +666,13 @@ class LoRALinear(nn.Module):
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
         self._stack_ptrs = None         # set by _stack
+        self._stack_params = None       # set by _stack: the parameters made views of the stack (weight, bias, lora_a)
         self.stacked_max_tokens = 0     # set by _stack
         self._eager = eager_ops.EagerCalls()   # bound eager calls (lora_ops.eager)
         if (stack_a and _stackable(base)
                 and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype)):
             self._stack()
+        self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
 
     @torch.no_grad()
     def _stack(self):
@@ -688,6 +690,7 @@ class LoRALinear(nn.Module):
             base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
         self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
         self._stacked = (stacked, stacked_bias)
+        self._stack_params = (base.weight, base.bias, self.lora_a)
         self._note_stack_ptrs()
         self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
 
@@ -700,9 +703,14 @@ class LoRALinear(nn.Module):
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
-        parameter replaced by hand drops the layer back to lora_linear)."""
+        parameter replaced by hand drops the layer back to lora_linear). Under torch.compile, whether they are
+        the parameter objects the stack made: Dynamo guards on the identity, so a parameter replaced after a
+        compile (load_state_dict(assign=True) is restacked: :meth:`_restack_after_load`) compiles again, to
+        lora_linear; a compiled stacked layer took the old stack, silently. (Their ``.data`` replaced in
+        place cannot be seen there: eager only.)"""
         if torch.compiler.is_compiling():
-            return True
+            params = self._stack_params
+            return params is not None and weight is params[0] and bias is params[1] and lora_a is params[2]
         weight_ptr, lora_a_ptr, bias_ptr = self._stack_ptrs
         dtype = self._stacked[0].dtype
         return (weight.data_ptr() == weight_ptr and lora_a.data_ptr() == lora_a_ptr
@@ -886,6 +894,15 @@ class LoRALinear(nn.Module):
         self.rank[slot] = 0
         self.slot_ranks[slot] = 0
 
+    @staticmethod
+    def _restack_after_load(module, incompatible_keys):
+        """load_state_dict(assign=True) replaces the parameters of a stacked layer by the state dict's tensors:
+        stack them again (values kept) so the layer keeps its one GEMM (a load_state_dict post hook, which
+        runs once the base's parameters are loaded too)."""
+        if module._stacked is not None and not module._stack_intact(module.base.weight, module.base.bias,
+                                                                     module.lora_a):
+            module._stack()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
         # (a host sync, once a load). The adapters' names are the context's and not in the state dict.
@@ -898,6 +915,8 @@ class LoRALinear(nn.Module):
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
         if getattr(self, "_stacked", None) is not None:
+            if getattr(self, "_stack_params", None) is None:    # (pickled before session 36)
+                self._stack_params = (self.base.weight, self.base.bias, self.lora_a)
             self._note_stack_ptrs()     # (torch.load keeps the views, at new addresses)
             if not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
                 # copy.deepcopy clones each nn.Parameter on its own (Parameter.__deepcopy__): the copy's weight

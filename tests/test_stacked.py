@@ -225,6 +225,40 @@ def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
     assert "lora_linear" in used
 
 
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "weight", "bias", "lora_a"])
+def test_a_compiled_stacked_layer_follows_replaced_parameters(how):
+    """A stacked layer under torch.compile took its stack whatever the parameters were (the pointer check is
+    eager only): after load_state_dict(assign=True) or a parameter replaced by another, the compiled model
+    computed with the old base weight and lora_a, silently. Now the load stacks the new tensors again, and a
+    replacement compiles again, to lora_linear; both equal the unstacked model given the same parameters."""
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    requests = [("a", 5), (None, 2), ("b", 3)]
+    compiled = torch.compile(stacked, fullgraph=True, backend="eager")
+    ctx1.set_batch(requests)
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        compiled(ids)                                   # compiled on the intact stack
+        new_state = {k: torch.randn_like(v) if v.is_floating_point() and "scale" not in k else v.clone()
+                     for k, v in plain.state_dict().items()}
+        plain.load_state_dict(new_state)
+        if how == "load_state_dict_assign":
+            stacked.load_state_dict(new_state, assign=True)
+            layer = stacked.model.layers[0].self_attn.qkv_proj
+            assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)   # stacked again
+        else:
+            stacked.load_state_dict(new_state)
+            layer, reference = stacked.model.layers[0].self_attn.o_proj, plain.model.layers[0].self_attn.o_proj
+            owner, name = {"weight": (layer.base, "weight"), "bias": (layer.base, "bias"),
+                           "lora_a": (layer, "lora_a")}[how]
+            fresh = torch.randn_like(getattr(owner, name))
+            setattr(owner, name, torch.nn.Parameter(fresh.clone(), requires_grad=False))
+            target = reference.base if how != "lora_a" else reference
+            getattr(target, name).copy_(fresh)
+    with torch.no_grad():
+        got = compiled(ids)
+    torch.testing.assert_close(got, run_batch(plain, ctx0, requests), **MODEL_TOL)
+
+
 def test_stack_a_compiles_without_graph_breaks():
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     requests = [("a", 5), ("b", 3)]
