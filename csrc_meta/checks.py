@@ -240,8 +240,12 @@ def check_index_extent(name, t):
 
 def check_same_device(ref_name, ref, **others):
     for name, t in others.items():
-        if t.device != ref.device:
-            _fail(ValueError, f"{name}: expected a tensor on {ref.device} (the device of {ref_name}), got {t.device}")
+        try:
+            device = t.device
+        except AttributeError:      # (a Python number where a tensor belongs: the functional API passes it on)
+            _fail(TypeError, f"{name}: expected a tensor, got {type(t).__name__} {t!r}")
+        if device != ref.device:
+            _fail(ValueError, f"{name}: expected a tensor on {ref.device} (the device of {ref_name}), got {device}")
 
 
 def check_same_dtype(ref_name, ref, **others):
@@ -468,13 +472,18 @@ def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_cou
     check_batch_meta(lora_a.shape[0], sorted_token_ids, slot_starts, slot_counts, x.shape[0])
 
 
+def check_shrink_output(h):
+    """h [M, S, R] float32, the shrink's output that expand_ reads."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.dtype != torch.float32:
+        _fail(TypeError, f"h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got "
+                         f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}")
+
+
 def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     check_no_gradient("expand_", y=y, h=h, lora_b=lora_b)
     check_float("y", y, 2)
     check_written_in_place("y", y)
-    if not isinstance(h, torch.Tensor) or h.dim() != 3 or h.dtype != torch.float32:
-        _fail(TypeError, f"h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got "
-                         f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}")
+    check_shrink_output(h)
     check_same_device("y", y, h=h, rank=rank, sorted_token_ids=sorted_token_ids, slot_starts=slot_starts,
                       slot_counts=slot_counts)
     if h.shape[0] != y.shape[0]:

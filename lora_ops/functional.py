@@ -1,11 +1,17 @@
 """The public functional API over the ops (one op call each; metadata built here only on request)."""
 import torch
 
+from csrc_meta import checks
 from lora_ops import ops
 from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta, first_outside
 
 
 def _meta(x, lora_a, token_slots, batch):
+    """The batch metadata for x [M, K] (or h [M, S, R]: expand checks it first), whose first dimension is the
+    tokens."""
+    if isinstance(x, torch.Tensor) and x.dim() == 3 and lora_a.dim() == 4:  # (before the token counts)
+        raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)} (x [M, K]: its tokens flattened "
+                         f"into the first dimension)")
     if (token_slots is None) == (batch is None):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
@@ -73,6 +79,7 @@ def shrink(x, lora_a, scale, rank, *, token_slots=None, batch=None):
 
 def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=None):
     """y[:, slice i] += h[:, i, :rank] @ B[slot, slice i, :rank]^T, in place; returns y."""
+    checks.check_shrink_output(h)
     meta = _meta(h, lora_b, token_slots, batch)
     widths = _widths(y, slice_widths)
     _check_rank_values(rank, lora_b)

@@ -160,6 +160,9 @@ class LoRAContext:
       last: the real token never attends to it.
     """
 
+    # (Not inference tensors, even when built under torch.inference_mode: the batch buffers are refilled in
+    # place, which torch refuses for an inference tensor outside that mode; the same for the layers' stacks.)
+    @torch.inference_mode(False)
     def __init__(self, max_loras, max_tokens, device=None):
         self.device = _device(device)
         self.max_loras = int(max_loras)
@@ -643,6 +646,7 @@ class LoRALinear(nn.Module):
     GEMM result (row stride N + L·S·R).
     """
 
+    @torch.inference_mode(False)
     def __init__(self, base, context, max_rank, slice_widths=None, stack_a=False):
         super().__init__()
         if not isinstance(base, nn.Linear):
@@ -675,6 +679,7 @@ class LoRALinear(nn.Module):
         self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
 
     @torch.no_grad()
+    @torch.inference_mode(False)
     def _stack(self):
         """Put the base weight over lora_a in one buffer (and the bias over zeros), the parameters becoming
         views of it; values are kept. Called at construction and after conversions (:meth:`_apply`)."""
@@ -1036,6 +1041,9 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     ctx = LoRAContext(max_loras, max_tokens, device=next((d for d in devices if d.type == "cuda"), devices[0]))
     ctx._model = weakref.ref(model)
     places = _places(model)
+    names = {}      # every name of each module (a module registered twice: its adapter keys may use either)
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
     for path, module, slices in selected:
         layer = LoRALinear(module, ctx, max_rank, slice_widths=[w for _, w in slices] if slices else None,
                            stack_a=stack_a)
@@ -1043,6 +1051,8 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
         _keep_parents_calling(places[id(module)])
         ctx.layers[path] = layer
         ctx.targets[path] = (layer, None)
+        for alias in names.get(id(module), ()):
+            ctx.targets.setdefault(alias, (layer, None))
         for i, (slice_path, _) in enumerate(slices or ()):
             ctx.targets[slice_path] = (layer, i)
     return ctx

@@ -92,10 +92,13 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
 
     config = {"peft_type": "LORA", "r": int(r), "lora_alpha": lora_alpha, "use_rslora": bool(use_rslora),
               "lora_dropout": float(lora_dropout), "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
-    tensors = {}
+    tensors, done = {}, set()
     for path, (layer, index) in ctx.targets.items():
         if index is None and len(layer.slice_widths) > 1:
             continue        # a packed layer's own name: its slices are the modules
+        if (id(layer), index) in done:
+            continue        # another name of a module registered twice (apply_lora targets each)
+        done.add((id(layer), index))
         if target_modules is not None and not _matches(target_modules, path):
             continue
         out_features = layer.out_features if index is None else layer.slice_widths[index]

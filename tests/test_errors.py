@@ -283,6 +283,32 @@ def test_bad_token_slots_or_batch_raise(backend, op, make_kwargs, error, message
         call_with_slots(op, args, **make_kwargs(args, backend.device))
 
 
+# Arguments the functional API checks itself, before the op's checks: the tokens' tensor's dimensions (its
+# first dimension was taken for the tokens: "token_slots: expected 1 entries"), a Python number for a tensor.
+FUNCTIONAL_BAD = [
+    ("tokens_3d", lambda a: {**a, "x": a["x"][None], "h": a["h"][None]}, {"expand_": TypeError, "": ValueError},
+     {"add_lora_": "x: expected a 2-D tensor, got shape (1, 4, 6) (x [M, K]: its tokens flattened",
+      "shrink": "x: expected a 2-D tensor, got shape (1, 4, 6) (x [M, K]: its tokens flattened",
+      "expand_": "h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got torch.float32 (1, 4, 2, 4)"}),
+    ("scale_a_float", lambda a: {**a, "scale": 0.5}, TypeError, "scale: expected a tensor, got float 0.5"),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("kind", ["token_slots", "batch"])
+@pytest.mark.parametrize("edit,error,message", [pytest.param(*c[1:], id=c[0]) for c in FUNCTIONAL_BAD])
+def test_functional_api_names_its_bad_arguments(backend, op, kind, edit, error, message):
+    if op == "expand_" and "scale" in str(message):
+        pytest.skip("expand takes no scale")
+    args = valid_args(backend.device)
+    given = dict(token_slots=slots([0, 1, 2, -1], backend.device)) if kind == "token_slots" else dict(
+        batch=BatchMeta(args["sorted_token_ids"], args["slot_starts"], args["slot_counts"]))
+    message = message[op] if isinstance(message, dict) else message
+    error = error.get(op, error.get("")) if isinstance(error, dict) else error
+    with pytest.raises(error, match="^" + re.escape(message)):
+        call_with_slots(op, edit(args), **given)
+
+
 LINEAR_BAD = [
     ("weight_wrong_features", dict(weight=lambda a: torch.randn(N, K + 1, device=a["x"].device)), ValueError,
      "weight: expected shape [N, K] with K = 6"),

@@ -13,6 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, fill_setting, rel_err
 from layer_helpers import PACKED, data_ptrs, module_shapes, peft_tensors, request_slots, toy_lm
+from lora_ops.adapters import AdapterError
 from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
 from lora_ops.reference import lora_delta_reference
 
@@ -114,6 +115,26 @@ def test_backward_hooks_on_the_base_layer_fire(backend, hook):
         handle.remove()
     assert seen == [layer.base]
     assert all(rel_err(g, w) <= TOLERANCE[torch.float32] for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
+def test_a_context_built_under_inference_mode_serves_outside_it(stack_a):
+    """apply_lora, loads and set_batch under torch.inference_mode made the batch buffers and stacks inference
+    tensors, and a later set_batch under no_grad raised torch's "Inplace update to inference tensor outside
+    InferenceMode" (a plain nn.Linear built there serves anywhere). They are built as normal tensors."""
+    with torch.inference_mode():
+        model, ctx = one_layer_model(None, torch.float32, "cpu")
+        if stack_a:
+            model["proj"]._stack()
+        ctx.set_batch(REQUESTS)
+        x = torch.randn(12, K)
+        inside = model["proj"](x)
+    with torch.no_grad():
+        ctx.set_batch(REQUESTS)
+        ctx.load_adapter_tensors("d", peft_tensors({"proj": (K, N)}, 2, seed=5))
+        assert torch.equal(model["proj"](x.clone()), inside)
+    slots = request_slots(ctx, REQUESTS)
+    assert rel_err(inside, layer_reference(model["proj"], x.clone(), slots)) <= TOLERANCE[torch.float32]
 
 
 def test_empty_slot_and_raw_token_slots(backend):
@@ -761,6 +782,18 @@ def test_a_module_registered_under_two_names_gets_its_delta_under_both(registere
     with torch.no_grad():
         want = _delta64(layer, torch.tanh(_delta64(layer, x)).float())
         assert rel_err(calls(x), want) <= 1e-5
+    # An adapter keyed by the other name loads into the same layer (it was refused, "layer type LoRALinear is
+    # not supported"); keys for both names write it twice: refused; a new trainable adapter writes it once.
+    other = "enc_proj" if registered == "tied_names" else "layers.0"
+    tensors = peft_tensors({other: (8, 8)}, 4, seed=2, prefix="")
+    ctx.load_adapter_tensors("a", tensors, replace=True)
+    assert torch.equal(layer.lora_a[0, 0, :4], tensors[f"{other}.lora_A.weight"])
+    both = {**tensors, **peft_tensors({target: (8, 8)}, 4, seed=3, prefix="")}
+    with pytest.raises(AdapterError, match="that another key of the adapter also writes"):
+        ctx.load_adapter_tensors("a", both, replace=True)
+    ctx.unload_adapter("a")
+    lora_ops.training.add_trainable_adapter(ctx, "t", r=2, lora_alpha=2)
+    assert layer.slot_ranks == [2]
 
 
 def test_a_linear_inside_a_selected_linear_subclass_runs_its_delta():
