@@ -148,6 +148,7 @@ def unload_adapter(ctx, name):
                            f"after the block (replacing it, load_adapter(..., replace=True), keeps its slot)")
     for layer in ctx.layers.values():
         layer.clear_slot(slot)
+    ctx._drop_from_batch(slot)      # (else an adapter loaded into the slot next would serve the batch's tokens)
     trainer = getattr(ctx, "trainer", None)
     if trainer is not None:
         trainer.forget_slot(slot)

@@ -251,8 +251,17 @@ class LoRAContext:
         return adapters.load_adapter_tensors(self, name, tensors, config, replace=replace)
 
     def unload_adapter(self, name):
-        """Free ``name``'s slot (its weights are zeroed and its rank set to 0, in place)."""
+        """Free ``name``'s slot (its weights are zeroed and its rank set to 0, in place). Tokens of the batch
+        set now that took it take no adapter (-1): an adapter loaded into the freed slot later does not serve
+        them unless a new batch names it."""
         adapters.unload_adapter(self, name)
+
+    def _drop_from_batch(self, slot):
+        """The batch set now, with ``slot``'s tokens moved to no adapter (device ops, no host sync)."""
+        M = self.num_tokens
+        if M:
+            slots = self.token_slots[:M].clone()
+            self._fill(slots.masked_fill_(slots == slot, -1))
 
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""

@@ -184,6 +184,25 @@ def test_unload_frees_the_slot_and_zeroes_it():
         ctx.unload_adapter("a")
 
 
+def test_an_adapter_loaded_into_a_freed_slot_does_not_serve_the_batch_set_before():
+    """set_batch with "a", unload "a", load "c" (into a's slot), forward without a new set_batch: c served a's
+    requests, silently. The unload moves the batch's tokens of that slot to no adapter; the others keep theirs."""
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
+    ctx.load_adapter_tensors("b", peft_tensors(shapes, 4, seed=2))
+    ctx.set_batch([("a", 3), ("b", 2), (None, 1)])
+    ctx.unload_adapter("a")
+    assert ctx.load_adapter_tensors("c", peft_tensors(shapes, 2, seed=3)) == 0
+    assert ctx.token_slots[:6].tolist() == [-1, -1, -1, 1, 1, -1] and ctx.num_tokens == 6
+    assert ctx.meta.slot_counts.tolist() == [0, 2, 0, 4]
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = model(ids)
+        ctx.set_batch([(None, 3), ("b", 2), (None, 1)])
+        assert torch.equal(got, model(ids))
+
+
 def test_smaller_adapter_leaves_no_stale_weights():
     model, ctx = lora_model()
     shapes = module_shapes(model)
