@@ -261,7 +261,10 @@ class LoRAContext:
         M = self.num_tokens
         if M:
             slots = self.token_slots[:M].clone()
-            self._fill(slots.masked_fill_(slots == slot, -1))
+            # (Autograd's copy of the batch again where set_batch took one; not a new batch for the listeners:
+            # a trainer counts the batches set for training.)
+            with torch.set_grad_enabled(self._copy is not None):
+                self._fill(slots.masked_fill_(slots == slot, -1), notify=False)
 
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""
@@ -441,7 +444,7 @@ class LoRAContext:
         # guards on a repeat count of 1 under torch.compile (one graph for rows == adapters, another for beams).
         return padded[torch.arange(rows * tokens, device=padded.device) // (rows // adapters * tokens)]
 
-    def _fill(self, token_slots):
+    def _fill(self, token_slots, notify=True):
         M = token_slots.shape[0]
         if self._staging is not None and token_slots.device.type == "cpu":
             self._staging.copy_to_device(token_slots, self.token_slots)
@@ -454,7 +457,7 @@ class LoRAContext:
         # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._copy = self._copy_batch() if torch.is_grad_enabled() and not capturing else None
-        for listener in self.fill_listeners:
+        for listener in self.fill_listeners if notify else ():
             listener(self.meta)
 
     def _set_batch_tokens(self, num_tokens):
