@@ -22,7 +22,8 @@ the stacks require grad) it is the out-of-place op, which has a backward.
 
 Training (lora_ops.training): ``ctx.train_slots(names)`` freezes the base, makes the stacks require grad
 and masks gradients and optimizer steps so that only the chosen slots change, several adapters trained
-in one mixed batch; in ``model.train()`` each slot's adapter sees its own ``lora_dropout``.
+in one mixed batch; in ``model.train()``, while a trainer is open, each slot's adapter sees its own
+``lora_dropout``.
 ``ctx.save_adapter(name, directory)`` writes a slot back as a PEFT adapter directory.
 """
 import contextlib
@@ -757,6 +758,12 @@ class LoRALinear(nn.Module):
     def bias(self):
         """The base layer's bias, or None."""
         return self.base.bias
+
+    def __setattr__(self, name, value):
+        if name in ("weight", "bias"):     # (nn.Module's own error named neither the layer nor the way)
+            raise AttributeError(f"LoRALinear.{name} is the base layer's, read-only here: set "
+                                 f"layer.base.{name} instead")
+        super().__setattr__(name, value)
 
     @property
     def max_rank(self):

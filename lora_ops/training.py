@@ -40,7 +40,8 @@ layer) holds each slice's ratio to the largest folded into its ``lora_B`` (lora_
 is PEFT's, but the optimizer trains the rescaled factor (each slice's effective learning rate differs from
 PEFT's by the ratio), and :func:`train_slots` warns of it.
 
-**Dropout.** In training mode (``model.train()``) each token's LoRA input is ``dropout(x, p)`` with the
+**Dropout.** In training mode (``model.train()``), while a trainer is open (the table is its: a model in
+training mode with no trainer applies none), each token's LoRA input is ``dropout(x, p)`` with the
 ``lora_dropout`` of its slot's adapter config (PEFT's semantics: only the adapter sees the dropped x;
 the base layer sees x). The per-token probabilities come from a ``[L + 1]`` table gathered by the
 context's per-token slots, so it stays one elementwise op with no host sync, and compiles once.

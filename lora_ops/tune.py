@@ -46,7 +46,8 @@ def progress(done, total, label, width=30):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m lora_ops.tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["llama3-8b"], choices=sorted(MODELS))
     ap.add_argument("--layers", nargs="*", default=None, help="subset of layer names (default: all)")
     ap.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
@@ -57,7 +58,8 @@ def parse_args(argv=None):
                     "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up)")
     ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop early and write")
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU + Triton interpreter on tiny shapes: checks the tuner's code path, times nothing real")
+                    help="CPU + Triton interpreter on tiny shapes and, unless --tokens, token buckets up to 64: "
+                         "checks the tuner's code path, times nothing real")
     ap.add_argument("--merge", action="store_true",
                     help="keep the entries of an existing table at --out that this run does not retune (where --out "
                          "is this GPU's default path and holds none yet: the table it takes from its "
@@ -440,7 +442,7 @@ def main(argv=None):
         device = torch.device("cuda", torch.cuda.current_device())
         gpu = torch.cuda.get_device_name(device)
     dtype = getattr(torch, args.dtype)
-    buckets = args.tokens or list(heuristics.TOKEN_BUCKETS)
+    buckets = args.tokens or [b for b in heuristics.TOKEN_BUCKETS if b <= 64 or not args.dry_run]
     out = args.out or _default_out(gpu)
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes

@@ -137,6 +137,16 @@ def test_a_context_built_under_inference_mode_serves_outside_it(stack_a):
     assert rel_err(inside, layer_reference(model["proj"], x.clone(), slots)) <= TOLERANCE[torch.float32]
 
 
+def test_weight_and_bias_are_read_only_on_the_wrapper():
+    model, _ = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    for name, value in (("weight", nn.Parameter(torch.randn(N, K))), ("bias", torch.randn(N))):
+        with pytest.raises(AttributeError, match=rf"LoRALinear.{name} is the base layer's, read-only here: set "
+                                                 rf"layer.base.{name} instead"):
+            setattr(layer, name, value)
+    assert layer.weight is layer.base.weight
+
+
 def test_empty_slot_and_raw_token_slots(backend):
     """Per-token slots in any order; a slot with no adapter loaded (rank 0) leaves its rows alone."""
     model, ctx = one_layer_model(None, torch.float32, backend.device)

@@ -233,6 +233,7 @@ def test_a_compiled_stacked_layer_follows_replaced_parameters(how):
     replacement compiles again, to lora_linear; both equal the unstacked model given the same parameters."""
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     requests = [("a", 5), (None, 2), ("b", 3)]
+    torch._dynamo.reset()       # (each model's layers compile their own entries: the recompile limit is shared)
     compiled = torch.compile(stacked, fullgraph=True, backend="eager")
     ctx1.set_batch(requests)
     ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))
@@ -256,6 +257,7 @@ def test_a_compiled_stacked_layer_follows_replaced_parameters(how):
             getattr(target, name).copy_(fresh)
     with torch.no_grad():
         got = compiled(ids)
+    torch._dynamo.reset()
     torch.testing.assert_close(got, run_batch(plain, ctx0, requests), **MODEL_TOL)
 
 
