@@ -389,6 +389,9 @@ def _resolve_target(ctx, path, source):
     if isinstance(module, torch.nn.Linear):
         raise AdapterError(f"{source}: the adapter targets {path!r}, an nn.Linear that apply_lora did not wrap; "
                            f"add it to target_modules")
+    if getattr(module, "context", None) is not None and hasattr(module, "lora_a"):    # (a LoRALinear)
+        raise AdapterError(f"{source}: the adapter targets {path!r}, which another LoRAContext wraps (apply_lora "
+                           f"called on the model more than once): load the adapter there")
     raise UnsupportedAdapterError(f"layer type {type(module).__name__} is not supported ({source}: the adapter "
                                   f"targets {path!r}; only nn.Linear layers take LoRA here)")
 

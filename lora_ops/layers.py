@@ -212,6 +212,8 @@ class LoRAContext:
         state["_model"] = self._model() if self._model is not None else None
         # An open trainer stays with the original: its gradient hooks are on the original's stacks, so the
         # copy's would be a trainer without them (unmasked gradients) that refuses a new train_slots.
+        # A copy taken inside a per_row block is not in it: only the original's block ends (its finally).
+        state.update(_rows=None, _row_batches={}, _row_current=None, _row_shape=None, row_slots=frozenset())
         trainer = state.get("trainer")
         if trainer is not None:
             state["trainer"], state["dropout_p"] = None, None
@@ -261,10 +263,11 @@ class LoRAContext:
         """The batch set now, with ``slot``'s tokens moved to no adapter (device ops, no host sync)."""
         M = self.num_tokens
         if M:
-            slots = self.token_slots[:M].clone()
-            # (Autograd's copy of the batch again where set_batch took one; not a new batch for the listeners:
-            # a trainer counts the batches set for training.)
-            with torch.set_grad_enabled(self._copy is not None):
+            # (Autograd's copy of the batch again where set_batch took one, in normal tensors under inference_mode
+            # too: later autograd forwards read it. Not a new batch for the listeners: a trainer counts the
+            # batches set for training.)
+            with torch.inference_mode(False), torch.set_grad_enabled(self._copy is not None):
+                slots = self.token_slots[:M].clone()
                 self._fill(slots.masked_fill_(slots == slot, -1), notify=False)
 
     def model(self):
@@ -288,6 +291,9 @@ class LoRAContext:
         """The token count of the batch set last (set_batch / set_token_slots)."""
         return self.batch.num_tokens
 
+    # (Host work on the context, never traced: a compiled function that calls it breaks its graph there; Dynamo
+    # refused the compile markers set inside.)
+    @torch.compiler.disable
     def set_batch(self, requests):
         """Per step: ``requests`` = ``[(adapter name or None, num_tokens), ...]`` in the order their tokens
         appear in the flattened input (request-major: request 0's tokens, then request 1's, ...).
@@ -320,6 +326,7 @@ class LoRAContext:
         self._fill(host)
         return total
 
+    @torch.compiler.disable
     def set_token_slots(self, token_slots):
         """Per step, per token: ``token_slots [M]`` int32/int64 slots in [-1, max_loras) (-1: no adapter),
         on the CPU or on this context's device. An empty slot behaves like -1 (rank 0)."""
@@ -1053,7 +1060,11 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     packed = _normalise_packed(packed_modules)
     selected = _select_targets(model, target_modules, packed)
     if not selected:
-        raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}")
+        wrapped = [path for path, module in model.named_modules() if isinstance(module, LoRALinear)
+                   and (target_modules == ALL_LINEAR or _matches(target_modules, path))]
+        already = (f" (it selects {wrapped[0]!r}{' and others' if len(wrapped) > 1 else ''}, already a LoRALinear: "
+                   f"apply_lora wraps a layer once; its context serves it)") if wrapped else ""
+        raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}{already}")
     # A model split across devices (device_map): the context's batch lives on the first GPU a layer is on
     # (else the first layer's device) and is copied to the others at each fill (LoRAContext.serve_device).
     devices = [module.weight.device for _, module, _ in selected]
@@ -1149,6 +1160,13 @@ def _select_targets(model, target_modules, packed):
             raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
                             f"which reads its weight and bias itself and never calls it: a LoRALinear there "
                             f"would not run")
+        if module.weight.device.type == "meta":
+            raise ValueError(f"apply_lora: {path!r} has its weight on the meta device (a model built without "
+                             f"memory): the adapter stacks and the batch would stay there. Materialise the model "
+                             f"first (to_empty, then load its weights), then apply_lora")
+        if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"apply_lora: {path!r} has dtype {module.weight.dtype}; the LoRA ops take float16, "
+                            f"bfloat16 or float32 layers")
         if _offloaded(model, path):
             raise ValueError(f"apply_lora: {path!r} is offloaded by accelerate (a device_map entry 'cpu' or 'disk'): "
                              f"its weight stays on the meta device until its forward, where a LoRALinear's adapter "

@@ -116,8 +116,8 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
 class SlotTrainer:
     """Trains the slots of ``names`` in every LoRALinear of ``ctx``; see the module docstring.
 
-    On creation: every parameter of the context's model is frozen (``requires_grad=False``, as PEFT
-    does) unless ``freeze_base=False``; the stacks require grad and carry the gradient-mask hooks; the
+    On creation: every parameter of the context's model but the LoRA stacks is frozen (``requires_grad=False``,
+    as PEFT does) unless ``freeze_base=False``; this context's stacks require grad and carry the gradient-mask hooks; the
     context's per-slot dropout table is filled from the adapters' configs. :meth:`close` (or leaving a
     ``with`` block) undoes the hooks, the stacks' ``requires_grad`` and the dropout table (the base stays
     frozen: unfreeze it yourself if you need to).
@@ -154,9 +154,8 @@ class SlotTrainer:
         self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._has_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self.process_group = process_group     # resolved at each step: the group may be set up later
-        model = ctx.model()
-        if freeze_base and model is not None:
-            model.requires_grad_(False)
+        if freeze_base:
+            _freeze_base(ctx)
         self._layers = list(ctx.layers.values())
         # Slots with tokens in a batch set since the last step, noted at set_batch (a backward may run after
         # later batches were set: LoRAContext's docstring). Not the batch set now, whose grad mode is not
@@ -264,6 +263,20 @@ class SlotTrainer:
             self._has_grad |= _on(grad.flatten(1).ne(0).any(1), self._has_grad.device)
             return grad
         return hook
+
+
+def _freeze_base(ctx):
+    """train_slots' freeze_base: every parameter of the context's model but the LoRA stacks, this context's (the
+    trainer makes them trainable) and another's (a model with two contexts: its open trainer's stacks stayed
+    frozen under the second one, silently); without the model (collected), the bases of the context's layers."""
+    from lora_ops.layers import LoRALinear     # layers imports this module
+    model = ctx.model()
+    modules = list(model.modules()) if model is not None else list(ctx.layers.values())
+    stacks = {id(p) for m in modules if isinstance(m, LoRALinear) for p in (m.lora_a, m.lora_b)}
+    params = model.parameters() if model is not None else (p for m in modules for p in m.base.parameters())
+    for p in params:
+        if id(p) not in stacks:
+            p.requires_grad_(False)
 
 
 def _warn_folded_scales(ctx, names, slots):

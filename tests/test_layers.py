@@ -5,6 +5,8 @@ rounded inputs), on both CPU backends (torch kernels; Triton kernels under the i
 dtype, with packed slices, per-slot ranks (one at the capacity) and signed scales, a mixed batch with
 requests of no adapter, and an empty slot. Rows without an adapter must equal the base layer bit for bit.
 """
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -135,6 +137,76 @@ def test_a_context_built_under_inference_mode_serves_outside_it(stack_a):
         assert torch.equal(model["proj"](x.clone()), inside)
     slots = request_slots(ctx, REQUESTS)
     assert rel_err(inside, layer_reference(model["proj"], x.clone(), slots)) <= TOLERANCE[torch.float32]
+
+
+def test_a_copy_taken_inside_per_row_is_not_in_the_block():
+    """copy.deepcopy / torch.save of a model inside a per_row block gave a copy whose context stayed in per_row
+    forever (only the original's block ends): set_batch on it was ignored, silently."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    x = torch.randn(2, 3, K)
+    with ctx.per_row(["a", None]):
+        copied = copy.deepcopy(model)
+    copy_ctx = copied["proj"].context
+    assert copy_ctx._rows is None and copy_ctx.row_slots == frozenset()
+    copy_ctx.set_batch([(None, 6)])
+    with torch.no_grad():
+        assert torch.equal(copied["proj"](x), copied["proj"].base(x))
+    with copy_ctx.per_row(["b", "a"]):
+        pass
+
+
+def test_unload_under_inference_mode_then_a_training_forward():
+    """unload_adapter under torch.inference_mode after a batch set with grad mode on rebuilt the batch's
+    autograd copy as inference tensors: every later autograd forward raised "Inference tensors do not track
+    version counter" until the next set_batch."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    ctx.set_batch([("a", 3), ("b", 2)])
+    with torch.inference_mode():
+        ctx.unload_adapter("b")
+    x = torch.randn(5, K, requires_grad=True)
+    model["proj"](x).sum().backward()
+    assert x.grad is not None and ctx.token_slots[:5].tolist() == [0, 0, 0, -1, -1]
+
+
+def test_a_step_function_that_sets_the_batch_compiles():
+    """torch.compile of a function that calls set_batch (or set_token_slots) raised Dynamo's "forbidden
+    callable maybe_mark_dynamic" even without fullgraph; the calls are left out of the graph now."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def step(x, slots):
+        ctx.set_batch([("a", 2), (None, 1)])
+        first = model["proj"](x)
+        ctx.set_token_slots(slots)
+        return first, model["proj"](x)
+
+    x, slots = torch.randn(3, K), torch.tensor([2, 0, -1])
+    with torch.no_grad():
+        first, second = step(x, slots)
+        assert rel_err(first, layer_reference(model["proj"], x, torch.tensor([0, 0, -1]))) <= 1e-6
+        assert rel_err(second, layer_reference(model["proj"], x, slots)) <= 1e-6
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("what, match", [
+    ("meta", r"apply_lora: '0' has its weight on the meta device .* Materialise the model first"),
+    ("float64", r"apply_lora: '0' has dtype torch.float64; the LoRA ops take float16, bfloat16 or float32"),
+    ("twice", r"selects no nn.Linear in Sequential \(it selects '0', already a LoRALinear: apply_lora wraps a "
+              r"layer once"),
+    ("other_context", r"the adapter targets '0', which another LoRAContext wraps"),
+])
+def test_apply_lora_refuses_what_it_cannot_serve(what, match):
+    model = nn.Sequential(nn.Linear(8, 8, device="meta" if what == "meta" else None,
+                                    dtype=torch.float64 if what == "float64" else None), nn.Linear(8, 8))
+    with pytest.raises((ValueError, TypeError), match=match):
+        if what in ("twice", "other_context"):
+            apply_lora(model, ["0"], max_loras=1, max_rank=2, max_tokens=4)
+            other = apply_lora(model, ["1"] if what == "other_context" else ["0"], max_loras=1, max_rank=2,
+                               max_tokens=4)
+            other.load_adapter_tensors("a", peft_tensors({"0": (8, 8)}, 2, seed=1, prefix=""))
+        else:
+            apply_lora(model, ["0"], max_loras=1, max_rank=2, max_tokens=4)
 
 
 def test_weight_and_bias_are_read_only_on_the_wrapper():

@@ -419,6 +419,32 @@ def test_a_copy_of_a_model_in_training_has_no_trainer():
     trainer.close()
 
 
+def test_a_second_contexts_trainer_leaves_the_first_ones_stacks_trainable():
+    """Two contexts in one model (an encoder's, and the whole model's for the decoder), each training its own
+    adapter: the second train_slots froze the whole model, the first trainer's stacks included, and its adapter
+    got no gradient, silently. freeze_base freezes every parameter but the LoRA stacks (and, with the model
+    collected, the context's bases)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"enc": torch.nn.Sequential(torch.nn.Linear(8, 8)), "dec": torch.nn.Linear(8, 8)})
+    enc = apply_lora(model["enc"], "all-linear", max_loras=2, max_rank=2, max_tokens=16)
+    dec = apply_lora(model, ["dec"], max_loras=2, max_rank=2, max_tokens=16)
+    for ctx, name in ((enc, "e"), (dec, "d")):
+        training.add_trainable_adapter(ctx, name, r=2, lora_alpha=2)
+        for layer in ctx.layers.values():
+            with torch.no_grad():
+                layer.lora_b.normal_()
+    first, second = enc.train_slots(["e"]), dec.train_slots(["d"])
+    assert all(p.requires_grad for p in first.parameters() + second.parameters())
+    assert not any(p.requires_grad for p in (model["enc"][0].base.weight, model["dec"].base.bias))
+    enc.set_batch([("e", 4)])
+    dec.set_batch([("d", 4)])
+    x = torch.randn(4, 8)
+    model["dec"](torch.tanh(model["enc"](x))).square().sum().backward()
+    assert model["enc"][0].lora_b.grad[0].abs().sum() > 0 and model["dec"].lora_b.grad[0].abs().sum() > 0
+    first.close()
+    second.close()
+
+
 def test_one_open_trainer_a_context():
     """A second train_slots while one was open raised nothing and zeroed every gradient (the two trainers'
     masks multiplied on the stacks); it now names the open one, and after close() a new one trains."""
