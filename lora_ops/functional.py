@@ -47,6 +47,8 @@ def _check_rank_values(rank, lora):
 
 
 def _widths(y, slice_widths):
+    if slice_widths is None and isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] == 0:
+        raise ValueError("y: expected N >= 1 columns, got shape " + str(tuple(y.shape)))
     return [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
 
 
