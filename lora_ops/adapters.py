@@ -295,7 +295,8 @@ def _group_by_module(tensors, source):
             if key.endswith(".weight") and "lora_" not in key:
                 raise UnsupportedAdapterError(
                     f"base-model weights saved with the adapter are not supported ({source}: tensor {key!r}; PEFT "
-                    f"saves the embeddings with save_embedding_layers, or when the vocabulary was resized)")
+                    f"saves them for modules_to_save, and the embeddings with save_embedding_layers or when the "
+                    f"vocabulary was resized)")
             raise AdapterError(f"{source}: unexpected tensor {key!r} (expected '<module>.lora_A.weight' "
                                f"and '<module>.lora_B.weight' only)")
         _check_factor(key, t, source)

@@ -65,6 +65,17 @@ def _device(device):
     return device
 
 
+def _never_traced(cls, names):
+    """Wrap methods of ``cls`` in torch.compiler.disable, once, at its first instance (decorating them at class
+    definition imported torch._dynamo with lora_ops, ~0.7 s, for the functional API too): host work on the
+    context, which a compiled function calling it runs outside its graph (Dynamo refused the compile markers
+    set inside)."""
+    if not cls.__dict__.get("_untraced", False):
+        for name in names:
+            setattr(cls, name, torch.compiler.disable(cls.__dict__[name]))
+        cls._untraced = True
+
+
 def _copy_buffers(meta, token_slots, src_meta, src_token_slots):
     """The batch's buffers ``src_*`` into another device's (no host sync but into CPU memory, which must wait)."""
     non_blocking = token_slots.device.type != "cpu"
@@ -165,6 +176,7 @@ class LoRAContext:
     # place, which torch refuses for an inference tensor outside that mode; the same for the layers' stacks.)
     @torch.inference_mode(False)
     def __init__(self, max_loras, max_tokens, device=None):
+        _never_traced(LoRAContext, ("set_batch", "set_token_slots"))
         self.device = _device(device)
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
@@ -291,9 +303,6 @@ class LoRAContext:
         """The token count of the batch set last (set_batch / set_token_slots)."""
         return self.batch.num_tokens
 
-    # (Host work on the context, never traced: a compiled function that calls it breaks its graph there; Dynamo
-    # refused the compile markers set inside.)
-    @torch.compiler.disable
     def set_batch(self, requests):
         """Per step: ``requests`` = ``[(adapter name or None, num_tokens), ...]`` in the order their tokens
         appear in the flattened input (request-major: request 0's tokens, then request 1's, ...).
@@ -326,7 +335,6 @@ class LoRAContext:
         self._fill(host)
         return total
 
-    @torch.compiler.disable
     def set_token_slots(self, token_slots):
         """Per step, per token: ``token_slots [M]`` int32/int64 slots in [-1, max_loras) (-1: no adapter),
         on the CPU or on this context's device. An empty slot behaves like -1 (rank 0)."""
@@ -945,6 +953,8 @@ class LoRALinear(nn.Module):
         super().__setstate__(state)
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
+        if LoRALinear._restack_after_load not in self._load_state_dict_post_hooks.values():   # (pickled before)
+            self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
         if getattr(self, "_stacked", None) is not None:
             if getattr(self, "_stack_params", None) is None:    # (pickled before session 36)
                 self._stack_params = (self.base.weight, self.base.bias, self.lora_a)
@@ -1068,7 +1078,14 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     # A model split across devices (device_map): the context's batch lives on the first GPU a layer is on
     # (else the first layer's device) and is copied to the others at each fill (LoRAContext.serve_device).
     devices = [module.weight.device for _, module, _ in selected]
-    ctx = LoRAContext(max_loras, max_tokens, device=next((d for d in devices if d.type == "cuda"), devices[0]))
+    device = next((d for d in devices if d.type == "cuda"), devices[0])
+    if device.type == "meta":
+        # (Layers on meta beside real ones are a split model's, as in the tests; all of them: a model built
+        # without memory, whose context would stay on meta when to_empty moves the model.)
+        raise ValueError(f"apply_lora: the selected layers have their weights on the meta device ({selected[0][0]!r} "
+                         f"first): the batch and the adapter stacks would stay there. Materialise the model first "
+                         f"(to_empty, then load its weights), then apply_lora")
+    ctx = LoRAContext(max_loras, max_tokens, device=device)
     ctx._model = weakref.ref(model)
     places = _places(model)
     names = {}      # every name of each module (a module registered twice: its adapter keys may use either)
@@ -1160,18 +1177,14 @@ def _select_targets(model, target_modules, packed):
             raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
                             f"which reads its weight and bias itself and never calls it: a LoRALinear there "
                             f"would not run")
-        if module.weight.device.type == "meta":
-            raise ValueError(f"apply_lora: {path!r} has its weight on the meta device (a model built without "
-                             f"memory): the adapter stacks and the batch would stay there. Materialise the model "
-                             f"first (to_empty, then load its weights), then apply_lora")
-        if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"apply_lora: {path!r} has dtype {module.weight.dtype}; the LoRA ops take float16, "
-                            f"bfloat16 or float32 layers")
         if _offloaded(model, path):
             raise ValueError(f"apply_lora: {path!r} is offloaded by accelerate (a device_map entry 'cpu' or 'disk'): "
                              f"its weight stays on the meta device until its forward, where a LoRALinear's adapter "
                              f"stacks cannot follow it. Load the model onto devices without offloading (layers "
                              f"on the CPU are supported)")
+        if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"apply_lora: {path!r} has dtype {module.weight.dtype}; the LoRA ops take float16, "
+                            f"bfloat16 or float32 layers")
         if slices and sum(w for _, w in slices) != module.out_features:
             raise ValueError(f"packed_modules: the slice widths of {path!r} sum to {sum(w for _, w in slices)}, "
                              f"but the layer has out_features={module.out_features}")

@@ -99,9 +99,9 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
             continue        # a packed layer's own name: its slices are the modules
         if (id(layer), index) in done:
             continue        # another name of a module registered twice (apply_lora targets each)
-        done.add((id(layer), index))
         if target_modules is not None and not _matches(target_modules, path):
             continue
+        done.add((id(layer), index))
         out_features = layer.out_features if index is None else layer.slice_widths[index]
         bound = 1.0 / math.sqrt(layer.in_features)
         a = torch.empty(int(r), layer.in_features).uniform_(-bound, bound, generator=generator)
@@ -219,8 +219,9 @@ class SlotTrainer:
         unloaded while this trainer is open). In place where the table stays: compiled code and captured
         graphs read the same tensor."""
         table, current = _dropout_table(self.ctx), self.ctx.dropout_p
-        if table is not None and current is not None and current.shape == table.shape:
-            current.copy_(table)
+        if current is not None and (table is None or current.shape == table.shape):
+            # (zeros where no adapter keeps a dropout: a captured graph reads this tensor)
+            current.copy_(table) if table is not None else current.zero_()
         else:
             self.ctx.dropout_p = table
 
@@ -260,7 +261,7 @@ class SlotTrainer:
             mask = self._trainable(layer)
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
             grad = grad * mask.to(grad.dtype)
-            self._has_grad |= _on(grad.flatten(1).ne(0).any(1), self._has_grad.device)
+            self._has_grad |= _on(grad.flatten(1).any(1), self._has_grad.device)   # (any: non-zero, no temporary)
             return grad
         return hook
 

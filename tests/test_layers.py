@@ -190,7 +190,8 @@ def test_a_step_function_that_sets_the_batch_compiles():
 
 
 @pytest.mark.parametrize("what, match", [
-    ("meta", r"apply_lora: '0' has its weight on the meta device .* Materialise the model first"),
+    ("meta", r"apply_lora: the selected layers have their weights on the meta device \('0' first\): .* "
+             r"Materialise the model first"),
     ("float64", r"apply_lora: '0' has dtype torch.float64; the LoRA ops take float16, bfloat16 or float32"),
     ("twice", r"selects no nn.Linear in Sequential \(it selects '0', already a LoRALinear: apply_lora wraps a "
               r"layer once"),
@@ -876,6 +877,9 @@ def test_a_module_registered_under_two_names_gets_its_delta_under_both(registere
     ctx.unload_adapter("a")
     lora_ops.training.add_trainable_adapter(ctx, "t", r=2, lora_alpha=2)
     assert layer.slot_ranks == [2]
+    ctx.unload_adapter("t")
+    lora_ops.training.add_trainable_adapter(ctx, "t", r=3, lora_alpha=3, target_modules=[other])   # (its other name)
+    assert layer.slot_ranks == [3]
 
 
 def test_a_linear_inside_a_selected_linear_subclass_runs_its_delta():
