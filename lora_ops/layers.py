@@ -233,6 +233,7 @@ class LoRAContext:
         return state
 
     def __setstate__(self, state):
+        _never_traced(LoRAContext, ("set_batch", "set_token_slots"))    # (a context unpickled in a new process)
         model = state.pop("_model")
         self.__dict__.update(state)
         self._model = weakref.ref(model) if model is not None else None
@@ -1078,7 +1079,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     # A model split across devices (device_map): the context's batch lives on the first GPU a layer is on
     # (else the first layer's device) and is copied to the others at each fill (LoRAContext.serve_device).
     devices = [module.weight.device for _, module, _ in selected]
-    device = next((d for d in devices if d.type == "cuda"), devices[0])
+    device = next((d for d in devices if d.type == "cuda"), next((d for d in devices if d.type != "meta"), devices[0]))
     if device.type == "meta":
         # (Layers on meta beside real ones are a split model's, as in the tests; all of them: a model built
         # without memory, whose context would stay on meta when to_empty moves the model.)
