@@ -127,7 +127,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     plan = _plan_writes(ctx, modules, config, source)
     _write(ctx, slot, name, plan)
     _configs(ctx)[slot] = config      # for save_peft_adapter (use_rslora) and training (lora_dropout)
-    # Packed layers whose slices' scale ratios were folded into lora_B: training refuses them.
+    # Packed layers whose slices' scale ratios were folded into lora_B: training warns of them.
     paths = {layer: path for path, layer in ctx.layers.items()}
     _folded_layers(ctx)[slot] = {paths[layer] for layer, (_, _, _, folded) in plan.items() if folded}
     _configs_changed(ctx)
@@ -390,7 +390,8 @@ def _resolve_target(ctx, path, source):
     if isinstance(module, torch.nn.Linear):
         raise AdapterError(f"{source}: the adapter targets {path!r}, an nn.Linear that apply_lora did not wrap; "
                            f"add it to target_modules")
-    if getattr(module, "context", None) is not None and hasattr(module, "lora_a"):    # (a LoRALinear)
+    from lora_ops.layers import LoRALinear     # layers imports this module
+    if isinstance(module, LoRALinear):
         raise AdapterError(f"{source}: the adapter targets {path!r}, which another LoRAContext wraps (apply_lora "
                            f"called on the model more than once): load the adapter there")
     raise UnsupportedAdapterError(f"layer type {type(module).__name__} is not supported ({source}: the adapter "

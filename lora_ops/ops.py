@@ -67,7 +67,6 @@ _eager_autograd = [True]
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-_any_requires_grad_py = checks._any_requires_grad_py
 any_requires_grad = checks.any_requires_grad      # (the contract's checks use it too)
 # Ops whose schema marks the first argument written in place (Tensor(a!)), read from the schemas.
 MUTATES_FIRST = set()

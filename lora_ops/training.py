@@ -117,8 +117,8 @@ class SlotTrainer:
     """Trains the slots of ``names`` in every LoRALinear of ``ctx``; see the module docstring.
 
     On creation: every parameter of the context's model but the LoRA stacks is frozen (``requires_grad=False``,
-    as PEFT does) unless ``freeze_base=False``; this context's stacks require grad and carry the gradient-mask hooks; the
-    context's per-slot dropout table is filled from the adapters' configs. :meth:`close` (or leaving a
+    as PEFT does) unless ``freeze_base=False``; this context's stacks require grad and carry the gradient-mask
+    hooks; the context's per-slot dropout table is filled from the adapters' configs. :meth:`close` (or leaving a
     ``with`` block) undoes the hooks, the stacks' ``requires_grad`` and the dropout table (the base stays
     frozen: unfreeze it yourself if you need to).
 
@@ -219,11 +219,12 @@ class SlotTrainer:
         unloaded while this trainer is open). In place where the table stays: compiled code and captured
         graphs read the same tensor."""
         table, current = _dropout_table(self.ctx), self.ctx.dropout_p
-        if current is not None and (table is None or current.shape == table.shape):
-            # (zeros where no adapter keeps a dropout: a captured graph reads this tensor)
-            current.copy_(table) if table is not None else current.zero_()
-        else:
+        if current is None or (table is not None and current.shape != table.shape):
             self.ctx.dropout_p = table
+        elif table is None:
+            current.zero_()     # (no adapter keeps a dropout: zeros, as a captured graph reads this tensor)
+        else:
+            current.copy_(table)
 
     def forget_slot(self, slot):
         """Stop training ``slot`` (its adapter was unloaded): an adapter loaded there later is not this

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import lora_ops
+from csrc_meta import checks
 from conftest import TOLERANCE, make_case, rel_err
 from lora_ops import ops
 from lora_ops.layers import LoRALinear
@@ -361,4 +362,4 @@ def test_the_python_requires_grad_check_agrees_with_torchs():
     it elsewhere answers the same for what the ops take (tensors, None, ints, int lists)."""
     plain, wants = torch.zeros(2), torch.zeros(2, requires_grad=True)
     for args in [(plain, None, 3, [1, 2]), (plain, wants), (None, [4], wants), (plain,), ()]:
-        assert ops._any_requires_grad_py(*args) == ops.any_requires_grad(*args), args
+        assert checks._any_requires_grad_py(*args) == ops.any_requires_grad(*args), args
