@@ -430,8 +430,11 @@ def _check_shapes(layer, index, path, a, b, expected_rank, source):
     if rank < 1:
         raise AdapterError(f"{what}: lora_A has rank 0 (shape {tuple(a.shape)})")
     if expected_rank is not None and rank != int(expected_rank):
+        # (A config file without r takes PEFT's default, which the message names: nothing in the file says 8.)
+        default = (", or PEFT's default where the config file has no r" if int(expected_rank)
+                   == PEFT_CONFIG_DEFAULTS["r"] else "")
         raise AdapterError(f"{what}: lora_A has rank {rank}, but the adapter config gives r={expected_rank} "
-                           f"(r / rank_pattern) for it")
+                           f"(r / rank_pattern{default}) for it")
     if rank > layer.max_rank:
         raise AdapterError(f"{what}: rank {rank} exceeds the layer's capacity max_rank={layer.max_rank}")
     if in_features != layer.in_features:

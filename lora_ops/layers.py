@@ -311,6 +311,7 @@ class LoRAContext:
         Builds the per-token slots on the host and copies them through a pinned buffer, so no host
         synchronisation happens even on a GPU. Returns the token count.
         """
+        self._refuse_in_rows("set_batch")
         # One dict lookup a request (a server's decode step has one request a token): a request that is not
         # a loaded name or None with an int count takes the checks below, which name what is wrong.
         slot_of = {name: slot for slot, name in enumerate(self.slot_names) if name is not None}
@@ -339,9 +340,16 @@ class LoRAContext:
     def set_token_slots(self, token_slots):
         """Per step, per token: ``token_slots [M]`` int32/int64 slots in [-1, max_loras) (-1: no adapter),
         on the CPU or on this context's device. An empty slot behaves like -1 (rank 0)."""
+        self._refuse_in_rows("set_token_slots")
         check_token_slots(token_slots, self.max_loras, self.max_tokens)
         self._fill(token_slots)
         return token_slots.shape[0]
+
+    def _refuse_in_rows(self, what):
+        # Inside per_row every layer takes its batch from its input's rows: a batch set there would be ignored.
+        if self._rows is not None:
+            raise RuntimeError(f"{what}: per_row is active on this context, and inside its block each layer takes "
+                               f"its batch from its input's rows; call {what} after the block")
 
     @contextlib.contextmanager
     def per_row(self, adapters):

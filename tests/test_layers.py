@@ -502,6 +502,9 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
                                      r"3 adapters"),
     ("a_string", r"per_row: adapters must be a list of adapter names \(or None\), one per row; got the string 'ab'"),
     ("unload_in_block", r"unload_adapter: adapter 'b' serves rows of the active per_row block"),
+    ("set_batch_in_block", r"set_batch: per_row is active on this context, and inside its block each layer takes "
+                           r"its batch from its input's rows; call set_batch after the block"),
+    ("set_token_slots_in_block", r"set_token_slots: per_row is active on this context"),
 ])
 def test_per_row_errors(what, match):
     layers, ctx = one_layer_model(None, torch.float32, "cpu")
@@ -519,6 +522,10 @@ def test_per_row_errors(what, match):
                     pass
             if what == "unload_in_block":
                 ctx.unload_adapter("b")
+            if what == "set_batch_in_block":    # (it was accepted and ignored: the rows set every layer's batch)
+                ctx.set_batch([("a", 6)])
+            if what == "set_token_slots_in_block":
+                ctx.set_token_slots(torch.zeros(6, dtype=torch.int32))
             run(x)
     assert ctx._rows is None and ctx.row_slots == frozenset()
     if what == "unload_in_block":
