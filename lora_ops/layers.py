@@ -367,7 +367,8 @@ class LoRAContext:
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
         torch.compile a layer builds its input's batch in the graph (:meth:`traced_row_batch`; flattened tokens
-        as above), one graph for every number of rows. A backward after the block ends: a non-reentrant checkpoint with
+        as above), one graph for every number of rows. ``set_batch`` and ``set_token_slots`` raise inside the
+        block. A backward after the block ends: a non-reentrant checkpoint with
         ``context_fn=ctx.checkpoint_context`` recomputes on the block's batches; without it the recompute
         reads the context's own batch and raises, and a reentrant one's cannot be checked (run its backward
         in the block)."""
