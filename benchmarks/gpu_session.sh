@@ -25,6 +25,8 @@
 #                                              # there), race_sweep.py on the high-rank grid (every path run 4
 #                                              # times: values and bits), and one small real tune with the
 #                                              # check on, its stderr kept (~5 min)
+#     bash benchmarks/gpu_session.sh bench     # quick's and host's benchmarks without their tests: core grid with
+#                                              # the peers, host time, decode step without and with stack_a (~6 min)
 #     bash benchmarks/gpu_session.sh host      # session 24's host-path changes (bound eager calls, metadata
 #                                              # strides, autocast): their GPU tests, host_overhead at 64 and
 #                                              # 1 token, the decode step with stack_a (~7 min; host_python
@@ -114,6 +116,13 @@ elif [ "$MODE" = quick ]; then
     step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
+elif [ "$MODE" = bench ]; then
+    # The benchmarks of quick and host without their tests (after a `files` call has run those): the core grid
+    # with the peers, host time, the decode step without and with stack_a.
+    step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
+    step host 75 python benchmarks/host_overhead.py --out "$R"
+    step decode 80 python benchmarks/bench_decode.py --out "$R"
+    step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R/stacked"
 elif [ "$MODE" = host ]; then
     step tests 240 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_eager.py tests/test_strided_meta.py tests/test_autocast.py tests/test_plan.py tests/test_layers.py \
