@@ -26,7 +26,7 @@
 #                                              # times: values and bits), and one small real tune with the
 #                                              # check on, its stderr kept (~5 min)
 #     bash benchmarks/gpu_session.sh bench     # quick's and host's benchmarks without their tests: core grid with
-#                                              # the peers, host time, decode step without and with stack_a (~6 min)
+#                                              # the peers, host time, decode step without and with stack_a (~7 min)
 #     bash benchmarks/gpu_session.sh host      # session 24's host-path changes (bound eager calls, metadata
 #                                              # strides, autocast): their GPU tests, host_overhead at 64 and
 #                                              # 1 token, the decode step with stack_a (~7 min; host_python
@@ -118,8 +118,9 @@ elif [ "$MODE" = quick ]; then
     step decode 80 python benchmarks/bench_decode.py --out "$R"
 elif [ "$MODE" = bench ]; then
     # The benchmarks of quick and host without their tests (after a `files` call has run those): the core grid
-    # with the peers, host time, the decode step without and with stack_a.
-    step core 110 python benchmarks/bench_lora.py --grid core --time-budget 95 --out "$R"
+    # with the peers and the stacked layers (session 37 ran it without them: no stack_a figure), host time, the
+    # decode step without and with stack_a.
+    step core 170 python benchmarks/bench_lora.py --grid core --variants stacked --time-budget 150 --out "$R"
     step host 75 python benchmarks/host_overhead.py --out "$R"
     step decode 80 python benchmarks/bench_decode.py --out "$R"
     step decode_stacked 80 python benchmarks/bench_decode.py --stack-a --out "$R/stacked"
