@@ -198,7 +198,6 @@ class LoRAContext:
         self._copy = None           # the batch's BatchCopy for autograd (set_batch with grad mode on)
         self._restored = None       # the BatchCopy a checkpoint's recompute reads (checkpoint_context)
         self._copies = 0            # BatchCopy serial numbers
-        self.fill_listeners = []    # called with the metadata after each fill (lora_ops.training)
         self.trainer = None         # the open lora_ops.training.SlotTrainer (train_slots), one at a time
         # per_row, while a block runs: {device served: each adapter's slot [len(adapters)]} (also read under
         # torch.compile, which builds the batches in the graph from it)
@@ -226,10 +225,8 @@ class LoRAContext:
         # copy's would be a trainer without them (unmasked gradients) that refuses a new train_slots.
         # A copy taken inside a per_row block is not in it: only the original's block ends (its finally).
         state.update(_rows=None, _row_batches={}, _row_current=None, _row_shape=None, row_slots=frozenset())
-        trainer = state.get("trainer")
-        if trainer is not None:
+        if state.get("trainer") is not None:
             state["trainer"], state["dropout_p"] = None, None
-            state["fill_listeners"] = [f for f in self.fill_listeners if getattr(f, "__self__", None) is not trainer]
         return state
 
     def __setstate__(self, state):
@@ -277,11 +274,10 @@ class LoRAContext:
         M = self.num_tokens
         if M:
             # (Autograd's copy of the batch again where set_batch took one, in normal tensors under inference_mode
-            # too: later autograd forwards read it. Not a new batch for the listeners: a trainer counts the
-            # batches set for training.)
+            # too: later autograd forwards read it.)
             with torch.inference_mode(False), torch.set_grad_enabled(self._copy is not None):
                 slots = self.token_slots[:M].clone()
-                self._fill(slots.masked_fill_(slots == slot, -1), notify=False)
+                self._fill(slots.masked_fill_(slots == slot, -1))
 
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""
@@ -416,10 +412,7 @@ class LoRAContext:
             token_slots = torch.full((capacity,), -1, dtype=torch.int32, device=x.device)
             token_slots[:rows * tokens].copy_(slots)
             batch.update(token_slots[:rows * tokens])
-            meta = self._tag(batch.meta)
-            for listener in self.fill_listeners:
-                listener(meta)
-            found = self._row_batches[key] = (meta, token_slots)
+            found = self._row_batches[key] = (self._tag(batch.meta), token_slots)
         return found
 
     def traced_row_batch(self, x, layer):
@@ -470,7 +463,7 @@ class LoRAContext:
         # guards on a repeat count of 1 under torch.compile (one graph for rows == adapters, another for beams).
         return padded[torch.arange(rows * tokens, device=padded.device) // (rows // adapters * tokens)]
 
-    def _fill(self, token_slots, notify=True):
+    def _fill(self, token_slots):
         M = token_slots.shape[0]
         if self._staging is not None and token_slots.device.type == "cpu":
             self._staging.copy_to_device(token_slots, self.token_slots)
@@ -483,8 +476,6 @@ class LoRAContext:
         # (Not while a CUDA graph captures: graphs read the buffers, and the copy would be the graph's memory.)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._copy = self._copy_batch() if torch.is_grad_enabled() and not capturing else None
-        for listener in self.fill_listeners if notify else ():
-            listener(self.meta)
 
     def _set_batch_tokens(self, num_tokens):
         """Keep a view of ``num_tokens`` + 2 elements, for compiled code to compare its input's token count

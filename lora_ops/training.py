@@ -24,12 +24,13 @@ parameter whose gradient is zero. So the trainer does both:
    the slot's rank", so gradient clipping and the optimizer's moments see only the trained entries;
 2. :meth:`SlotTrainer.step` snapshots the stacks, runs ``optimizer.step()``, then writes the snapshot
    back everywhere outside "chosen slot, within its rank, and trained since the last step"
-   (``torch.where``: bit-identical, no host sync). A slot is trained when it has tokens in a batch set with
-   grad mode on since the last step, or when a backward since then gave it a gradient that is not all zero:
-   so a batch set once and trained on for many steps, batches ``per_row`` builds inside a compiled graph,
-   and batches set under ``torch.no_grad()`` and trained on anyway all count, while an evaluation under
-   ``torch.no_grad()`` between steps does not. A chosen slot absent from the batches trained stays put, as
-   it would with its own optimizer and ``zero_grad(set_to_none=True)``.
+   (``torch.where``: bit-identical, no host sync). A slot is trained when a backward since the last step gave
+   it a gradient that is not all zero (the hooks note it): so a batch set once and trained on for many steps,
+   batches ``per_row`` builds inside a compiled graph, and batches set under ``torch.no_grad()`` and trained
+   on anyway all count, while an evaluation between steps does not, whatever grad mode its ``set_batch`` ran
+   under (a server's ``set_batch`` then ``no_grad`` forward once counted: slots were noted when set with grad
+   mode on). A chosen slot absent from the batches trained stays put, as it would with its own optimizer and
+   ``zero_grad(set_to_none=True)``; so does one whose tokens all fell out of the loss (a zero gradient).
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
@@ -149,18 +150,12 @@ class SlotTrainer:
         L = ctx.max_loras
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
-        # Slots trained since the last step: with tokens in batches set with grad mode on, or given a gradient
-        # that is not all zero (the hooks).
-        self._seen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
+        # Slots trained since the last step: given a gradient that is not all zero (the hooks).
         self._has_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self.process_group = process_group     # resolved at each step: the group may be set up later
         if freeze_base:
             _freeze_base(ctx)
         self._layers = list(ctx.layers.values())
-        # Slots with tokens in a batch set since the last step, noted at set_batch (a backward may run after
-        # later batches were set: LoRAContext's docstring). Not the batch set now, whose grad mode is not
-        # known (an evaluation's): its slots count once a backward gives them a gradient.
-        ctx.fill_listeners.append(self._note_batch)
         self._hooks = []
         for layer in self._layers:
             for stack in (layer.lora_a, layer.lora_b):
@@ -186,7 +181,7 @@ class SlotTrainer:
             optimizer.step()
         else:
             scaler.step(optimizer)
-        seen = self._seen | self._has_grad
+        seen = self._has_grad
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
             seen = seen.to(torch.uint8)
@@ -196,17 +191,14 @@ class SlotTrainer:
             updatable = self._trainable(layer) & _on(seen, layer.rank.device)[:, None]   # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
-        for mask in (self._seen, self._has_grad):
-            mask.zero_()
+        self._has_grad.zero_()
 
     def close(self):
-        """Stop training: remove the gradient hooks and listeners and freeze the stacks again (the context
+        """Stop training: remove the gradient hooks and freeze the stacks again (the context
         takes a new trainer after this)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._note_batch in self.ctx.fill_listeners:
-            self.ctx.fill_listeners.remove(self._note_batch)
         for stack in self.parameters():
             stack.requires_grad_(False)
             stack.grad = None
@@ -242,13 +234,6 @@ class SlotTrainer:
 
     # ---- masks -----------------------------------------------------------------------------------------
 
-    def _note_batch(self, meta):
-        """A fill listener: the batch just set. One set under no_grad serves forwards that record no autograd
-        (an evaluation between steps, a reference model's forward), and its slots move only on evidence of a
-        gradient (the hooks'); a forward with autograd on it (allowed: LoRAContext) gives them one."""
-        if torch.is_grad_enabled():
-            self._seen |= _on(meta.slot_counts[:self._seen.shape[0]] > 0, self._seen.device)   # (per_row: any device)
-
     def _trainable(self, layer):
         """[L, R] bool: chosen slot and rank column below the slot's current rank (read on the device)."""
         device = layer.rank.device
@@ -261,7 +246,9 @@ class SlotTrainer:
         def hook(grad):
             mask = self._trainable(layer)
             mask = mask[:, None, :, None] if is_a else mask[:, None, :]
-            grad = grad * mask.to(grad.dtype)
+            # (Select, never multiply: a NaN or inf in a slot not trained, NaN times 0, reached the trained
+            # slots through gradient clipping's norm and GradScaler's skip.)
+            grad = torch.where(mask, grad, 0)
             self._has_grad |= _on(grad.flatten(1).any(1), self._has_grad.device)   # (any: non-zero, no temporary)
             return grad
         return hook

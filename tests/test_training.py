@@ -401,6 +401,54 @@ def test_a_batch_set_before_the_trainer_opened_counts_only_if_trained():
     trainer.close()
 
 
+@pytest.mark.parametrize("eval_set_batch", ["under_no_grad", "with_grad_on"])
+def test_an_evaluation_between_steps_never_counts_as_training(eval_set_batch):
+    """A server's evaluation: set_batch with grad mode on, then a forward under no_grad. Its slots were noted as
+    trained at set_batch, and AdamW's weight decay and moments moved a chosen slot no batch trained (a PPO loop's
+    old-logprob pass over every adapter moved them all at each minibatch step)."""
+    model, ctx = _trainable_model(["a", "b"])
+    trainer = ctx.train_slots(["a", "b"])
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    _step(model, ctx, trainer, optimizer, ["a", "b"], seed=1)      # both trained once: moments for both
+    ctx.set_batch([("a", SEQ)])
+    loss_of(model(torch.randint(0, VOCAB, (1, SEQ))), torch.randint(0, VOCAB, (1, SEQ))).backward()
+    with torch.no_grad() if eval_set_batch == "under_no_grad" else torch.enable_grad():
+        ctx.set_batch([("b", SEQ), ("a", SEQ)])
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, SEQ)))
+    b = ctx.slot_of("b")
+    before = {path: (layer.lora_a[b].clone(), layer.lora_b[b].clone()) for path, layer in ctx.layers.items()}
+    a_before = [layer.lora_b[ctx.slot_of("a")].clone() for layer in ctx.layers.values()]
+    trainer.step(optimizer)
+    for path, layer in ctx.layers.items():
+        assert torch.equal(layer.lora_a[b], before[path][0]) and torch.equal(layer.lora_b[b], before[path][1])
+    assert not all(torch.equal(layer.lora_b[ctx.slot_of("a")], was) for layer, was in zip(ctx.layers.values(),
+                                                                                          a_before))
+    trainer.close()
+
+
+def test_a_nan_in_a_served_slot_never_reaches_the_trained_ones():
+    """The gradient mask multiplied: a NaN (or an overflow's inf) in the gradient of a slot only served, NaN
+    times 0, stayed NaN, and gradient clipping's norm then made every trained slot NaN."""
+    model, ctx = _trainable_model(["a", "b"])
+    b = ctx.slot_of("b")
+    with torch.no_grad():
+        next(iter(ctx.layers.values())).lora_b[b, 0, 0] = float("nan")
+    trainer = ctx.train_slots(["a"])
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)
+    ctx.set_batch([("a", SEQ), ("b", SEQ)])
+    logits = model(torch.randint(0, VOCAB, (2, SEQ)))
+    loss_of(logits[:1], torch.randint(0, VOCAB, (1, SEQ))).backward()    # b's row out of the loss: finite
+    grads = [p.grad for p in trainer.parameters()]
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.isfinite(torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0))
+    trainer.step(optimizer)
+    a = ctx.slot_of("a")
+    assert all(torch.isfinite(layer.lora_a[a]).all() and torch.isfinite(layer.lora_b[a]).all()
+               for layer in ctx.layers.values())
+    trainer.close()
+
+
 def test_a_copy_of_a_model_in_training_has_no_trainer():
     """copy.deepcopy with a trainer open gave the copy a trainer without its gradient hooks (the copy's
     gradients unmasked) that refused a new train_slots; the copy now starts with none, the original trains on."""
@@ -408,7 +456,7 @@ def test_a_copy_of_a_model_in_training_has_no_trainer():
     trainer = ctx.train_slots(["a"])
     copied = copy.deepcopy(model)
     copy_ctx = next(m for m in copied.modules() if hasattr(m, "context")).context
-    assert copy_ctx is not ctx and copy_ctx.trainer is None and not copy_ctx.fill_listeners
+    assert copy_ctx is not ctx and copy_ctx.trainer is None
     with copy_ctx.train_slots(["b"]) as copy_trainer:
         copy_ctx.set_batch([("a", SEQ), ("b", SEQ)])
         loss_of(copied(torch.randint(0, VOCAB, (2, SEQ))), torch.randint(0, VOCAB, (2, SEQ))).backward()
