@@ -668,10 +668,9 @@ class LoRALinear(nn.Module):
     ``stacked_max_tokens`` tokens (:func:`stacked_token_limit`: where it paid, measured per layer shape in
     the GPU's tuned table, else by a rule; 0, and nothing stacked, where it never pays), without autograd or
     dropout, one GEMM gives the output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink
-    runs. h is then rounded to the weights' dtype once, as PEFT rounds it. The base layer's parameters are
-    replaced by the views (apply before building an optimizer over them; a weight tied to another module
-    stops being shared with it);
-    ``.to()`` and the other conversions re-stack. The output at those sizes is a column view of the wider
+    runs. h is then rounded to the weights' dtype once, as PEFT rounds it. The base layer's parameters keep
+    their identity, their data becoming the views (an optimizer over them, hooks on them and a module a weight
+    is tied to keep them); ``.to()`` and the other conversions that move or cast them re-stack. The output at those sizes is a column view of the wider
     GEMM result (row stride N + L·S·R).
     """
 
@@ -719,10 +718,13 @@ class LoRALinear(nn.Module):
         stacked = stacked_weight(weight.detach(), lora_a.detach())
         P = stacked.shape[0] - N - E
         stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(E + P)])
-        base.weight = nn.Parameter(stacked[:N], requires_grad=weight.requires_grad)
+        # The same parameter objects, their data now the views: an optimizer built over them, the trainer's
+        # gradient hooks and a module the weight is tied to keep them (new parameters made a model's .to()
+        # detach lora_a from the optimizer, silently).
+        base.weight = _holding(weight, stacked[:N])
         if bias is not None:
-            base.bias = nn.Parameter(stacked_bias[:N], requires_grad=bias.requires_grad)
-        self.lora_a = nn.Parameter(stacked[N:N + E].view(lora_a.shape), requires_grad=lora_a.requires_grad)
+            base.bias = _holding(bias, stacked_bias[:N])
+        self.lora_a = _holding(lora_a, stacked[N:N + E].view(lora_a.shape))
         self._stacked = (stacked, stacked_bias)
         self._stack_params = (base.weight, base.bias, self.lora_a)
         self._note_stack_ptrs()
@@ -974,7 +976,9 @@ class LoRALinear(nn.Module):
         super()._apply(fn, *args, **kwargs)
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(device=self.scale.device)
-        if self._stacked is not None:   # the conversion made the parameters separate tensors: stack again
+        # A conversion that moved or cast the parameters made them separate tensors: stack again (a .to() that
+        # changed nothing leaves the views as they are).
+        if self._stacked is not None and not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
             self._stack()
         return self
 
@@ -982,6 +986,14 @@ class LoRALinear(nn.Module):
         L, S, R, K = self.lora_a.shape
         return f"in_features={K}, out_features={self.lora_b.shape[1]}, max_loras={L}, max_rank={R}, " \
                f"slice_widths={list(self.slice_widths)}"
+
+
+def _holding(param, view):
+    """``param`` with ``view`` as its data (the same object), or a new parameter where it is a plain tensor."""
+    if not isinstance(param, nn.Parameter):
+        return nn.Parameter(view, requires_grad=param.requires_grad)
+    param.data = view
+    return param
 
 
 def _stackable(base):

@@ -215,6 +215,46 @@ def test_stack_a_restacks_after_a_conversion_and_survives_loads():
                                rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("conversion", ["same_device", "half_then_float"])
+def test_stack_a_keeps_its_parameters_through_conversions(conversion):
+    """_stack made new parameters at every conversion: a model's .to() on its own device left an optimizer (and
+    the trainer's gradient-mask hooks) on the old lora_a, which then never trained, silently. The parameters
+    keep their identity now, and an optimizer built before the conversion trains the stacked layer."""
+    from lora_ops import training
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    layers = list(ctx1.layers.values())
+    before = [(layer.base.weight, layer.base.bias, layer.lora_a, layer.lora_b) for layer in layers]
+    trainer = ctx1.train_slots(["a"])
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    stacked.to("cpu") if conversion == "same_device" else stacked.half().float()
+    assert all(now is was for layer, params in zip(layers, before)
+               for now, was in zip((layer.base.weight, layer.base.bias, layer.lora_a, layer.lora_b), params))
+    assert all(layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a) for layer in layers)
+    lora_a = [layer.lora_a.detach().clone() for layer in layers]
+    ctx1.set_batch([("a", 6)])
+    stacked(torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    trainer.step(optimizer)
+    trainer.close()
+    a = ctx1.slot_of("a")
+    assert all(not torch.equal(layer.lora_a[a], was[a]) for layer, was in zip(layers, lora_a))
+    # Still the stack's views after the step (the optimizer wrote through them).
+    assert all(layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a) for layer in layers)
+
+
+def test_stack_a_keeps_a_tied_weight_tied():
+    """A weight shared with another module (an output layer tied to the embedding) was replaced by a new
+    parameter on the stacked layer: the two stopped being one tensor. Its data now becomes the view."""
+    import lora_ops
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(24, 16), "head": torch.nn.Linear(16, 24, bias=False)})
+    model["head"].weight = model["embed"].weight
+    ctx = lora_ops.apply_lora(model, ["head"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
+    head = model["head"]
+    assert head._stacked is not None and model["embed"].weight is head.base.weight
+    assert model["embed"].weight.data_ptr() == head._stacked[0].data_ptr()
+    del ctx
+
+
 def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     layer = stacked.model.layers[0].self_attn.o_proj
