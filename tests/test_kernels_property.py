@@ -548,6 +548,34 @@ def test_rank_above_one_rank_block(backend, checked_dtype, add_lora_path, M):
     assert_rows_bit_identical(y, y_in, case.no_adapter_rows(), "slot -1")
 
 
+@pytest.mark.parametrize("M", [1, 9])
+def test_y_that_is_x_takes_the_delta_of_x_before_the_write(backend, add_lora_path, M):
+    """add_lora(x, x, ...): x += delta(x) on a square layer. The one-launch kernel's column blocks each read
+    the x rows that earlier blocks had written (columns past the first block wrong; a race on a GPU): the
+    launcher now copies x where its memory meets y's. Every path gives x + delta(x before)."""
+    case = make_case(M, 70, 70, num_slots=3, num_slices=2, max_rank=8, seed=5, ranks=[8, 5, 3],
+                     token_slots=([0, 1, -1, 2, 0, 2, 1, -1, 0])[:M])
+    expected = case.x.double().cpu() + case.delta_reference()
+    xy = case.x
+    assert add_lora(case, xy) is xy
+    assert_rows_bit_identical(xy, expected.to(xy.dtype), case.no_adapter_rows(), "slot -1")
+    assert rel_err(xy, expected) < TOLERANCE[torch.float32]
+
+
+def test_expand_into_the_memory_of_its_h(backend, monkeypatch):
+    """expand(y, h, ...) with y over h's memory: the expand's column blocks each read h rows that others had
+    written (two 16-wide blocks here). The launcher copies h first where they meet."""
+    monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ExpandConfig(16, 16, 32, 4, 1))
+    M, R = 9, 32
+    case = make_case(M, 20, R, num_slots=2, num_slices=1, max_rank=R, seed=6, ranks=[R, 7],
+                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1])
+    h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)   # [M, 1, R] float32
+    y = h.view(M, R)
+    expected = h.double().cpu().view(M, R) + expand_reference(h, case.lora_b, case.rank, case.token_slots, [R])
+    lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=[R])
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_empty_batch_is_a_no_op(backend, dtype):
     case = make_case(0, 9, 11, num_slots=3, num_slices=2, max_rank=8, dtype=dtype, device=backend.device,
