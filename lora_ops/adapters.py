@@ -24,9 +24,9 @@ Unsupported (an :class:`UnsupportedAdapterError` naming the feature): DoRA, LoRA
 ``bias != "none"``), ``modules_to_save``, trainable tokens, ``target_parameters``, layer replication,
 and the variants that change the forward (aLoRA, QALoRA, MonteCLoRA, BD-LoRA, Arrow, KaSA); layer types
 other than Linear (embeddings, convolutions), and base-layer weights saved with the adapter; adapters saved
-with ``init_lora_weights`` PiSSA, CorDA, OLoRA or LoftQ, whose reload in PEFT rewrites the base weights
-(convert them to plain LoRA when saving). VeLoRA (a backward-only change) and the initialisations that
-leave the base weights alone (MiCA, EVA, orthogonal, LoRA-GA, Gaussian) compute LoRA's own forward, so they
+with ``init_lora_weights`` PiSSA, CorDA, OLoRA, LoftQ or LoRA-GA, which subtract the initial factors from the
+base weights (convert them to plain LoRA when saving). VeLoRA (a backward-only change) and the initialisations
+that leave the base weights alone (MiCA, EVA, orthogonal, Gaussian) compute LoRA's own forward, so they
 load. A factor that is finite in its file but overflows the layer's dtype is refused, as NaN is.
 
 ``path`` may also name the directory's weights file (``adapter_model.safetensors`` / ``.bin``).
@@ -75,7 +75,7 @@ _UNSUPPORTED_FIELDS = (
 
 # init_lora_weights values whose reload in PEFT rewrites the base weights (PiSSA, CorDA, OLoRA, LoftQ): the
 # adapter's factors are meant for that residual base, not for the model's own weights.
-_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq")
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 # Tensor keys of unsupported features, tried before the plain lora_A / lora_B pattern.
 _UNSUPPORTED_KEYS = (
@@ -163,7 +163,7 @@ def read_peft_directory(path):
     """(config dict, {key: tensor}) of a PEFT adapter directory, reading data only. The config's missing ``r`` /
     ``lora_alpha`` take PEFT's defaults (8 and 8), as PEFT's own load does (in-memory tensors loaded without
     them take their tensors' rank and scale 1 instead: :func:`load_adapter_tensors`)."""
-    return {**PEFT_CONFIG_DEFAULTS, **read_adapter_config(path)}, _read_weights(_adapter_directory(path))
+    return {**PEFT_CONFIG_DEFAULTS, **read_adapter_config(path)}, _read_weights(path)
 
 
 def read_adapter_config(path):
@@ -199,9 +199,9 @@ def check_config_supported(config):
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise UnsupportedAdapterError(
-            f"an adapter initialised with init_lora_weights={init!r} is not supported: PEFT loads it onto base "
-            f"weights it rewrites (the residual of the initial factors), so on the unchanged base layer it "
-            f"computes something else. Save it converted to plain LoRA (PEFT: save_pretrained(..., "
+            f"an adapter initialised with init_lora_weights={init!r} is not supported: its factors go with base "
+            f"weights PEFT rewrote at initialisation (the residual of the initial factors), so on the unchanged "
+            f"base layer it computes something else. Save it converted to plain LoRA (PEFT: save_pretrained(..., "
             f"path_initial_model_for_weight_conversion=...)) and load that")
 
 
@@ -209,7 +209,13 @@ def check_config_supported(config):
 
 def _read_config(file):
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"adapter config {file!r} is missing")
+        # PEFT's save_pretrained writes an adapter not named "default" into a subfolder of that name.
+        folder = os.path.dirname(file)
+        inner = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, CONFIG_FILE)))
+        hint = (f"; its subfolder{'s' if len(inner) > 1 else ''} {', '.join(repr(d) for d in inner)} "
+                f"hold{'' if len(inner) > 1 else 's'} one (PEFT saves an adapter not named 'default' under "
+                f"its name): load {os.path.join(folder, inner[0])!r}") if inner else ""
+        raise FileNotFoundError(f"adapter config {file!r} is missing{hint}")
     try:
         with open(file, encoding="utf-8") as f:
             config = json.load(f)
@@ -221,21 +227,30 @@ def _read_config(file):
 
 
 def _read_weights(path):
-    safetensors_file = os.path.join(path, SAFETENSORS_FILE)
+    """The tensors of the adapter at ``path``: the weights file it names (one of a directory holding both was
+    read as the safetensors file), else its directory's safetensors file, else its legacy .bin."""
+    directory, named = _adapter_directory(path), os.fspath(path)
+    if os.path.isfile(named):
+        return _read_safetensors(named) if os.path.basename(named) == SAFETENSORS_FILE else _read_legacy_bin(named)
+    safetensors_file = os.path.join(directory, SAFETENSORS_FILE)
     if os.path.isfile(safetensors_file):
-        from safetensors import safe_open
-        try:
-            # safe_open + get_tensor reads every tensor's bytes now, so a truncated file fails here.
-            with safe_open(safetensors_file, framework="pt", device="cpu") as f:
-                return {key: f.get_tensor(key) for key in f.keys()}
-        except Exception as e:  # safetensors raises its own error types
-            raise AdapterError(f"{safetensors_file}: not a readable safetensors file, truncated or "
-                               f"corrupt ({type(e).__name__}: {e})") from None
-    bin_file = os.path.join(path, LEGACY_BIN_FILE)
+        return _read_safetensors(safetensors_file)
+    bin_file = os.path.join(directory, LEGACY_BIN_FILE)
     if os.path.isfile(bin_file):
         return _read_legacy_bin(bin_file)
     raise FileNotFoundError(f"adapter weights missing in {path!r}: expected {SAFETENSORS_FILE} "
                             f"(or a legacy {LEGACY_BIN_FILE})")
+
+
+def _read_safetensors(file):
+    from safetensors import safe_open
+    try:
+        # safe_open + get_tensor reads every tensor's bytes now, so a truncated file fails here.
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own error types
+        raise AdapterError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                           f"({type(e).__name__}: {e})") from None
 
 
 def _read_legacy_bin(file):

@@ -140,6 +140,19 @@ def test_safetensors_is_preferred_over_bin(tmp_path):
     assert_loaded(ctx, 0, good, 1.0)
 
 
+def test_a_named_weights_file_is_the_one_read(tmp_path):
+    """load_adapter(dir / "adapter_model.bin") in a folder holding both files read the safetensors file."""
+    model, ctx = lora_model()
+    good = peft_tensors(module_shapes(model), rank=4, seed=8)
+    other = peft_tensors(module_shapes(model), rank=4, seed=18)
+    path = write_adapter_dir(tmp_path / "both", lora_config(4, 4), other)
+    torch.save(good, os.path.join(path, "adapter_model.bin"))
+    ctx.load_adapter("bin", os.path.join(path, "adapter_model.bin"))
+    assert_loaded(ctx, 0, good, 1.0)
+    ctx.load_adapter("safetensors", os.path.join(path, "adapter_model.safetensors"))
+    assert_loaded(ctx, 1, other, 1.0)
+
+
 class _RunsCode:
     """A pickle payload that would create a marker file if unpickled by a full (unsafe) unpickler."""
 
@@ -354,8 +367,8 @@ ERROR_CASES = {
     "bad_pattern_regex": ({"rank_pattern": {"(q_proj": 2}}, None, AdapterError, r"key '\(q_proj' is not a valid regex"),
     # Initialisations whose reload in PEFT rewrites the base weights: the factors are for that residual base.
     **{f"{init}_init": ({"init_lora_weights": init}, None, UnsupportedAdapterError,
-                        f"init_lora_weights='{init}' is not supported: PEFT loads it onto base weights it rewrites")
-       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq")},
+                        f"init_lora_weights='{init}' is not supported: its factors go with base weights PEFT rewrote")
+       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")},
     "rank_zero_in_config": ({"r": 0}, None, AdapterError, r"gives r=0 \(r / rank_pattern\); expected a positive"),
     "rank_nan_in_config": ({"r": float("nan")}, None, AdapterError, r"gives r=nan \(r / rank_pattern\); expected a "),
     "rank_pattern_infinite": ({"rank_pattern": {"q_proj": float("inf")}}, None, AdapterError,
@@ -390,7 +403,7 @@ def test_invalid_adapter_is_refused_and_no_slot_changes(tmp_path, case, source):
     assert_state_unchanged(before, ctx)
 
 
-@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica", "lora_ga"], ids=str)
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"], ids=str)
 def test_initialisations_that_keep_the_base_weights_load(init):
     """Only the factors' starting values differ (PEFT's reload leaves the base layer as it is)."""
     model, ctx = lora_model()
@@ -514,8 +527,14 @@ def test_missing_files(tmp_path):
         ctx.load_adapter("x", tmp_path / "nowhere")
     path = write_adapter_dir(tmp_path / "no_config", lora_config(4, 8), _tensors(model))
     os.remove(os.path.join(path, "adapter_config.json"))
-    with pytest.raises(FileNotFoundError, match="adapter config .*adapter_config.json' is missing"):
+    with pytest.raises(FileNotFoundError, match="adapter config .*adapter_config.json' is missing$"):
         ctx.load_adapter("x", path)
+    # PEFT's save_pretrained of an adapter named "sql" writes it into the subfolder sql/: the error names it.
+    write_adapter_dir(tmp_path / "saved" / "sql", lora_config(4, 8), _tensors(model))
+    with pytest.raises(FileNotFoundError, match=r"adapter_config.json' is missing; its subfolder 'sql' holds one "
+                                                r"\(PEFT saves an adapter not named 'default' under its name\): "
+                                                r"load '.*saved/sql'"):
+        ctx.load_adapter("x", tmp_path / "saved")
     path = write_adapter_dir(tmp_path / "no_weights", lora_config(4, 8), _tensors(model))
     os.remove(os.path.join(path, "adapter_model.safetensors"))
     with pytest.raises(FileNotFoundError, match="adapter weights missing .* expected adapter_model.safetensors"):
