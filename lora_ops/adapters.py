@@ -121,6 +121,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     slot = _pick_slot(ctx, name, replace)
     config = _config_dict(config)
     check_config_supported(config)
+    _check_dropout(config, source)
     modules = {path: ab for path, ab in _group_by_module(tensors, source).items() if not _never_called(ctx, path)}
     if not modules:
         raise AdapterError(f"{source}: no LoRA weights (keys '<module>.lora_A.weight' / '.lora_B.weight') found")
@@ -432,6 +433,15 @@ def _plan_writes(ctx, modules, config, source):
             b_i = b if index is not None else b[offsets[i]:offsets[i + 1]]
             slices[i] = (a, b_i, rank, scale, path)
     return {layer: (*_fold_slices(layer, slices, source), _scales_differ(slices)) for layer, slices in plan.items()}
+
+
+def _check_dropout(config, source):
+    """lora_dropout a probability, as PEFT's nn.Dropout takes it (a negative one scaled the delta by 1 / (1 - p)
+    in training, silently)."""
+    p = config.get("lora_dropout")
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1):
+        raise AdapterError(f"{source}: the adapter config gives lora_dropout={p!r}; expected a probability in "
+                           f"[0, 1]")
 
 
 def _scales_differ(slices):

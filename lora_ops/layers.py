@@ -29,6 +29,7 @@ in one mixed batch; in ``model.train()``, while a trainer is open, each slot's a
 import contextlib
 import functools
 import math
+import numbers
 import re
 import sys
 import weakref
@@ -177,6 +178,9 @@ class LoRAContext:
     @torch.inference_mode(False)
     def __init__(self, max_loras, max_tokens, device=None):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))
+        for name, value in (("max_loras", max_loras), ("max_tokens", max_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         self.device = _device(device)
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
@@ -293,6 +297,11 @@ class LoRAContext:
         """Write adapter ``name`` as a PEFT adapter directory (lora_ops.adapters.save_peft_adapter)."""
         return adapters.save_peft_adapter(self, name, directory)
 
+    def __repr__(self):
+        loaded = {slot: name for slot, name in enumerate(self.slot_names) if name is not None}
+        return (f"LoRAContext(max_loras={self.max_loras}, max_tokens={self.max_tokens}, device={self.device}, "
+                f"layers={len(self.layers)}, adapters={loaded})")
+
     # ---- batch ---------------------------------------------------------------------------------------
 
     @property
@@ -321,7 +330,7 @@ class LoRAContext:
                 name, n = _unpack_request(i, request)
                 slot = self.slot_of(name)
             if type(n) is not int or n < 0:
-                _unpack_request(i, request)
+                name, n = _unpack_request(i, request)
             slots.append(slot)
             counts.append(n)
         total = sum(counts)
@@ -649,9 +658,10 @@ def _unpack_request(i, request):
         raise TypeError(f"set_batch: request {i} must be (adapter name or None, num_tokens), got {request!r}") from None
     if name is not None and not isinstance(name, str):
         raise TypeError(f"set_batch: request {i}'s adapter must be a name or None, got {type(name).__name__}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    # (numbers.Integral: a numpy integer too, as a server's arrays give; not a tensor, whose value may be a GPU's.)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"set_batch: request {i}'s num_tokens must be an int >= 0, got {n!r}")
-    return name, n
+    return name, int(n)
 
 
 class LoRALinear(nn.Module):
@@ -670,8 +680,8 @@ class LoRALinear(nn.Module):
     dropout, one GEMM gives the output and every slot's h (``lora_ops::lora_linear_stacked``) and no shrink
     runs. h is then rounded to the weights' dtype once, as PEFT rounds it. The base layer's parameters keep
     their identity, their data becoming the views (an optimizer over them, hooks on them and a module a weight
-    is tied to keep them); ``.to()`` and the other conversions that move or cast them re-stack. The output at those sizes is a column view of the wider
-    GEMM result (row stride N + L·S·R).
+    is tied to keep them); ``.to()`` and the other conversions that move or cast them re-stack. The output
+    at those sizes is a column view of the wider GEMM result (row stride N + L·S·R).
     """
 
     @torch.inference_mode(False)
@@ -1087,7 +1097,12 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
                    and (target_modules == ALL_LINEAR or _matches(target_modules, path))]
         already = (f" (it selects {wrapped[0]!r}{' and others' if len(wrapped) > 1 else ''}, already a LoRALinear: "
                    f"apply_lora wraps a layer once; its context serves it)") if wrapped else ""
-        raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}{already}")
+        as_name = (isinstance(target_modules, str) and target_modules != ALL_LINEAR and not wrapped
+                   and any(_matches([target_modules], path) for path, _ in model.named_modules()))
+        hint = (f" (a string is a regex that must match a whole module path, as in PEFT; for the modules of that "
+                f"name pass a list: [{target_modules!r}])") if as_name else ""
+        raise ValueError(f"target_modules: {target_modules!r} selects no nn.Linear in {type(model).__name__}"
+                         f"{already}{hint}")
     # A model split across devices (device_map): the context's batch lives on the first GPU a layer is on
     # (else the first layer's device) and is copied to the others at each fill (LoRAContext.serve_device).
     devices = [module.weight.device for _, module, _ in selected]

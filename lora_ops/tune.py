@@ -48,7 +48,8 @@ def progress(done, total, label, width=30):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lora_ops.tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", nargs="+", default=["llama3-8b"], choices=sorted(MODELS))
+    ap.add_argument("--model", nargs="+", default=None, choices=sorted(MODELS),
+                    help="default: llama3-8b (tiny with --dry-run)")
     ap.add_argument("--layers", nargs="*", default=None, help="subset of layer names (default: all)")
     ap.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help="token buckets (default: all)")
@@ -56,10 +57,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=None, help="table path (default: this GPU's table in the first folder of "
                     "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up)")
-    ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop early and write")
+    ap.add_argument("--time-budget", type=float, default=float("inf"),
+                    help="seconds; stop early and write (checked between shapes)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU + Triton interpreter on tiny shapes and, unless --tokens, token buckets up to 64: "
-                         "checks the tuner's code path, times nothing real")
+                    help="CPU + Triton interpreter on the tiny model's shapes unless --model, and token buckets "
+                         "up to 64 unless --tokens: checks the tuner's code path, times nothing real")
     ap.add_argument("--merge", action="store_true",
                     help="keep the entries of an existing table at --out that this run does not retune (where --out "
                          "is this GPU's default path and holds none yet: the table it takes from its "
@@ -80,7 +82,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-candidates", type=int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.model is None:   # (a dry run of Llama's shapes on the interpreter took minutes a shape)
+        args.model = ["tiny"] if args.dry_run else ["llama3-8b"]
+    return args
 
 
 KINDS = ("pair", "stacked", "store", "stack_pad", "stack_limit")

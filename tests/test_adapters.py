@@ -371,6 +371,9 @@ ERROR_CASES = {
        for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")},
     "rank_zero_in_config": ({"r": 0}, None, AdapterError, r"gives r=0 \(r / rank_pattern\); expected a positive"),
     "rank_nan_in_config": ({"r": float("nan")}, None, AdapterError, r"gives r=nan \(r / rank_pattern\); expected a "),
+    "negative_dropout": ({"lora_dropout": -0.1}, None, AdapterError,
+                         r"gives lora_dropout=-0.1; expected a probability in \[0, 1\]"),
+    "dropout_above_one": ({"lora_dropout": 1.5}, None, AdapterError, r"gives lora_dropout=1.5; expected a "),
     "rank_pattern_infinite": ({"rank_pattern": {"q_proj": float("inf")}}, None, AdapterError,
                               r"gives r=inf \(r / rank_pattern\); expected a positive"),
     "rank_pattern_zero": ({"rank_pattern": {"q_proj": 0}}, None, AdapterError, r"'model.layers.0.self_attn.q_proj'"

@@ -210,6 +210,30 @@ def test_apply_lora_refuses_what_it_cannot_serve(what, match):
             apply_lora(model, ["0"], max_loras=1, max_rank=2, max_tokens=4)
 
 
+@pytest.mark.parametrize("argument", ["max_loras", "max_tokens"])
+def test_apply_lora_names_a_capacity_below_one(argument):
+    """They reached LoRABatch, whose message named neither the argument nor which number was which."""
+    kw = {**dict(max_loras=2, max_rank=2, max_tokens=4), argument: 0}
+    with pytest.raises(ValueError, match=f"^{argument}: expected an int >= 1, got 0$"):
+        apply_lora(nn.Sequential(nn.Linear(8, 8)), ["0"], **kw)
+
+
+def test_context_repr_names_its_slots():
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    assert repr(ctx) == (f"LoRAContext(max_loras={ctx.max_loras}, max_tokens={ctx.max_tokens}, device=cpu, layers=1, "
+                         f"adapters={ {s: n for s, n in enumerate(ctx.slot_names) if n} })")
+    assert "'a'" in repr(ctx)
+
+
+def test_set_batch_takes_numpy_token_counts():
+    np = pytest.importorskip("numpy")
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    assert ctx.set_batch([("a", np.int64(3)), (None, np.int32(1))]) == 4
+    assert ctx.token_slots[:4].tolist() == [ctx.slot_of("a")] * 3 + [-1]
+    with pytest.raises(ValueError, match=r"request 0's num_tokens must be an int >= 0, got tensor\(3\)"):
+        ctx.set_batch([("a", torch.tensor(3))])
+
+
 def test_weight_and_bias_are_read_only_on_the_wrapper():
     model, _ = one_layer_model(None, torch.float32, "cpu")
     layer = model["proj"]
@@ -588,7 +612,9 @@ def test_target_names_match_whole_dotted_suffixes():
 def test_target_regex_must_match_the_whole_path():
     assert wrapped(toy_lm(), r".*\.1\.self_attn\.(q|v)_proj") == [
         "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
-    with pytest.raises(ValueError, match="selects no nn.Linear"):
+    with pytest.raises(ValueError, match=r"selects no nn.Linear in ToyLM \(a string is a regex that must match a "
+                                         r"whole module path, as in PEFT; for the modules of that name pass a list: "
+                                         r"\['q_proj'\]\)"):
         wrapped(toy_lm(), r"q_proj")        # a regex is a full match, not a search
     with pytest.raises(ValueError, match="not a valid regex"):
         wrapped(toy_lm(), r"(q_proj")

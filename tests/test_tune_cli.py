@@ -316,3 +316,10 @@ def test_a_shape_where_no_candidate_runs_is_skipped_with_a_line(tmp_path, monkey
     table = tune.main(DRY + ["--tokens", "1", "--kinds", "pair", "--out", str(tmp_path / "t.json")])
     assert table["entries"] == []
     assert "no shrink + expand pair ran for" in capsys.readouterr().err
+
+
+def test_dry_run_defaults_to_the_tiny_model():
+    """--dry-run kept llama3-8b's shapes by default: minutes a shape on the interpreter."""
+    assert tune.parse_args(["--dry-run"]).model == ["tiny"]
+    assert tune.parse_args([]).model == ["llama3-8b"]
+    assert tune.parse_args(["--dry-run", "--model", "phi4-mini"]).model == ["phi4-mini"]
