@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.autograd import forward_ad
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_ops import adapters, configs, ops, training
@@ -853,7 +854,7 @@ class LoRALinear(nn.Module):
                                                 or lora_b.requires_grad or (bias is not None and bias.requires_grad))
             # Autograd's calls: the batch's own copy (LoRAContext); a split model's layers: their device's.
             meta = (context.batch_for(grad, x2d) if row is None else row)[0]
-            if (self._stacked is not None and cast_to is None and x2d.shape[0] <= self.stacked_max_tokens
+            if (self._stacked is not None and cast_to is None and _at_most(x2d.shape[0], self.stacked_max_tokens)
                     and not grad and forward_ad._current_level < 0 and self._stack_intact(weight, bias, lora_a)):
                 # One GEMM gives the output and every slot's h; no shrink launch (stack_a).
                 stacked, stacked_bias = self._stacked
@@ -996,6 +997,13 @@ class LoRALinear(nn.Module):
         L, S, R, K = self.lora_a.shape
         return f"in_features={K}, out_features={self.lora_b.shape[1]}, max_loras={L}, max_rank={R}, " \
                f"slice_widths={list(self.slice_widths)}"
+
+
+def _at_most(num_tokens, limit):
+    """``num_tokens <= limit``; False for a token count torch.compile holds unbacked (``mark_unbacked``: a guard
+    on its value cannot be taken, and the branch refused to compile), whose graph then serves every count
+    through lora_linear."""
+    return guard_or_false(num_tokens <= limit)
 
 
 def _holding(param, view):

@@ -312,6 +312,27 @@ def test_stack_a_compiles_without_graph_breaks():
         torch.testing.assert_close(compiled(ids), expected, **MODEL_TOL)
 
 
+def test_stack_a_compiles_with_an_unbacked_token_count():
+    """mark_unbacked (the README's way to serve one-token steps in the same graph): the stacked layer's branch
+    on the token count took a guard on the unbacked size, and no graph compiled. It serves every count through
+    lora_linear now, in one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(stacked, fullgraph=True, backend=counter)
+    for tokens in (1, 2, 5):
+        requests = [("a", tokens)] if tokens == 1 else [("a", tokens - 1), ("b", 1)]
+        expected = run_batch(plain, ctx0, requests, seed=tokens)
+        ctx1.set_batch(requests)
+        ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        torch._dynamo.decorators.mark_unbacked(ids, 1)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids), expected, **MODEL_TOL)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_stacked_token_limit_on_llama_shapes(monkeypatch):
     """Where stack_a serves a layer: every batch up to STACKED_ALWAYS_TOKENS unless the stack is over half
     the base weight's rows; beyond, while y fits in STACKED_MAX_Y_BYTES and either the stack is narrow
