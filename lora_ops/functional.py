@@ -3,7 +3,7 @@ import torch
 
 from csrc_meta import checks
 from lora_ops import ops
-from lora_ops.batch import BatchMeta, LoRABatch, build_batch_meta, first_outside
+from lora_ops.batch import BatchMeta, LoRABatch, batch_meta_of, build_batch_meta, check_token_slots, first_outside
 
 
 def _meta(x, lora_a, token_slots, batch):
@@ -16,6 +16,13 @@ def _meta(x, lora_a, token_slots, batch):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
     if batch is None:
+        if _traced(token_slots):
+            # Traceable ops in tensors of the tokens' own size: a LoRABatch sized from the count pinned an
+            # exported program to one token count, and an unbacked count (mark_unbacked) did not compile.
+            check_token_slots(token_slots, lora_a.shape[0])
+            torch._check(token_slots.shape[0] == x.shape[0], lambda: "token_slots: expected one entry per token "
+                         "(as many as x's rows)")
+            return batch_meta_of(token_slots, lora_a.shape[0])
         meta = build_batch_meta(token_slots, lora_a.shape[0])  # checks token_slots' type, shape and range
         if token_slots.shape[0] != x.shape[0]:  # else extra slots are ignored, or the error names the metadata
             raise ValueError(f"token_slots: expected {x.shape[0]} entries (one per token), "
@@ -30,6 +37,12 @@ def _meta(x, lora_a, token_slots, batch):
     if isinstance(batch, BatchMeta):
         return batch
     raise TypeError(f"batch: expected a LoRABatch or BatchMeta, got {type(batch).__name__}")
+
+
+def _traced(token_slots):
+    """Whether torch.compile or torch.export traces this call (an export's symbolic token count included)."""
+    return torch.compiler.is_compiling() or (isinstance(token_slots, torch.Tensor) and token_slots.dim() == 1
+                                             and isinstance(token_slots.shape[0], torch.SymInt))
 
 
 def _check_rank_values(rank, lora):

@@ -229,3 +229,42 @@ def test_compiled_functional_call_with_token_slots_has_no_graph_break(backend):
             torch._dynamo.mark_dynamic(t, 0)
         assert torch.allclose(compiled(y, x, slots), layer(y, x, slots), rtol=1e-5, atol=1e-5), M
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("how", ["export", "unbacked"])
+def test_functional_call_with_token_slots_serves_any_token_count(backend, how):
+    """With per-token slots the functional API sized a LoRABatch from the token count: a non-strict
+    torch.export pinned the program to the example's count, and an unbacked count (mark_unbacked) did not
+    compile. The metadata comes from traceable ops of the tokens' own size there now."""
+    K, N, L, S, R = 17, 21, 3, 2, 8
+    case = make_case(4, K, N, L, S, R, dtype=torch.float32, device=backend.device, seed=7)
+
+    class Layer(torch.nn.Module):
+        def forward(self, y, x, slots):
+            if how == "unbacked":   # (three inputs, three unbacked counts: their equality is the caller's to state)
+                torch._check(y.shape[0] == x.shape[0])
+                torch._check(slots.shape[0] == x.shape[0])
+            return lora_ops.lora_forward(y, x, case.lora_a, case.lora_b, case.scale, case.rank, token_slots=slots,
+                                         slice_widths=case.slice_widths)
+
+    gen = torch.Generator().manual_seed(2)
+
+    def inputs(M):
+        x, y = torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen)
+        return tuple(t.to(backend.device) for t in (y, x, torch.randint(-1, L, (M,), generator=gen)))
+
+    if how == "export":
+        M = torch.export.Dim("M", min=2, max=64)
+        run = torch.export.export(Layer(), inputs(9), dynamic_shapes=({0: M}, {0: M}, {0: M})).module()
+    else:
+        counter = CompileCounterWithBackend("aot_eager")
+        run = torch.compile(Layer(), fullgraph=True, backend=counter)
+    for M in (1, 5, 30) if how == "unbacked" else (5, 30):
+        args = inputs(M)
+        if how == "unbacked":
+            for t in args:
+                torch._dynamo.decorators.mark_unbacked(t, 0)
+        torch.testing.assert_close(run(*args), Layer()(*args), rtol=1e-5, atol=1e-5)
+    if how == "unbacked":
+        assert counter.frame_count == 1
+    torch._dynamo.reset()
