@@ -414,6 +414,8 @@ def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths
         check_like("bias", bias, 1, "x", x)
         if bias.shape[0] != weight.shape[0]:
             _fail(ValueError, f"bias: expected {weight.shape[0]} entries (weight's rows), got {bias.shape[0]}")
+    if isinstance(lora_b, torch.Tensor):    # (else add_lora's checks name it, against the output "y" this op has not)
+        check_same_dtype("x", x, lora_b=lora_b)
     # The output the op returns, for add_lora_'s checks (only reached on unusual or bad input).
     out = x.new_empty((x.shape[0], weight.shape[0]))
     check_add_lora(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
@@ -457,8 +459,21 @@ def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, ra
                                slot_starts, slot_counts):
         return
     weight, bias, lora_a = stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths)
-    check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
-                      slot_counts)
+    try:
+        check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                          slot_counts)
+    except (TypeError, ValueError) as e:
+        # lora_linear's checks name the stack's views; this op's caller passed the stack.
+        name, colon, rest = str(e).partition(":")
+        if not colon or name not in _STACKED_VIEWS:
+            raise
+        _fail(type(e), f"{_STACKED_VIEWS[name]}:{rest}")
+
+
+# What lora_linear_stacked's arguments are to the views lora_linear's checks name.
+_STACKED_VIEWS = {"weight": "stacked_weight (its first N rows: the base weight)",
+                  "bias": "stacked_bias (its first N entries: the base bias)",
+                  "lora_a": "stacked_weight (its rows N to N + L*S*R: lora_a)"}
 
 
 def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):

@@ -12,10 +12,17 @@ def _meta(x, lora_a, token_slots, batch):
     if isinstance(x, torch.Tensor) and x.dim() == 3 and lora_a.dim() == 4:  # (before the token counts)
         raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)} (x [M, K]: its tokens flattened "
                          f"into the first dimension)")
+    if isinstance(x, torch.Tensor) and x.dim() < 2 and lora_a.dim() == 4:   # (else the token counts name token_slots)
+        raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
     if (token_slots is None) == (batch is None):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
     if batch is None:
+        if (isinstance(token_slots, torch.Tensor) and isinstance(x, torch.Tensor)
+                and token_slots.device != x.device):
+            # Slots made on the host for tensors on a GPU (set_token_slots takes them too): checked there, moved.
+            check_token_slots(token_slots, lora_a.shape[0])
+            token_slots = token_slots.to(x.device)
         if _traced(token_slots):
             # Traceable ops in tensors of the tokens' own size: a LoRABatch sized from the count pinned an
             # exported program to one token count, and an unbacked count (mark_unbacked) did not compile.

@@ -290,6 +290,9 @@ FUNCTIONAL_BAD = [
      {"add_lora_": "x: expected a 2-D tensor, got shape (1, 4, 6) (x [M, K]: its tokens flattened",
       "shrink": "x: expected a 2-D tensor, got shape (1, 4, 6) (x [M, K]: its tokens flattened",
       "expand_": "h: expected a 3-D float32 tensor [M, S, R] (the shrink output), got torch.float32 (1, 4, 2, 4)"}),
+    ("tokens_1d", lambda a: {**a, "x": a["x"][0]}, ValueError,
+     {"add_lora_": "x: expected a 2-D tensor [M, K], got shape (6,)",
+      "shrink": "x: expected a 2-D tensor [M, K], got shape (6,)", "expand_": None}),
     ("scale_a_float", lambda a: {**a, "scale": 0.5}, TypeError, "scale: expected a tensor, got float 0.5"),
     ("no_columns", lambda a: {**a, "y": a["y"][:, :0], "lora_b": a["lora_b"][:, :0], "slice_widths": None},
      ValueError, {"add_lora_": "y: expected N >= 1 columns, got shape (4, 0)",
@@ -314,6 +317,34 @@ def test_functional_api_names_its_bad_arguments(backend, op, kind, edit, error, 
         call_with_slots(op, edit(args), **given)
 
 
+def test_lora_linear_stacked_names_the_stack_not_its_views(backend):
+    """lora_linear_stacked's checks ran lora_linear's on the stack's views and named "weight" and "bias"."""
+    args = valid_args(backend.device)
+    x, lora_a, lora_b = args["x"], args["lora_a"], args["lora_b"]
+    stack = torch.cat([torch.randn(N, K, device=x.device), lora_a.reshape(-1, K)])
+    meta = (args["sorted_token_ids"], args["slot_starts"], args["slot_counts"])
+    rest = (lora_b, args["scale"], args["rank"], args["slice_widths"], *meta)
+    op = torch.ops.lora_ops.lora_linear_stacked
+    with pytest.raises(ValueError, match=r"^stacked_weight \(its first N rows: the base weight\): expected shape "
+                                         r"\[N, K\] with K = 5"):
+        op(x[:, :-1], stack, None, *rest)
+    with pytest.raises(TypeError, match=r"^stacked_bias \(its first N entries: the base bias\): expected dtype"):
+        op(x, stack, torch.zeros(stack.shape[0], device=x.device, dtype=torch.float16), *rest)
+
+
+def test_functional_api_moves_host_token_slots_to_the_tensors_device(backend):
+    """Slots made on the host for tensors on another device: the metadata was built on the host, and the error
+    named sorted_token_ids, which the caller never passed. They are checked there and moved (meta stands in for
+    a GPU on this machine: the call then runs on meta)."""
+    args = {name: t.to("meta") if isinstance(t, torch.Tensor) else t for name, t in valid_args("cpu").items()}
+    out = lora_ops.add_lora(args["y"], args["x"], args["lora_a"], args["lora_b"], args["scale"], args["rank"],
+                            token_slots=slots([0, 1, 2, -1], "cpu"), slice_widths=args["slice_widths"])
+    assert out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"token_slots: slot 7 at token 1 is outside \[-1, max_loras=3\)"):
+        lora_ops.add_lora(args["y"], args["x"], args["lora_a"], args["lora_b"], args["scale"], args["rank"],
+                          token_slots=slots([0, 7, 2, -1], "cpu"), slice_widths=args["slice_widths"])
+
+
 LINEAR_BAD = [
     ("weight_wrong_features", dict(weight=lambda a: torch.randn(N, K + 1, device=a["x"].device)), ValueError,
      "weight: expected shape [N, K] with K = 6"),
@@ -326,6 +357,8 @@ LINEAR_BAD = [
     ("bias_on_meta", dict(bias=lambda a: torch.randn(N, device="meta")), ValueError, "bias: expected a tensor on"),
     ("lora_b_wrong_rank", dict(lora_b=lambda a: torch.randn(L, N, R + 1, device=a["x"].device)), ValueError,
      "lora_b: expected shape [L, N, R]"),
+    ("lora_b_dtype", dict(lora_b=lambda a: torch.randn(L, N, R, device=a["x"].device, dtype=torch.float16)),
+     TypeError, "lora_b: expected dtype torch.float32 (the dtype of x)"),
     ("widths_not_summing_to_N", dict(slice_widths=lambda a: [4, 5]), ValueError, "slice_widths: expected positive"),
 ]
 
