@@ -38,6 +38,10 @@ def _triton():
 
 
 _interpreter_checked = []
+# Triton's interpreter (3.6-3.9) computes bfloat16 on its raw bit patterns as integers (garbage, no error:
+# DESIGN.md §6). A bf16 call there raises unless this is set: tests/interp_bf16.py's patch redoes that
+# arithmetic in float32 and sets it while active.
+INTERPRETER_BF16 = {"patched": False}
 
 
 def _check_interpreter():
@@ -109,6 +113,11 @@ def register_kernels(op, launchers, check, cpu_kernel, trusted=False):
     def on_cpu_tensors(args, unchecked):
         if _cpu_backend == "triton":
             _check_interpreter()
+            if not INTERPRETER_BF16["patched"] and any(getattr(a, "dtype", None) is torch.bfloat16 for a in args):
+                raise RuntimeError(f"lora_ops::{name}: bfloat16 tensors on the CPU with set_cpu_backend('triton'): "
+                                   f"Triton's interpreter computes bfloat16 wrongly (it does arithmetic on the bit "
+                                   f"patterns; triton-lang/triton#11584). Use float16 or float32 there, or the torch "
+                                   f"CPU backend (set_cpu_backend('torch'))")
             return launch(args, unchecked)
         if not unchecked:
             check(*args)

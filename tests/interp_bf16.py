@@ -117,12 +117,16 @@ def patched():
     """Within the block, the interpreter computes bf16 in float32 with round-to-nearest-even."""
     if UNPATCHABLE_REASON:
         raise RuntimeError(UNPATCHABLE_REASON)
+    from lora_ops import ops
     original = {name: InterpreterBuilder.__dict__[name] for name in _PATCHED_METHODS}
     for name, fn in _make_patches(original).items():
         setattr(InterpreterBuilder, name, fn)
+    was = ops.INTERPRETER_BF16["patched"]
+    ops.INTERPRETER_BF16["patched"] = True     # (else the ops refuse bf16 on the interpreter)
     try:
         yield
     finally:
+        ops.INTERPRETER_BF16["patched"] = was
         for name, fn in original.items():
             setattr(InterpreterBuilder, name, fn)
 
