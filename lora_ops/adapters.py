@@ -131,10 +131,10 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     # Packed layers whose slices' scale ratios were folded into lora_B: training warns of them.
     paths = {layer: path for path, layer in ctx.layers.items()}
     _folded_layers(ctx)[slot] = {paths[layer] for layer, (_, _, _, folded) in plan.items() if folded}
-    _configs_changed(ctx)
-    # Packed layers the adapter targeted as one module (Phi-3's qkv_proj): saved back that way.
+    # Packed layers the adapter targeted as one module (Phi-3's qkv_proj): saved back that way, trained tied.
     _fused_sources(ctx)[slot] = {path for path in modules if ctx.targets[path][1] is None
                                  and len(ctx.targets[path][0].slice_widths) > 1}
+    _configs_changed(ctx)
     return slot
 
 
@@ -156,8 +156,8 @@ def unload_adapter(ctx, name):
     ctx.slot_names[slot] = None
     _configs(ctx).pop(slot, None)
     _folded_layers(ctx).pop(slot, None)
-    _configs_changed(ctx)
     _fused_sources(ctx).pop(slot, None)
+    _configs_changed(ctx)
 
 
 def read_peft_directory(path):
@@ -524,10 +524,11 @@ def _folded_layers(ctx):
 
 
 def _configs_changed(ctx):
-    """An open trainer's per-slot dropout follows the adapters' configs as they are loaded and unloaded."""
+    """An open trainer's per-slot dropout and tied slices follow the adapters as they are loaded and unloaded."""
     trainer = getattr(ctx, "trainer", None)
     if trainer is not None:
         trainer.refresh_dropout()
+        trainer.refresh_ties()
 
 
 def _fused_sources(ctx):

@@ -39,7 +39,10 @@ exactly (tests/test_training.py checks them against PEFT trained one adapter at 
 slices of a packed layer were loaded with different scales (``alpha_pattern`` across q/k/v of one fused
 layer) holds each slice's ratio to the largest folded into its ``lora_B`` (lora_ops.adapters): the forward
 is PEFT's, but the optimizer trains the rescaled factor (each slice's effective learning rate differs from
-PEFT's by the ratio), and :func:`train_slots` warns of it.
+PEFT's by the ratio), and :func:`train_slots` warns of it. An adapter that targeted a packed layer as one
+module (PEFT on Phi-3's ``qkv_proj``) holds a copy of its one lora_A in each slice: each copy's gradient is
+the slices' sum, PEFT's gradient of that A, so the copies stay equal and train as PEFT's (:meth:`SlotTrainer.
+refresh_ties`).
 
 **Dropout.** In training mode (``model.train()``), while a trainer is open (the table is its: a model in
 training mode with no trainer applies none), each token's LoRA input is ``dropout(x, p)`` with the
@@ -156,6 +159,8 @@ class SlotTrainer:
         if freeze_base:
             _freeze_base(ctx)
         self._layers = list(ctx.layers.values())
+        self._tied = {}     # layer -> [L] bool: slots whose adapter targeted the packed layer as one module
+        self.refresh_ties()
         self._hooks = []
         for layer in self._layers:
             for stack in (layer.lora_a, layer.lora_b):
@@ -218,6 +223,22 @@ class SlotTrainer:
         else:
             current.copy_(table)
 
+    def refresh_ties(self):
+        """Which slots of each packed layer hold an adapter that targeted it as one module (PEFT on Phi-3's
+        ``qkv_proj``: one lora_A for every slice, copied into each slice's A as it loads). Their gradient hook
+        gives each slice's copy the sum of the slices' gradients, the one A's gradient in PEFT, so the copies
+        stay equal under any optimizer (each slice trained its own copy: after one step the model was no longer
+        PEFT's, and saving wrote rank S·r). Called on load and unload while the trainer is open."""
+        paths = {layer: path for path, layer in self.ctx.layers.items()}
+        fused = getattr(self.ctx, "adapter_fused_sources", {})
+        self._tied = {}
+        for layer in self._layers:
+            slots = [slot for slot, sources in fused.items() if paths.get(layer) in sources]
+            if slots:
+                tied = torch.zeros(self.ctx.max_loras, dtype=torch.bool, device=layer.rank.device)
+                tied[slots] = True
+                self._tied[layer] = tied
+
     def forget_slot(self, slot):
         """Stop training ``slot`` (its adapter was unloaded): an adapter loaded there later is not this
         trainer's, and step() restores it as any slot not chosen (the optimizer's moments for the stack
@@ -249,6 +270,9 @@ class SlotTrainer:
             # (Select, never multiply: a NaN or inf in a slot not trained, NaN times 0, reached the trained
             # slots through gradient clipping's norm and GradScaler's skip.)
             grad = torch.where(mask, grad, 0)
+            tied = self._tied.get(layer) if is_a else None
+            if tied is not None:   # (refresh_ties)
+                grad = torch.where(tied[:, None, None, None], grad.sum(1, keepdim=True).expand_as(grad), grad)
             self._has_grad |= _on(grad.flatten(1).any(1), self._has_grad.device)   # (any: non-zero, no temporary)
             return grad
         return hook
