@@ -400,6 +400,10 @@ def _resolve_target(ctx, path, source):
             module = model.get_submodule(path)
         except AttributeError:
             module = None
+    if module is None and model is None and not ctx.targets:
+        raise AdapterError(f"{source}: the adapter targets {path!r}, but this context serves no layers by path "
+                           f"(one built by hand, not by apply_lora): adapters load by module path into the layers "
+                           f"apply_lora wrapped; wrap a model with apply_lora(model, target_modules, ...)")
     if module is None:
         raise AdapterError(f"{source}: the adapter targets {path!r}, which is not a module of this model "
                            f"(paths are relative to the model apply_lora wrapped)")

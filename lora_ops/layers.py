@@ -261,7 +261,9 @@ class LoRAContext:
 
     def load_adapter(self, name, path, *, replace=False):
         """Load the PEFT adapter directory ``path`` into a free slot as ``name``; returns the slot.
-        ``replace=True`` swaps the adapter already loaded as ``name`` in place (same slot)."""
+        ``replace=True`` swaps the adapter already loaded as ``name`` in place (same slot), or loads it into a
+        free slot where none is (load or replace). Not between a training forward and its backward: a load
+        writes the stacks the backward reads, which autograd then refuses."""
         return adapters.load_peft_adapter(self, name, path, replace=replace)
 
     def load_adapter_tensors(self, name, tensors, config=None, *, replace=False):

@@ -140,6 +140,13 @@ def test_safetensors_is_preferred_over_bin(tmp_path):
     assert_loaded(ctx, 0, good, 1.0)
 
 
+def test_a_context_built_by_hand_says_it_has_no_layers():
+    from lora_ops.layers import LoRAContext
+    ctx = LoRAContext(max_loras=2, max_tokens=8)
+    with pytest.raises(AdapterError, match=r"but this context serves no layers by path \(one built by hand"):
+        ctx.load_adapter_tensors("a", peft_tensors({"proj": (8, 8)}, 2, seed=1, prefix=""))
+
+
 def test_a_named_weights_file_is_the_one_read(tmp_path):
     """load_adapter(dir / "adapter_model.bin") in a folder holding both files read the safetensors file."""
     model, ctx = lora_model()
