@@ -299,13 +299,16 @@ def _group_by_module(tensors, source):
     """{module path: (lora_A, lora_B)}; any key that is not a plain LoRA factor is an error."""
     if not isinstance(tensors, dict):
         raise TypeError(f"tensors: expected a dict of tensors, got {type(tensors).__name__}")
+    # Each feature over every key in turn, the first feature first: an Embedding adapter saved with PEFT's
+    # defaults also holds the embedding's own weight, and the message named that instead of the Embedding.
+    for pattern, feature in _UNSUPPORTED_KEYS:
+        for key in tensors:
+            if pattern.search(key) and not _SKIPPED_KEYS.search(key):
+                raise UnsupportedAdapterError(f"{feature} is not supported ({source}: tensor {key!r})")
     factors = {}
     for key, t in tensors.items():
         if _SKIPPED_KEYS.search(key):
             continue
-        for pattern, feature in _UNSUPPORTED_KEYS:
-            if pattern.search(key):
-                raise UnsupportedAdapterError(f"{feature} is not supported ({source}: tensor {key!r})")
         match = _LORA_KEY.match(key)
         if match is None:
             if key.endswith(".weight") and "lora_" not in key:

@@ -344,6 +344,11 @@ ERROR_CASES = {
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, None, UnsupportedAdapterError, "modules_to_save"),
     "embedding_layer": ({}, lambda t: {**t, "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 64)},
                         UnsupportedAdapterError, "layer type Embedding"),
+    # PEFT's defaults save the embedding's own weight beside its factors, first: the Embedding is still named.
+    "embedding_layer_saved_with_its_weight": (
+        {}, lambda t: {"base_model.model.model.embed_tokens.base_layer.weight": torch.ones(64, 32), **t,
+                       "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(4, 64)},
+        UnsupportedAdapterError, "layer type Embedding"),
     "norm_layer": ({}, lambda t: {**t, **peft_tensors({"model.layers.0.norm": (32, 32)}, 4, 0)},
                    UnsupportedAdapterError, r"layer type LayerNorm is not supported .*'model.layers.0.norm'"),
     "conv_shaped": ({}, lambda t: _edit(t, "lora_A.weight", lambda a: a[:, :, None, None]),
