@@ -1,6 +1,7 @@
 """Config selection: token buckets, the heuristic, the tuned-table lookup and its fallbacks (the GPU path
 of the lookup is exercised with a fake GPU name and table); the tuner's runner and the runtime autotune
 run their kernels on the test device (the interpreter, or the GPU with LORA_OPS_TEST_DEVICE=cuda)."""
+import itertools
 import json
 import math
 import re
@@ -804,3 +805,41 @@ def test_planes_in_turn_is_a_table_field_but_no_tuner_candidate(pretend_gpu_tabl
     assert configs.expand_config(4096, 4096, 1, 320, 4, CUDA, torch.bfloat16) == \
         heuristics.ExpandConfig(64, 256, 32, 4, 3)
     assert configs.expand_config(1024, 4096, 1, 320, 4, CUDA, torch.bfloat16).planes_in_turn
+
+
+# sm_90's shared memory a block (the opt-in maximum, H100 and H200) and the layer shapes whose configs must fit:
+# (in_features, slices, out_features) of Llama-3-8B's and Phi-4-mini's layers.
+SM90_SHARED = 232448
+LAYER_SHAPES = [(4096, 3, 6144), (4096, 1, 4096), (4096, 2, 28672), (14336, 1, 4096), (3072, 3, 5120),
+                (3072, 1, 3072), (3072, 2, 16384), (8192, 1, 3072)]
+
+
+def _shrink_shared(cfg, element_size=2):
+    """The shrink's shared memory: each stage holds an x tile and the slice group's A tiles."""
+    return cfg.num_stages * cfg.block_k * (cfg.block_m + cfg.slice_group * cfg.block_r) * element_size
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_configs_from_the_shipped_table_fit_sm90_shared_memory(pretend_gpu_tables, dtype):
+    """Configs derived from the H200 table for shapes it does not hold must still compile on sm_90:
+    - a shrink entry at a neighbouring rank kept its slice group with the wider rank block (rank 32 from the
+      rank-16 entry: a 128-wide dot, 288 KiB; the launch fails on the GPU);
+    - float16 widens the expand's B tile to float32 (one rank block of 512 and 128 columns: 292 KiB).
+    The estimates match sm90_codegen's compiles of both (2026-12-06)."""
+    table = json.loads((configs.TUNED_DIR / "NVIDIA_H200.json").read_text())
+    pretend_gpu_tables({"NVIDIA_H200": table}, ("NVIDIA H200", (9, 0), 132))
+    for (K, S, N), R, tokens in itertools.product(LAYER_SHAPES, (8, 16, 24, 32, 48, 64, 96, 128, 256, 320, 512),
+                                                  (1, 16, 64, 256, 1024, 4096)):
+        shrink = configs.shrink_config(tokens, K, S, R, 4, CUDA, dtype, out_features=N)
+        assert _shrink_shared(shrink) <= SM90_SHARED, (K, S, N, R, tokens, shrink)
+        if dtype == torch.float16:
+            expand = configs.expand_config(tokens, N, S, R, 4, CUDA, dtype)
+            assert expand.block_r * expand.block_n <= heuristics.FLOAT16_MAX_B_TILE, (N, S, R, tokens, expand)
+
+
+def test_float16_tiles_narrow_only_a_wide_float32_b_tile():
+    wide = heuristics.ExpandConfig(16, 128, 512, 8, 2)
+    assert heuristics.float16_tiles(wide) == wide._replace(block_n=64)
+    for cfg in (heuristics.ExpandConfig(16, 128, 256, 8, 2), heuristics.ExpandConfig(64, 256, 32, 4, 3),
+                heuristics.ShrinkConfig(64, 32, 256, 1, 8, 3, 4)):
+        assert heuristics.float16_tiles(cfg) is cfg

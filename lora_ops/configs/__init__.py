@@ -300,7 +300,13 @@ def _from_table(kind, device, features, num_slices, max_rank, bucket, out_featur
     if kind in EXPAND_KINDS and entry["rank"] != max_rank:
         return _expand_at_rank(cfg, entry["rank"], max_rank) or fallback
     if entry["rank"] != max_rank:  # a neighbour's rank block may not suit this rank
-        cfg = cfg._replace(block_r=heuristics.rank_block(max_rank))
+        block_r = heuristics.rank_block(max_rank)
+        if kind == "shrink":
+            # The dot no wider than the entry's (slice_group x block_r): the rank-16 entry's 4 slices a program
+            # at rank 32 took a 128-wide dot and 288 KiB of shared memory, past sm_90's 227 (Llama qkv, 4096
+            # tokens: a launch failure on the GPU; sm90_codegen).
+            cfg = cfg._replace(slice_group=max(1, min(cfg.slice_group, cfg.slice_group * cfg.block_r // block_r)))
+        cfg = cfg._replace(block_r=block_r)
     if kind == "shrink":
         cfg = cfg._replace(split_k=max(1, min(cfg.split_k, heuristics.cdiv(features, cfg.block_k))))
     return cfg
@@ -327,6 +333,14 @@ def _resolve(kind, device, dtype, features, num_slices, max_rank, num_slots, buc
         return fallback, True
     if dtype == torch.float32:      # the heuristic, in float32's own tiles (no table or autotune entries)
         return (None if fallback is None else heuristics.float32_tiles(fallback)), True
+    cfg, keep = _resolve_half(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features,
+                              forced, fallback)
+    return (heuristics.float16_tiles(cfg) if dtype == torch.float16 and cfg is not None else cfg), keep
+
+
+def _resolve_half(kind, device, dtype, features, num_slices, max_rank, num_slots, bucket, out_features, forced,
+                  fallback):
+    """_resolve for bfloat16 and float16 on a GPU: autotune, the table or the heuristic."""
     if _autotune["on"]:
         if torch.cuda.is_current_stream_capturing():
             return fallback, False

@@ -210,6 +210,21 @@ def float32_tiles(cfg):
     return cfg
 
 
+# float16's expand meets the float32 h in "tf32" (kernels.work.split_f32): its B tile is widened to float32,
+# twice bfloat16's shared memory. A rank of 257-512 in one block with 128 columns took 292 KiB, past sm_90's
+# 227 (the H200 table's decode entries at ranks 257-512, tuned in bf16, and the heuristic's at 16384-wide
+# outputs; sm90_codegen, 2026-12-06). At most this many B elements a tile in float16: 64 columns at 512.
+FLOAT16_MAX_B_TILE = 512 * 64
+
+
+def float16_tiles(cfg):
+    """``cfg`` as float16 takes it on a GPU: an expand (or one-launch) column block narrowed where its B tile,
+    widened to float32, would pass :data:`FLOAT16_MAX_B_TILE`; anything else as it is."""
+    if isinstance(cfg, (ExpandConfig, FusedConfig)) and cfg.block_r * cfg.block_n > FLOAT16_MAX_B_TILE:
+        return cfg._replace(block_n=max(16, FLOAT16_MAX_B_TILE // cfg.block_r))
+    return cfg
+
+
 def expand_config(bucket, out_features, max_rank, num_slots):
     block_r = rank_block(max_rank)
     if rank_loops(max_rank):
