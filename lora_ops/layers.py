@@ -107,7 +107,10 @@ class _PinnedStaging:
         buf = self._buffers[i][:host_slots.shape[0]]
         buf.copy_(host_slots)
         device_slots[:buf.shape[0]].copy_(buf, non_blocking=True)
-        self._copied[i].record()
+        # On the stream the copy went to, the destination's current one: a context on another GPU than the
+        # current one recorded the event on the current GPU's stream, which did not track the copy (a refill
+        # could then overwrite the pinned buffer under it).
+        self._copied[i].record(torch.cuda.current_stream(device_slots.device))
 
     def __reduce__(self):
         # The pinned buffers and events belong to this process and hold nothing worth keeping between
