@@ -22,7 +22,7 @@ the key).
 
 An op that never hands its scratch to its caller (add_lora_ and lora_linear's write-first delta: h and the
 split-K partial sums) takes it, on the fast replay, from one workspace per stream instead of the caching
-allocator (:data:`WORKSPACE_BYTES`). That is safe because a stream runs our launches in order: a kernel
+allocator (:data:`WORKSPACE_BYTES`; one per host thread too). That is safe because a stream runs our launches in order: a kernel
 launched with PDL waits (``gdc_wait``) for the kernel before it to finish before it writes anything, so a
 call's scratch is dead once the next call's first kernel writes. Not while a CUDA graph is captured (a graph
 keeps addresses; its scratch comes from its own pool), and not for scratch that must start zeroed.
@@ -46,7 +46,9 @@ _epoch = [0]          # bumped whenever plans are dropped: what holds a Plan out
 # fifth of add_lora_'s plan replay. Larger scratch goes with kernels long enough to hide the allocation.
 WORKSPACE_BYTES = 1 << 20
 _WORKSPACE_ALIGN = 256
-_WORKSPACES = {}      # (device index, raw stream) -> uint8 tensor of WORKSPACE_BYTES
+_WORKSPACES = {}      # (device index, raw stream, host thread) -> uint8 tensor of WORKSPACE_BYTES
+# Workspaces at most (1 MiB each, kept for the process's life): past them a call allocates its scratch.
+MAX_WORKSPACES = 64
 _RECORDERS = []       # the lists recording() hands out: each plan run appends (plan or None, tensors)
 
 
@@ -120,11 +122,18 @@ def _capturing(x):
 
 
 def workspace_address(device_index, stream, device):
-    """The address of the workspace of ``stream`` (a raw handle: the default stream's is 0 on every
-    device) on the device of index ``device_index``, ``device`` as a torch.device; allocated on first use."""
-    ws = _WORKSPACES.get((device_index, stream))
+    """The address of this host thread's workspace on ``stream`` (a raw handle: the default stream's is 0 on
+    every device) on the device of index ``device_index``, ``device`` as a torch.device; allocated on first
+    use; None once :data:`MAX_WORKSPACES` exist (the caller allocates). Per thread: two threads enqueueing on
+    one stream interleave their launches (shrink A, shrink B, expand A), and one workspace between them had
+    expand A read B's h (a static review). A thread's ident may be reused after it ends; its launches were
+    enqueued before the new thread's, on the same stream."""
+    key = (device_index, stream, threading.get_ident())
+    ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _WORKSPACES[(device_index, stream)] = _outside_graph_pools(WORKSPACE_BYTES, device)
+        if len(_WORKSPACES) >= MAX_WORKSPACES:
+            return None
+        ws = _WORKSPACES[key] = _outside_graph_pools(WORKSPACE_BYTES, device)
     return ws.data_ptr()
 
 
@@ -175,8 +184,9 @@ class Plan:
             if _aligned(pointers):
                 scratch = ()
                 x = tensors[0]
-                if self.workspace is not None and not _capturing(x):
-                    base = workspace_address(self.device, stream, x.device)
+                base = (workspace_address(self.device, stream, x.device)
+                        if self.workspace is not None and not _capturing(x) else None)
+                if base is not None:
                     pointers += [base + offset for offset in self.workspace]
                 else:
                     scratch = self._allocate(x.device)

@@ -6,6 +6,8 @@ poisoned outputs each call. What the key holds is checked by changing each part 
 (the compiled kernels' C launchers called with addresses) is checked against a stand-in compiled kernel
 on any machine: the addresses and integers it passes, and the fallback for a misaligned tensor.
 """
+import threading
+
 import pytest
 import torch
 
@@ -297,13 +299,25 @@ def test_replays_take_add_lora_scratch_from_the_stream_workspace(fake_compiled, 
         y, x = case.new_y("zero"), case.x.clone()
         before = len(runs)
         assert known.run((y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta)) == ()
-        base = plan._WORKSPACES[(5, stream)].data_ptr()
+        base = plan._WORKSPACES[(5, stream, threading.get_ident())].data_ptr()
         tensors = (y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta)
         shrink_args, expand_args = runs[before:]
         # the shrink writes h and the expand reads it at the workspace's start, on this stream
         assert shrink_args[3] == expand_args[3] == stream
         assert _scratch_pointers(shrink_args, tensors) == _scratch_pointers(expand_args, tensors) == {base}
-    assert set(plan._WORKSPACES) == {(5, 1234), (5, 77)}
+    assert set(plan._WORKSPACES) == {(5, 1234, threading.get_ident()), (5, 77, threading.get_ident())}
+    # Another host thread on the same stream takes a workspace of its own (threads enqueueing on one stream
+    # interleave their launches); past MAX_WORKSPACES a call allocates its scratch.
+    other = []
+    thread = threading.Thread(target=lambda: other.append(plan.workspace_address(5, 77, case.x.device)))
+    thread.start()
+    thread.join()
+    assert other[0] not in (plan._WORKSPACES[(5, 77, threading.get_ident())].data_ptr(), None)
+    monkeypatch.setattr(plan, "MAX_WORKSPACES", len(plan._WORKSPACES))
+    assert plan.workspace_address(5, 99, case.x.device) is None
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 99)
+    y, x = case.new_y("zero"), case.x.clone()
+    assert len(known.run((y, x, case.lora_a, case.lora_b, case.scale, case.rank, *case.meta))) == 1
 
 
 @pytest.mark.parametrize("path_configs", ["split"], indirect=True)
