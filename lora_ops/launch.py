@@ -133,6 +133,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     assert slice_k is None or cfg.slice_group == 1, "slice_k: each program reads one slice's features"
+    x = _features_addressable(x)
     grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
     planes = planes_in(h)
@@ -301,12 +302,22 @@ def takes_partials(expand_cfg, max_rank):
     return max_rank <= expand_cfg.block_r
 
 
+def _features_addressable(x):
+    """x, or its row-major copy where a feature offset times x's feature stride passes 2^31 elements (a
+    transposed x of 4 GiB or more): the shrink and one-launch kernels compute that product in 32 bits, their
+    token rows' offsets in 64 (static review; the copy also keeps such a call out of the plans)."""
+    if x.shape[1] > 1 and (x.shape[1] - 1) * x.stride(1) >= 2 ** 31:
+        return x.contiguous()
+    return x
+
+
 def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
                  cfg, run=True):
     """y[:, slices] += scale * (x A^T) B^T in one launch (small batches; see kernels.fused). Returns the
     :class:`Launch`, run unless ``run`` is False."""
     M, K = x.shape
     L, _, R, _ = lora_a.shape
+    x = _features_addressable(x)
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
     return Launch(

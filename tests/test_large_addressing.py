@@ -66,3 +66,13 @@ def test_rows_past_int32_offsets(K, N, triton_backend):
     assert rel_err(delta, ref) <= TOLERANCE[dtype] + 2e-3     # + one fp16 rounding of y (non-zero start)
     none = s == -1
     assert torch.equal(y[rows][none], y_in[none])
+
+
+def test_a_transposed_x_past_int32_feature_offsets_is_copied_row_major():
+    """The shrink and one-launch kernels compute a feature offset times x's feature stride in 32 bits: a
+    transposed x of 2^31 elements or more (feature stride M) read out of bounds there. The launcher hands them
+    a row-major copy of such an x (meta tensors: the shapes without the memory)."""
+    x = torch.empty_strided((2 ** 20, 4096), (1, 2 ** 20), device="meta")
+    assert launch._features_addressable(x).stride() == (4096, 1)
+    small = torch.empty_strided((2 ** 10, 4096), (1, 2 ** 10), device="meta")
+    assert launch._features_addressable(small) is small
