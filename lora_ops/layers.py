@@ -1012,8 +1012,9 @@ def _at_most(num_tokens, limit):
 
 
 def _holding(param, view):
-    """``param`` with ``view`` as its data (the same object), or a new parameter where it is a plain tensor."""
-    if not isinstance(param, nn.Parameter):
+    """``param`` with ``view`` as its data (the same object), or a new parameter where it is a plain tensor or an
+    inference tensor (a model built under torch.inference_mode: it would stay one, which serves nowhere else)."""
+    if not isinstance(param, nn.Parameter) or param.is_inference():
         return nn.Parameter(view, requires_grad=param.requires_grad)
     param.data = view
     return param

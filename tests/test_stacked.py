@@ -103,7 +103,7 @@ def test_stacked_weight_errors_name_the_argument():
         op(case.x, torch.cat([stacked, stacked], 1)[:, :K], None, *args)
     with pytest.raises(ValueError, match=r"stacked_bias: expected shape \["):
         op(case.x, stacked, bias[:N], *args)
-    with pytest.raises(ValueError, match="weight: expected shape"):
+    with pytest.raises(ValueError, match=r"^stacked_weight \(its first N rows: the base weight\): expected shape"):
         op(case.x[:, :-1], stacked, None, *args)
 
 
