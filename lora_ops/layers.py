@@ -726,7 +726,11 @@ class LoRALinear(nn.Module):
     @torch.inference_mode(False)
     def _stack(self):
         """Put the base weight over lora_a in one buffer (and the bias over zeros), the parameters becoming
-        views of it; values are kept. Called at construction and after conversions (:meth:`_apply`)."""
+        views of it; values are kept. Called at construction and after conversions (:meth:`_apply`). A layer
+        that can no longer be stacked (:meth:`_stackable_now`) runs unstacked from then on."""
+        if not self._stackable_now():
+            self._stacked, self._stack_params, self._stack_ptrs, self.stacked_max_tokens = None, None, None, 0
+            return
         base, lora_a = self.base, self.lora_a
         weight, bias = base.weight, base.bias
         N, K = weight.shape
@@ -741,10 +745,23 @@ class LoRALinear(nn.Module):
         if bias is not None:
             base.bias = _holding(bias, stacked_bias[:N])
         self.lora_a = _holding(lora_a, stacked[N:N + E].view(lora_a.shape))
+        _STACK_OWNERS[id(base.weight)] = self
         self._stacked = (stacked, stacked_bias)
         self._stack_params = (base.weight, base.bias, self.lora_a)
         self._note_stack_ptrs()
         self.stacked_max_tokens = stacked_token_limit(N, K, E, pad_rows=P, device=weight.device, dtype=weight.dtype)
+
+    def _stackable_now(self):
+        """Whether _stack may (re)build the stack: the base's parameters plain ones of its own, lora_a not
+        parametrized (one registered after apply_lora: the re-stack raised torch's "attribute 'weight' already
+        exists"), and the weight not the view of another layer's stack (a weight shared by two wrapped layers,
+        tied or one base layer in two models: the second stack re-pointed the shared parameter, and the first
+        layer's compiled graph, which checks identity only, read its own stale copy of W)."""
+        if not _stackable(self.base) or torch.nn.utils.parametrize.is_parametrized(self, "lora_a"):
+            return False
+        weight, owner = self.base.weight, _STACK_OWNERS.get(id(self.base.weight))
+        return not (owner is not None and owner is not self and owner._stacked is not None
+                    and weight.data_ptr() == owner._stacked[0].data_ptr())
 
     def _note_stack_ptrs(self):
         """The addresses the parameters have while they are the stack's views (_stack_intact compares them)."""
@@ -992,10 +1009,13 @@ class LoRALinear(nn.Module):
         super()._apply(fn, *args, **kwargs)
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(device=self.scale.device)
-        # A conversion that moved or cast the parameters made them separate tensors: stack again (a .to() that
-        # changed nothing leaves the views as they are).
-        if self._stacked is not None and not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
-            self._stack()
+        # A conversion that moved or cast the parameters made them separate tensors: stack again. One that
+        # changed nothing leaves the views as they are, and so does one that moved the stack's storage in place
+        # (share_memory_: the views follow it; restacking put them in private memory, silently unshared).
+        if self._stacked is not None:
+            self._note_stack_ptrs()
+            if not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
+                self._stack()
         return self
 
     def extra_repr(self):
@@ -1009,6 +1029,10 @@ def _at_most(num_tokens, limit):
     on its value cannot be taken, and the branch refused to compile), whose graph then serves every count
     through lora_linear."""
     return guard_or_false(num_tokens <= limit)
+
+
+# id(a stacked layer's base weight) -> the LoRALinear whose stack it views (LoRALinear._stackable_now).
+_STACK_OWNERS = weakref.WeakValueDictionary()
 
 
 def _holding(param, view):

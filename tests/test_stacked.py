@@ -255,6 +255,78 @@ def test_stack_a_keeps_a_tied_weight_tied():
     del ctx
 
 
+def test_a_weight_shared_by_two_stacked_layers_is_stacked_once():
+    """Two wrapped layers on one weight parameter (tied, or one base layer in two models): the second stack
+    re-pointed the shared parameter at itself, and the first layer's compiled graph (identity checks) read its
+    own stale copy of W after an in-place update. The second layer runs unstacked, on the first one's view."""
+    import lora_ops
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
+    model["b"].weight = model["a"].weight
+    ctx = lora_ops.apply_lora(model, ["a", "b"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
+    a, b = model["a"], model["b"]
+    assert a._stacked is not None and b._stacked is None and a.base.weight is b.base.weight
+    ctx.set_batch([(None, 8)])
+    x, new = torch.randn(8, 16), torch.randn(16, 16)
+    with torch.no_grad():
+        a.base.weight.copy_(new)
+
+    def both(x):
+        return a(x) + b(x)
+    expected = 2 * x @ new.T + a.base.bias + b.base.bias
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for run in (both, torch.compile(both, fullgraph=True, backend="eager")):
+            torch.testing.assert_close(run(x), expected, rtol=1e-5, atol=1e-5)
+    model.half().float()            # a conversion restacks the first, leaves the second unstacked
+    assert a._stacked is not None and b._stacked is None and a.base.weight is b.base.weight
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("what", ["half", "deepcopy", "load_state_dict_assign"])
+def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(what):
+    """A parametrized base weight (or lora_a) registered after apply_lora: the re-stack of a conversion, a
+    deep copy or an assigning load raised torch's "attribute 'weight' already exists". The layer runs
+    unstacked from then on."""
+    import copy
+    import lora_ops
+
+    class Twice(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    ctx = lora_ops.apply_lora(model, ["0"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
+    torch.nn.utils.parametrize.register_parametrization(model[0].base, "weight", Twice())
+    if what == "half":
+        model = model.half().float()
+    elif what == "deepcopy":
+        model = copy.deepcopy(model)
+    else:
+        model.load_state_dict(model.state_dict(), assign=True)
+    layer = model[0]
+    assert layer._stacked is None
+    layer.context.set_batch([(None, 4)])
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ (2 * layer.base.parametrizations.weight.original).T
+                                   + layer.base.bias, rtol=1e-3, atol=1e-3)
+    del ctx
+
+
+def test_share_memory_keeps_the_stack_shared():
+    """model.share_memory() moves the stack's storage in place, the views with it: _apply compared the new
+    addresses with the old ones and restacked into private memory (a forked worker then served new adapters
+    with lora_a stale)."""
+    (plain, stacked), (ctx0, ctx1) = stacked_models()
+    stacked.share_memory()
+    for layer in ctx1.layers.values():
+        assert layer._stacked is not None and layer._stacked[0].is_shared()
+        assert layer.base.weight.is_shared() and layer.lora_a.is_shared()
+        assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
+
+
 def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     layer = stacked.model.layers[0].self_attn.o_proj
