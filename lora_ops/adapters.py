@@ -126,6 +126,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     if not modules:
         raise AdapterError(f"{source}: no LoRA weights (keys '<module>.lora_A.weight' / '.lora_B.weight') found")
     plan = _plan_writes(ctx, modules, config, source)
+    _check_stacks_writable(ctx, source)
     _write(ctx, slot, name, plan)
     _configs(ctx)[slot] = config      # for save_peft_adapter (use_rslora) and training (lora_dropout)
     # Packed layers whose slices' scale ratios were folded into lora_B: training warns of them.
@@ -147,6 +148,7 @@ def unload_adapter(ctx, name):
         # (per_row holds slots, not names: another adapter loaded into the freed slot would serve these rows)
         raise AdapterError(f"unload_adapter: adapter {name!r} serves rows of the active per_row block; unload it "
                            f"after the block (replacing it, load_adapter(..., replace=True), keeps its slot)")
+    _check_stacks_writable(ctx, "unload_adapter")
     for layer in ctx.layers.values():
         layer.clear_slot(slot)
     ctx._drop_from_batch(slot)      # (else an adapter loaded into the slot next would serve the batch's tokens)
@@ -501,6 +503,18 @@ def _fold_slices(layer, slices, source):
                                    f"overflow to infinity when cast)")
         prepared.append((a, b))
     return prepared, scale, rank
+
+
+def _check_stacks_writable(ctx, what):
+    """Loads and unloads write the layers' lora_a / lora_b in place: a parametrized one (torch.nn.utils.
+    parametrize) reads as the parametrization's computed tensor, and the writes went there and were lost (the
+    slot kept the previous adapter's factors under the new name)."""
+    for path, layer in ctx.layers.items():
+        for stack in ("lora_a", "lora_b"):
+            if torch.nn.utils.parametrize.is_parametrized(layer, stack):
+                raise AdapterError(f"{what}: {stack} of {path!r} is parametrized (torch.nn.utils.parametrize): a "
+                                   f"load or unload would write the parametrization's output, not the parameter; "
+                                   f"remove the parametrization to change the adapters")
 
 
 def _write(ctx, slot, name, plan):

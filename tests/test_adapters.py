@@ -8,9 +8,11 @@ import copy
 import math
 import os
 import pickle
+import re
 
 import pytest
 import torch
+from torch import nn
 
 from layer_helpers import (PACKED, PROJECTIONS, assert_state_unchanged, data_ptrs, fused_copy, linear_paths,
                            lora_config, module_shapes, peft_tensors, slot_state, toy_lm, write_adapter_dir)
@@ -138,6 +140,27 @@ def test_safetensors_is_preferred_over_bin(tmp_path):
     torch.save({"not": torch.zeros(1)}, os.path.join(path, "adapter_model.bin"))
     ctx.load_adapter("both", path)
     assert_loaded(ctx, 0, good, 1.0)
+
+
+@pytest.mark.parametrize("stack", ["lora_a", "lora_b"])
+def test_loads_refuse_a_parametrized_stack(stack):
+    """A parametrized lora_b reads as the parametrization's computed tensor: loads and unloads wrote there and
+    were lost, and the slot served the previous adapter's factors under the new name."""
+    model, ctx = lora_model()
+    ctx.load_adapter_tensors("old", _tensors(model, seed=1))
+
+    class Clamp(nn.Module):
+        def forward(self, t):
+            return t.clamp(-10, 10)
+
+    path, layer = next(iter(ctx.layers.items()))
+    torch.nn.utils.parametrize.register_parametrization(layer, stack, Clamp())
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=f"unload_adapter: {stack} of '{re.escape(path)}' is parametrized"):
+        ctx.unload_adapter("old")
+    with pytest.raises(AdapterError, match=f"{stack} of '{re.escape(path)}' is parametrized"):
+        ctx.load_adapter_tensors("new", _tensors(model, seed=2))
+    assert_state_unchanged(before, ctx)
 
 
 def test_a_context_built_by_hand_says_it_has_no_layers():
