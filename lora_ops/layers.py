@@ -982,7 +982,22 @@ class LoRALinear(nn.Module):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
         # (a host sync, once a load). The adapters' names are the context's and not in the state dict.
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # load_state_dict(assign=True) takes the state dict's tensors as they are: a checkpoint converted to
+        # half precision ({k: v.half()}) gave a float16 scale, and every forward then raised. The ops take a
+        # float32 scale and an int32 rank, as model.half() keeps them (_apply).
+        if self.scale.dtype != torch.float32:
+            self.scale = self.scale.float()
+        if self.rank.dtype != torch.int32:
+            self.rank = self.rank.to(torch.int32)
         self.slot_ranks = [int(r) for r in self.rank.tolist()]
+        bad = [r for r in self.slot_ranks if not 0 <= r <= self.max_rank]
+        if bad:
+            error_msgs = args[4] if len(args) > 4 else kwargs.get("error_msgs")
+            message = (f"{prefix}rank: slot ranks {self.slot_ranks} hold {bad[0]}, outside [0, "
+                       f"max_rank={self.max_rank}]")
+            if error_msgs is None:
+                raise ValueError(message)
+            error_msgs.append(message)
 
     def __setstate__(self, state):
         # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.

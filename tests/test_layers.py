@@ -218,6 +218,24 @@ def test_apply_lora_names_a_capacity_below_one(argument):
         apply_lora(nn.Sequential(nn.Linear(8, 8)), ["0"], **kw)
 
 
+def test_an_assigning_load_of_a_half_checkpoint_keeps_scale_and_rank_dtypes():
+    """load_state_dict(assign=True) kept a converted checkpoint's float16 scale (and an int64 rank): the load
+    passed and every forward raised. A rank outside [0, max_rank] in a state dict is a load error."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    state = {k: v.half() if v.is_floating_point() else v.long() if k.endswith("rank") else v
+             for k, v in model.state_dict().items()}
+    model.half().load_state_dict(state, assign=True)
+    assert (layer.scale.dtype, layer.rank.dtype) == (torch.float32, torch.int32)
+    ctx.set_batch(REQUESTS)
+    x = torch.randn(12, K, dtype=torch.float16)
+    with torch.no_grad():
+        assert rel_err(layer(x), layer_reference(layer, x, request_slots(ctx, REQUESTS))) <= 2e-2
+    state["proj.rank"] = state["proj.rank"].clone().fill_(layer.max_rank + 1)
+    with pytest.raises(RuntimeError, match=r"proj.rank: slot ranks .* outside \[0, max_rank="):
+        model.load_state_dict(state)
+
+
 def test_context_repr_names_its_slots():
     _, ctx = one_layer_model(None, torch.float32, "cpu")
     assert repr(ctx) == (f"LoRAContext(max_loras={ctx.max_loras}, max_tokens={ctx.max_tokens}, device=cpu, layers=1, "
