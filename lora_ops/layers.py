@@ -1239,6 +1239,13 @@ def _select_targets(model, target_modules, packed):
     # Every name a module has (remove_duplicate=False): a module registered twice (tied, or one layer listed
     # twice in a ModuleList) is selected by any of its names, once, and replaced under all of them.
     for path, module in model.named_modules(remove_duplicate=False):
+        if type(module).__module__.startswith("peft.tuners."):
+            # (Its LoRA layers are Linear-like wrappers of their own: "all-linear" wrapped their factor layers,
+            # and a name selected one with an error naming a "Linear" that is not nn.Linear.)
+            raise TypeError(f"apply_lora: the model holds PEFT's adapter layers ({path!r} is a "
+                            f"{type(module).__module__}.{type(module).__name__}: a PeftModel). lora_ops serves PEFT "
+                            f"adapters itself: call apply_lora on the base model (before get_peft_model, or after "
+                            f"peft_model.unload()), then ctx.load_adapter each adapter's directory")
         if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path) or id(module) in taken:
             continue
         slices = _slice_paths(path, packed)

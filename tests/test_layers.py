@@ -236,6 +236,19 @@ def test_an_assigning_load_of_a_half_checkpoint_keeps_scale_and_rank_dtypes():
         model.load_state_dict(state)
 
 
+def test_apply_lora_refuses_a_peft_model():
+    """A PeftModel's LoRA layers are wrappers of their own: "all-linear" wrapped their factor layers, a name
+    selected one with an error about a "Linear" that was not nn.Linear, and loads blamed another context."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                                peft.LoraConfig(r=2, target_modules=["0"]))
+    for targets in (["0"], ["1"], "all-linear"):
+        with pytest.raises(TypeError, match=r"apply_lora: the model holds PEFT's adapter layers \('base_model' is "
+                                            r"a peft\.tuners\..*: a PeftModel\)\. lora_ops serves PEFT adapters "
+                                            r"itself"):
+            apply_lora(model, targets, max_loras=2, max_rank=2, max_tokens=4)
+
+
 def test_context_repr_names_its_slots():
     _, ctx = one_layer_model(None, torch.float32, "cpu")
     assert repr(ctx) == (f"LoRAContext(max_loras={ctx.max_loras}, max_tokens={ctx.max_tokens}, device=cpu, layers=1, "
