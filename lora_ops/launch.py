@@ -386,8 +386,8 @@ def _apart_from(t, y):
     write their y columns, and an expand's column blocks each read h rows: on memory they share, a later
     program read what an earlier one wrote (wrong columns, a race on a GPU). The torch kernels and the
     two-launch path's shrink read all of x first. Conservative (views interleaved in one buffer without a
-    shared element are copied too); two pointer reads where they are apart."""
-    if t.numel() == 0 or y.numel() == 0:
+    shared element are copied too); tensors of two storages (the usual case) cost two storage reads."""
+    if t.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() or t.numel() == 0 or y.numel() == 0:
         return t
     t0, y0 = t.data_ptr(), y.data_ptr()
     if t0 < y0 + _extent(y) and y0 < t0 + _extent(t):

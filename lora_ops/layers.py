@@ -745,7 +745,6 @@ class LoRALinear(nn.Module):
         if bias is not None:
             base.bias = _holding(bias, stacked_bias[:N])
         self.lora_a = _holding(lora_a, stacked[N:N + E].view(lora_a.shape))
-        _STACK_OWNERS[id(base.weight)] = self
         self._stacked = (stacked, stacked_bias)
         self._stack_params = (base.weight, base.bias, self.lora_a)
         self._note_stack_ptrs()
@@ -767,6 +766,9 @@ class LoRALinear(nn.Module):
         """The addresses the parameters have while they are the stack's views (_stack_intact compares them)."""
         stacked, stacked_bias = self._stacked
         N = self.base.out_features
+        # (Here, not in _stack alone: torch.load and pickles bring stacks whose views are intact, never re-stacked,
+        # and a second layer over the weight stacked it again.)
+        _STACK_OWNERS[id(self.base.weight)] = self
         self._stack_ptrs = (stacked.data_ptr(), stacked.data_ptr() + N * stacked.stride(0) * stacked.element_size(),
                             None if stacked_bias is None else stacked_bias.data_ptr())
 

@@ -40,9 +40,9 @@ slices of a packed layer were loaded with different scales (``alpha_pattern`` ac
 layer) holds each slice's ratio to the largest folded into its ``lora_B`` (lora_ops.adapters): the forward
 is PEFT's, but the optimizer trains the rescaled factor (each slice's effective learning rate differs from
 PEFT's by the ratio), and :func:`train_slots` warns of it. An adapter that targeted a packed layer as one
-module (PEFT on Phi-3's ``qkv_proj``) holds a copy of its one lora_A in each slice: each copy's gradient is
-the slices' sum, PEFT's gradient of that A, so the copies stay equal and train as PEFT's (:meth:`SlotTrainer.
-refresh_ties`).
+module (PEFT on Phi-3's ``qkv_proj``) holds a copy of its one lora_A in each slice: the first copy's gradient
+is the slices' sum, PEFT's gradient of that A, the others' zero, and each step copies the first into the
+others, so it trains as PEFT's, clipped alike (:meth:`SlotTrainer.refresh_ties`).
 
 **Dropout.** In training mode (``model.train()``), while a trainer is open (the table is its: a model in
 training mode with no trainer applies none), each token's LoRA input is ``dropout(x, p)`` with the
@@ -196,6 +196,10 @@ class SlotTrainer:
             updatable = self._trainable(layer) & _on(seen, layer.rank.device)[:, None]   # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
+            tied = self._tied.get(layer)
+            if tied is not None:    # the other slices' copies of a fused module's A follow the first's
+                a = layer.lora_a
+                a.copy_(torch.where(tied[:, None, None, None], a[:, :1].expand_as(a), a))
         self._has_grad.zero_()
 
     def close(self):
@@ -226,9 +230,11 @@ class SlotTrainer:
     def refresh_ties(self):
         """Which slots of each packed layer hold an adapter that targeted it as one module (PEFT on Phi-3's
         ``qkv_proj``: one lora_A for every slice, copied into each slice's A as it loads). Their gradient hook
-        gives each slice's copy the sum of the slices' gradients, the one A's gradient in PEFT, so the copies
-        stay equal under any optimizer (each slice trained its own copy: after one step the model was no longer
-        PEFT's, and saving wrote rank S·r). Called on load and unload while the trainer is open."""
+        gives the first slice's copy the sum of the slices' gradients, the one A's gradient in PEFT, and the
+        others none, so gradient clipping's norm and GradScaler's check count it once, as PEFT's; :meth:`step`
+        then copies the first slice's A into the others (each slice trained its own copy: after one step the
+        model was no longer PEFT's, and saving wrote rank S·r). Called on load and unload while the trainer is
+        open."""
         paths = {layer: path for path, layer in self.ctx.layers.items()}
         fused = getattr(self.ctx, "adapter_fused_sources", {})
         self._tied = {}
@@ -271,8 +277,9 @@ class SlotTrainer:
             # slots through gradient clipping's norm and GradScaler's skip.)
             grad = torch.where(mask, grad, 0)
             tied = self._tied.get(layer) if is_a else None
-            if tied is not None:   # (refresh_ties)
-                grad = torch.where(tied[:, None, None, None], grad.sum(1, keepdim=True).expand_as(grad), grad)
+            if tied is not None:   # (refresh_ties: the first slice's copy takes the one A's gradient)
+                lead = torch.cat([grad.sum(1, keepdim=True), torch.zeros_like(grad[:, 1:])], 1)
+                grad = torch.where(tied[:, None, None, None], lead, grad)
             self._has_grad |= _on(grad.flatten(1).any(1), self._has_grad.device)   # (any: non-zero, no temporary)
             return grad
         return hook

@@ -76,3 +76,18 @@ def test_a_transposed_x_past_int32_feature_offsets_is_copied_row_major():
     assert launch._features_addressable(x).stride() == (4096, 1)
     small = torch.empty_strided((2 ** 10, 4096), (1, 2 ** 10), device="meta")
     assert launch._features_addressable(small) is small
+
+
+def test_the_shrink_and_one_launch_kernels_take_the_addressable_x(monkeypatch):
+    """Both launchers hand their kernel what _features_addressable gives (launches built, not run)."""
+    from conftest import make_case
+    from lora_ops.configs.heuristics import FusedConfig
+    case = make_case(6, 20, 24, num_slots=2, num_slices=2, max_rank=16, seed=3)
+    copies = []
+    monkeypatch.setattr(launch, "_features_addressable", lambda x: copies.append(x.clone()) or copies[-1])
+    h = torch.empty(6, 2, 16)
+    shrink = launch.launch_shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta, h,
+                                  ShrinkConfig(16, 16, 16, 1, 4, 2), run=False)
+    fused = launch.launch_fused(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank,
+                                case.slice_widths, *case.meta, FusedConfig(16, 32, 16, 16, 4, 1), run=False)
+    assert shrink.tensors[0] is copies[0] and fused.tensors[0] is copies[1]

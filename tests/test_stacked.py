@@ -283,6 +283,28 @@ def test_a_weight_shared_by_two_stacked_layers_is_stacked_once():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("first", ["fresh", "torch_load"])
+def test_a_base_layer_wrapped_in_a_second_model_is_not_stacked_again(first):
+    """One base nn.Linear in two models (an RL policy and its frozen reference): the second apply_lora stacked it
+    again and re-pointed the weight, the first layer's views no longer intact. A layer restored by torch.load
+    was not known as the weight's stack (its views intact, never re-stacked) and was re-pointed so."""
+    import io
+    import lora_ops
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    lora_ops.apply_lora(policy, ["0"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
+    if first == "torch_load":
+        buffer = io.BytesIO()
+        torch.save(policy, buffer)
+        buffer.seek(0)
+        policy = torch.load(buffer, weights_only=False)
+    layer = policy[0]
+    reference = torch.nn.Sequential(layer.base)
+    lora_ops.apply_lora(reference, ["0"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
+    assert reference[0]._stacked is None
+    assert layer._stacked is not None and layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
+
+
 @pytest.mark.parametrize("what", ["half", "deepcopy", "load_state_dict_assign"])
 def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(what):
     """A parametrized base weight (or lora_a) registered after apply_lora: the re-stack of a conversion, a

@@ -310,18 +310,29 @@ def test_adapter_of_packed_modules_trains_and_saves_as_those_modules(tmp_path):
     model = copy.deepcopy(fused)
     ctx = ours_with(model, {"f": str(tmp_path / "in")}, packed=True)
     rows = ["f", None, "f"]
-    train_a_little(model, ctx, ["f"], rows, vocab=VOCAB)
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-2,
-                                  weight_decay=0.01)
+    trainer = ctx.train_slots(["f"])
+    ours = torch.optim.AdamW(trainer.parameters(), lr=2e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-2, weight_decay=0.01)
+    model.train()
     peft_model.train()
-    for i in range(3):     # train_a_little's steps and data; the row without the adapter gives it no gradient
+    for i in range(3):     # the row without the adapter gives it no gradient: PEFT trains on the other two
         gen = torch.Generator().manual_seed(100 + i)
         input_ids = torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen)
         labels = torch.randint(0, VOCAB, (len(rows), SEQ), generator=gen)
+        ctx.set_batch([(name, SEQ) for name in rows])
+        loss_of(model(input_ids), labels).backward()
         keep = torch.tensor([r is not None for r in rows])
         loss_of(peft_model(input_ids[keep]), labels[keep]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        # Clipped: the norm counts the fused module's A once, as PEFT's does (each slice's copy counted it).
+        norms = [torch.nn.utils.clip_grad_norm_(params, 0.5) for params in
+                 (trainer.parameters(), [p for p in peft_model.parameters() if p.requires_grad])]
+        assert rel_err(*norms) <= 1e-5, norms
+        trainer.step(ours)
+        theirs.step()
+        ours.zero_grad()
+        theirs.zero_grad()
+    trainer.close()
+    model.eval()
     peft_model.eval()
     input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
     ctx.set_batch([("f", 5)] * 3)
