@@ -21,8 +21,8 @@ the interpreter, with a launch hook set, or after ``triton_launch.set_fast_launc
 the key).
 
 An op that never hands its scratch to its caller (add_lora_ and lora_linear's write-first delta: h and the
-split-K partial sums) takes it, on the fast replay, from one workspace per stream instead of the caching
-allocator (:data:`WORKSPACE_BYTES`; one per host thread too). That is safe because a stream runs our launches in order: a kernel
+split-K partial sums) takes it, on the fast replay, from one workspace per stream and host thread instead of
+the caching allocator (:data:`WORKSPACE_BYTES`). That is safe because a stream runs our launches in order: a kernel
 launched with PDL waits (``gdc_wait``) for the kernel before it to finish before it writes anything, so a
 call's scratch is dead once the next call's first kernel writes. Not while a CUDA graph is captured (a graph
 keeps addresses; its scratch comes from its own pool), and not for scratch that must start zeroed.
