@@ -717,9 +717,8 @@ class LoRALinear(nn.Module):
         self._stack_params = None       # set by _stack: the parameters made views of the stack (weight, bias, lora_a)
         self.stacked_max_tokens = 0     # set by _stack
         self._eager = eager_ops.EagerCalls()   # bound eager calls (lora_ops.eager)
-        if (stack_a and _stackable(base)
-                and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype)):
-            self._stack()
+        if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
+            self._stack()       # (which leaves a base it cannot stack unstacked: _stackable_now)
         self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
 
     @torch.no_grad()
