@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, TOLERANCE, add_lora_paths, force_add_lora_path, make_case, rel_err
-from lora_ops import configs, launch, plan, triton_launch
+from lora_ops import batch, configs, launch, ops, plan, triton_launch
 
 R = 32
 PATHS = add_lora_paths(R)
@@ -174,6 +174,12 @@ def fake_compiled(monkeypatch, triton_kernels):
     ``runs``: (grid x 3, stream, function, metadata, None x 3, pointers..., ints...)."""
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 5)
     monkeypatch.setattr(plan, "launch_device", lambda x: 5)       # as for CUDA tensors
+    # Every tensor is on the faked current device (on a GPU run the case's CUDA tensors would otherwise be
+    # "on another device" than 5, and the launchers' device switch could not make it current).
+    # The batch metadata by the torch path: a Triton launch outside the recorded launchers would go to the
+    # faked stream.
+    monkeypatch.setattr(ops, "on_other_device", lambda t: None)
+    monkeypatch.setattr(batch, "_one_launch", [False])
     # The stream of the device launched on (a wrong device shows in the C-launcher call)
     monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234 if device == 5 else device)
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
