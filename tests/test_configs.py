@@ -843,3 +843,25 @@ def test_float16_tiles_narrow_only_a_wide_float32_b_tile():
     for cfg in (heuristics.ExpandConfig(16, 128, 256, 8, 2), heuristics.ExpandConfig(64, 256, 32, 4, 3),
                 heuristics.ShrinkConfig(64, 32, 256, 1, 8, 3, 4)):
         assert heuristics.float16_tiles(cfg) is cfg
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda (the launches sm_90 refused)")
+@pytest.mark.parametrize("K, widths, R, M, dtype", [
+    (4096, [4096, 1024, 1024], 32, 2048, torch.bfloat16),     # qkv, rank 32 from the rank-16 shrink entry
+    (4096, [4096, 1024, 1024], 24, 1100, torch.bfloat16),
+    (4096, [4096, 1024, 1024], 320, 16, torch.float16),      # float16's B tile widened to float32
+    (3072, [8192, 8192], 512, 64, torch.float16),
+], ids=["qkv-r32-2048-bf16", "qkv-r24-1100-bf16", "qkv-r320-16-fp16", "phi-gate_up-r512-64-fp16"])
+def test_configs_session_37_fixed_launch_on_the_gpu(K, widths, R, M, dtype):
+    """The configs test_configs_from_the_shipped_table_fit_sm90_shared_memory bounds, launched: add_lora_ with
+    the shipped table's configs at the shapes whose launches ran out of shared memory, against float64."""
+    from conftest import TOLERANCE, make_case, rel_err
+    case = make_case(M, K, sum(widths), 4, len(widths), R, dtype=dtype, device=DEVICE, seed=37,
+                     slice_widths=widths)
+    y = torch.full((M, sum(widths)), float("nan"), dtype=dtype, device=DEVICE)
+    y.normal_()
+    y0 = y.clone()
+    launch.add_lora_(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
+    torch.cuda.synchronize()
+    assert rel_err(y.double() - y0.double(), case.delta_reference()) <= TOLERANCE[dtype]
+    assert torch.equal(y[case.untouched_rows().to(DEVICE)], y0[case.untouched_rows().to(DEVICE)])
