@@ -135,7 +135,7 @@ def load_adapter_tensors(ctx, name, tensors, config=None, *, replace=False, sour
     # Packed layers the adapter targeted as one module (Phi-3's qkv_proj): saved back that way, trained tied.
     _fused_sources(ctx)[slot] = {path for path in modules if ctx.targets[path][1] is None
                                  and len(ctx.targets[path][0].slice_widths) > 1}
-    _configs_changed(ctx)
+    _configs_changed(ctx, slot)
     return slot
 
 
@@ -544,12 +544,17 @@ def _folded_layers(ctx):
     return _slot_record(ctx, "adapter_folded_layers")
 
 
-def _configs_changed(ctx):
-    """An open trainer's per-slot dropout and tied slices follow the adapters as they are loaded and unloaded."""
+def _configs_changed(ctx, slot=None):
+    """An open trainer's per-slot dropout and tied slices follow the adapters as they are loaded and unloaded;
+    an adapter loaded into one of its slots (``slot``: load_adapter(replace=True)) warns as train_slots does
+    of folded scales."""
     trainer = getattr(ctx, "trainer", None)
     if trainer is not None:
         trainer.refresh_dropout()
         trainer.refresh_ties()
+        if slot in trainer.slots:
+            from lora_ops.training import _warn_folded_scales
+            _warn_folded_scales(ctx, [ctx.slot_names[slot]], [slot], "load_adapter")
 
 
 def _fused_sources(ctx):

@@ -48,7 +48,11 @@ others, so it trains as PEFT's, clipped alike (:meth:`SlotTrainer.refresh_ties`)
 training mode with no trainer applies none), each token's LoRA input is ``dropout(x, p)`` with the
 ``lora_dropout`` of its slot's adapter config (PEFT's semantics: only the adapter sees the dropped x;
 the base layer sees x). The per-token probabilities come from a ``[L + 1]`` table gathered by the
-context's per-token slots, so it stays one elementwise op with no host sync, and compiles once.
+context's per-token slots, so it stays one elementwise op with no host sync, and compiles once. A packed
+layer draws one mask for all its slices (its shrink reads one x): projections packed from separate modules
+(``packed_modules``), each of which PEFT gives a dropout of its own, see the same mask, so their noise is
+correlated where PEFT's is independent (the same expectation and per-element probability; a module PEFT
+targets whole, Phi-3's ``qkv_proj``, draws one mask in PEFT too).
 
 **torch.compile.** Compile the model's forward and loss (``fullgraph=True``) and call ``.backward()`` on
 the result: AOTAutograd compiles the backward too. The hooks run in the autograd engine on the leaf
@@ -88,8 +92,12 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     """Load a fresh adapter ``name`` with PEFT's default initialisation (A uniform in ±1/sqrt(in_features),
     as nn.Linear's kaiming-uniform init, B zero: the adapter starts as a no-op); returns its slot.
 
-    ``target_modules``: PEFT-style names or paths among the context's per-projection modules (a packed
-    layer's slices count as their projections); default all of them. ``use_rslora``: scale lora_alpha /
+    ``target_modules``: PEFT-style names or paths among the context's modules; default all of them, a packed
+    layer's slices as their projections. A packed layer's own name (Phi-3's ``qkv_proj``), matched by
+    ``target_modules``, makes the adapter target that module as PEFT on that model does: one ``lora_A`` for
+    all its slices (trained tied; saved as that module, which PEFT loads into the packed model). Its
+    projections' names (``q_proj``, ...) give one A a slice, saved under the projections' names (the unpacked
+    model's modules). ``use_rslora``: scale lora_alpha /
     sqrt(r) instead of lora_alpha / r; ``lora_dropout``: the adapter's dropout probability in training
     (PEFT's); ``generator``: a torch.Generator for A's initialisation (reproducible adapters).
     """
@@ -98,12 +106,20 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     config = {"peft_type": "LORA", "r": int(r), "lora_alpha": lora_alpha, "use_rslora": bool(use_rslora),
               "lora_dropout": float(lora_dropout), "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
     tensors, done = {}, set()
+    # Packed layers targeted by their own name: one A for the module (the slices' names then select nothing
+    # more of it).
+    whole = {id(layer): path for path, (layer, index) in ctx.targets.items()
+             if index is None and len(layer.slice_widths) > 1 and target_modules is not None
+             and _matches(target_modules, path)}
     for path, (layer, index) in ctx.targets.items():
-        if index is None and len(layer.slice_widths) > 1:
+        packed = len(layer.slice_widths) > 1
+        if id(layer) in whole and (index is not None or whole[id(layer)] != path):
+            continue        # a slice (or another name) of a packed layer targeted whole
+        if index is None and packed and id(layer) not in whole:
             continue        # a packed layer's own name: its slices are the modules
         if (id(layer), index) in done:
             continue        # another name of a module registered twice (apply_lora targets each)
-        if target_modules is not None and not _matches(target_modules, path):
+        if id(layer) not in whole and target_modules is not None and not _matches(target_modules, path):
             continue
         done.add((id(layer), index))
         out_features = layer.out_features if index is None else layer.slice_widths[index]
@@ -136,7 +152,7 @@ class SlotTrainer:
     """
 
     def __init__(self, ctx, names, *, freeze_base=True, process_group="default"):
-        names = list(names)
+        names = [names] if isinstance(names, str) else list(names)   # (a string's characters are no names)
         if not names or any(n is None for n in names):
             raise ValueError(f"train_slots: expected one or more adapter names, got {names!r}")
         open_trainer = getattr(ctx, "trainer", None)
@@ -299,15 +315,15 @@ def _freeze_base(ctx):
             p.requires_grad_(False)
 
 
-def _warn_folded_scales(ctx, names, slots):
-    """train_slots warns of an adapter whose slices of a packed layer carry folded scale ratios (see the module
-    docstring): its stored lora_B is not the factor PEFT trains."""
+def _warn_folded_scales(ctx, names, slots, caller="train_slots"):
+    """train_slots (and a load into a slot it trains) warns of an adapter whose slices of a packed layer carry
+    folded scale ratios (see the module docstring): its stored lora_B is not the factor PEFT trains."""
     folded = getattr(ctx, "adapter_folded_layers", {})
     for name, slot in zip(names, slots):
         paths = folded.get(slot)
         if paths:
             warnings.warn(
-                f"train_slots: adapter {name!r} was loaded with different scales for the slices of the packed "
+                f"{caller}: adapter {name!r} was loaded with different scales for the slices of the packed "
                 f"layer(s) {sorted(paths)!r} (lora_alpha / alpha_pattern / rank_pattern per projection): each "
                 f"slice's ratio to the largest scale is folded into its lora_B, so the optimizer trains that "
                 f"rescaled factor (the same forward, but each slice's effective learning rate differs from "

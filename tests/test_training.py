@@ -350,6 +350,59 @@ def test_adapter_of_packed_modules_trains_and_saves_as_those_modules(tmp_path):
     assert_reload_identical(ctx, "f", directory)
 
 
+def test_fresh_adapter_of_packed_modules_by_their_own_names_saves_as_those_modules(tmp_path):
+    """add_trainable_adapter naming a packed layer itself (Phi-3's qkv_proj; the slices' names are the
+    unpacked model's) makes one A for the module, trained tied and saved as that module: PEFT on the packed
+    model loads it and reproduces ours. (target_modules=["qkv_proj"] selected nothing before; by default the
+    slices' names were saved, which the packed model lacks: PEFT applied the rest of the adapter silently.)"""
+    fused = fused_copy(toy_lm(seed=4))
+    model = copy.deepcopy(fused)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=8, max_tokens=64, packed_modules=PACKED)
+    gen = torch.Generator().manual_seed(3)
+    targets = ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]
+    training.add_trainable_adapter(ctx, "f", r=4, lora_alpha=8, target_modules=targets, generator=gen)
+    slot = ctx.slot_of("f")
+    for layer in ctx.layers.values():
+        a = layer.lora_a[slot]
+        assert all(torch.equal(a[0], a_i) for a_i in a[1:])       # one A over the slices
+    train_a_little(model, ctx, ["f"], ["f", None, "f"], vocab=VOCAB)
+    directory = save_peft_adapter(ctx, "f", tmp_path / "f")
+    saved = json.load(open(os.path.join(directory, "adapter_config.json")))
+    assert {path.rsplit(".", 1)[-1] for path in saved["target_modules"]} == set(targets), saved["target_modules"]
+    input_ids = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    assert_peft_reproduces(fused, ctx, model, directory, "f", input_ids)
+    assert_reload_identical(ctx, "f", directory)
+    # The projections' names keep selecting the slices (the unpacked model's modules).
+    training.add_trainable_adapter(ctx, "q", r=2, lora_alpha=2, target_modules=["q_proj"], generator=gen)
+    qkv = next(layer for path, layer in ctx.layers.items() if path.endswith("qkv_proj"))
+    ranks_of_q = qkv.lora_a[ctx.slot_of("q")].abs().sum(-1).ne(0).sum(-1)
+    assert ranks_of_q.tolist() == [2, 0, 0]
+
+
+def test_train_slots_takes_one_name_as_a_string():
+    model = toy_lm(seed=2)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=4, max_tokens=64)
+    for name in ("ab", "a", "b"):
+        training.add_trainable_adapter(ctx, name, r=2, lora_alpha=2)
+    with ctx.train_slots("ab") as trainer:        # the adapter "ab", not "a" and "b"
+        assert trainer.slots == [ctx.slot_of("ab")]
+
+
+def test_a_folded_adapter_loaded_into_a_trained_slot_warns(tmp_path):
+    """train_slots warns of an adapter whose packed slices carry folded scales; loading one into a slot an open
+    trainer trains (replace=True) warns alike."""
+    unfused = toy_lm(seed=4)
+    _, folded = peft_model_with(unfused, {"p": dict(r=4, lora_alpha=8, alpha_pattern={"v_proj": -3})},
+                                tmp_path / "folded")
+    _, plain = peft_model_with(unfused, {"p": dict(r=4, lora_alpha=8)}, tmp_path / "plain")
+    fused = fused_copy(unfused)
+    ctx = ours_with(fused, plain, packed=True)
+    with ctx.train_slots(["p"]):
+        with pytest.warns(UserWarning, match=r"load_adapter: adapter 'p' was loaded with different scales for the "
+                                             r"slices of the packed layer\(s\)"):
+            ctx.load_adapter("p", folded["p"], replace=True)
+
+
 def _trainable_model(names, seed=9):
     model = toy_lm(seed=seed)
     ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=4, max_tokens=64)
