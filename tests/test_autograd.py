@@ -682,6 +682,34 @@ def test_double_backward_matches_float64_reference(backend, op, case_id):
         assert rel_err(got, want) <= tol, f"{name}: relative error {rel_err(got, want):.3g}"
 
 
+@pytest.mark.parametrize("poisoned", [2, 1], ids=["slot_with_tokens", "slot_without_tokens"])
+def test_double_backward_keeps_a_slots_nan_in_its_own_gradients(backend, poisoned):
+    """NaN in one slot's weights (inside its rank) reaches no other slot's gradients of any order. A penalty on
+    the gradient of out² (grad_out itself a function of every slot's weights): the second-order graph
+    multiplied the poisoned slot's weights into every row (zero cotangents times NaN), and the gradient through
+    grad_out carried it to every slot."""
+    case = make_case(**GRAD_CASES["slot_without_tokens"], dtype=torch.float32, device=backend.device, seed=33)
+    y = signed((case.x.shape[0], case.lora_b.shape[1]), case)
+
+    def grads(poison):
+        leaves = {"y": y, "x": same_layout_copy(case.x).requires_grad_(),
+                  "lora_a": case.lora_a.clone().requires_grad_(), "lora_b": case.lora_b.clone()}
+        if poison:
+            with torch.no_grad():
+                leaves["lora_a"][poisoned, 0, 1] = float("nan")
+        dx, = torch.autograd.grad(forward(case, leaves).square().sum(), leaves["x"], create_graph=True)
+        da, = torch.autograd.grad(dx.square().sum(), leaves["lora_a"])
+        return dx.detach(), da
+
+    dx, da = grads(False)
+    poisoned_dx, poisoned_da = grads(True)
+    rows = (case.token_slots != poisoned).to(dx.device)
+    others = [s for s in range(case.lora_a.shape[0]) if s != poisoned]
+    assert torch.isfinite(poisoned_dx[rows]).all() and torch.equal(poisoned_dx[rows], dx[rows])
+    assert torch.isfinite(poisoned_da[others]).all() and torch.equal(poisoned_da[others], da[others])
+    assert torch.isnan(poisoned_da[poisoned]).any() == (poisoned == 2)     # (slot 2 has tokens: its own NaN)
+
+
 @pytest.mark.parametrize("how", ["func_jvp", "dual_level"])
 @pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "all_minus_one"])
 @pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
