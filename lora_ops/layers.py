@@ -442,7 +442,8 @@ class LoRAContext:
     def _row_shape_of(self, x, layer):
         """per_row: (rows, tokens a row) of the layer input ``x`` [rows, tokens, ..., K], remembered; or, for
         flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)), those of the last input
-        with rows, where it had M tokens: nothing else says which row a token is in. Under torch.compile the
+        with rows, where it had M tokens: nothing else says which row a token is in; or (rows, 1) for one token
+        a row of it, [rows, K] (BERT's pooler). Under torch.compile the
         shape remembered is the traced one (Dynamo carries the attribute through the graph), so the flattened
         layer's batch follows its block's input within one graph, whatever the prefill's length. A 3-D input
         whose first dimension is the inner one in memory is refused: a transposed view, [tokens, rows, K] as
@@ -457,13 +458,19 @@ class LoRAContext:
                                  f"its tokens. Such a model takes one adapter for the whole batch (set_batch)")
             self._row_shape = (x.shape[0], math.prod(x.shape[1:-1]))
             return self._row_shape
-        if self._row_shape is None or x.shape[0] != self._row_shape[0] * self._row_shape[1]:
-            raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
-                             f"features] or the flattened tokens of the last such input, got shape "
-                             f"{tuple(x.shape)} (no row is known for its tokens: a layer that sees only some of "
-                             f"them, such as a pooler or a classification head, cannot take per-token adapters, so "
-                             f"leave it out of target_modules; for other inputs call set_batch instead)")
-        return self._row_shape
+        if self._row_shape is not None:
+            rows, tokens = self._row_shape
+            if x.shape[0] == rows * tokens:
+                return self._row_shape
+            if x.shape[0] == rows:
+                # One token a row, as BERT's pooler (each row's first token) or a head on each row's last takes
+                # (PEFT's "all-linear" adapts the pooler): each takes its row's adapter.
+                return (rows, 1)
+        raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
+                         f"features], the flattened tokens of the last such input, or one token a row of it "
+                         f"[rows, features], got shape {tuple(x.shape)} (no row is known for its tokens: a layer "
+                         f"that sees some tokens of some rows cannot take per-row adapters, so leave it out of "
+                         f"target_modules; for other inputs call set_batch instead)")
 
     def _row_token_slots(self, padded, rows, tokens, layer):
         """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``padded`` [adapters + 1]
@@ -630,9 +637,10 @@ class LoRAContext:
     def _token_count_error(self, got, num_tokens, layer):
         return ValueError(
             f"{self._name(layer)}: the input has {got} tokens but the batch was set for {num_tokens}; "
-            f"{_TOKEN_COUNT_REMEDY}. (A layer that sees only some of the "
-            f"tokens, such as a pooler or a classification head over one token a sequence, cannot take "
-            f"per-token adapters: leave it out of target_modules)")
+            f"{_TOKEN_COUNT_REMEDY}. (A layer that sees one token a row, such as a pooler or a "
+            f"classification head over each row's first or last token, takes its rows' adapters inside "
+            f"ctx.per_row(...), which set_batch's per-token batch cannot describe; or leave it out of "
+            f"target_modules)")
 
     def _name(self, layer):
         """'LoRALinear' and the layer's path in the model where apply_lora put it there (for messages)."""

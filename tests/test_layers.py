@@ -396,8 +396,19 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
     ctx = apply_lora(model, "all-linear", max_loras=2, max_rank=4, max_tokens=16)
     ctx.set_batch([(None, 5), (None, 5)])
     with pytest.raises(ValueError, match=r"LoRALinear 'pooler': the input has 2 tokens but the batch was set for "
-                                         r"10.*a pooler or a classification head.*leave it out of target_modules"):
+                                         r"10.*a pooler or a classification head.*takes its rows' adapters inside "
+                                         r"ctx.per_row"):
         model(torch.randn(2, 5, K))
+    # Inside per_row the pooler takes each row's adapter for the row's one token.
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, K), "pooler": (K, K)}, 2, seed=5))
+    x = torch.randn(2, 5, K)
+    with torch.no_grad():
+        with ctx.per_row(["a", None]):
+            h, pooled = model(x)
+        ctx.set_batch([("a", 1), (None, 1)])
+        want = ctx.layers["pooler"](h[:, 0])
+        assert rel_err(want, model.pooler.base(h[:, 0])) > 1e-3       # (the adapter matters)
+    assert torch.equal(pooled, want)
     ctx = apply_lora(Encoder(), ["proj"], max_loras=2, max_rank=4, max_tokens=16)
     ctx.set_batch([(None, 5), (None, 5)])
     assert ctx.layers["proj"](torch.randn(2, 5, K)).shape == (2, 5, K)

@@ -210,6 +210,43 @@ T5_TARGETS = ["q", "k", "v", "o", "wi", "wo"]
 TWO_ADAPTERS = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
 
 
+def test_bert_all_linear_pooler_inside_per_row_matches_peft(tmp_path, kernels):
+    """PEFT's "all-linear" adapts BERT's pooler, which sees one token a row ([rows, hidden]: each row's first):
+    inside per_row it takes its row's adapter (it was refused, and the adapter could be served no other way:
+    leaving the pooler unwrapped made the load refuse it). Eager, and compiled (fullgraph=True) with other
+    adapters in the rows compiling nothing new."""
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = transformers.BertModel(config).to(DEVICE).eval()
+    peft_model, paths = make_peft_adapters(base, "all-linear", tmp_path, adapters=TWO_ADAPTERS)
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, "all-linear", paths)
+    assert any(path.endswith("pooler.dense") for path in ctx.layers)
+    input_ids = torch.randint(3, 100, (4, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for rows in (["t1", None, "t2", "t1"], ["t2", "t1", None, None]):
+        with torch.no_grad():
+            theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows))
+            with ctx.per_row(rows):
+                ours = model(input_ids)
+        assert_rows_match(ours.pooler_output, theirs.pooler_output, rows)
+        assert_rows_match(ours.last_hidden_state, theirs.last_hidden_state, rows)
+    assert rel_err(theirs.pooler_output, base(input_ids).pooler_output) > 1e-2      # (the adapters matter)
+    if not compile_runs_here(kernels):
+        return
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for i, rows in enumerate((["t1", None, "t2", "t1"], ["t2", "t1", None, None])):
+            with ctx.per_row(rows), torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(input_ids).pooler_output
+            assert_rows_match(got, peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).pooler_output,
+                              rows)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
     """T5 casts its hidden states to ``wo.weight.dtype`` before ``wo``: model code that reads a wrapped layer's
     weight (LoRALinear forwards ``weight`` and ``bias`` from its base, as PEFT's layers do; it had raised
