@@ -394,6 +394,22 @@ def _never_called(ctx, path):
     return True
 
 
+def _packed_hint(model, path):
+    """Where a missing module's parent holds wrapped layers (an adapter of q_proj / k_proj / v_proj for a model
+    that packs them into qkv_proj, as Phi-3 does): those layers, and packed_modules."""
+    from lora_ops.layers import LoRALinear     # layers imports this module
+    parent_path, _, leaf = path.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_path)
+    except AttributeError:
+        return ""
+    wrapped = sorted(name for name, child in parent.named_children() if isinstance(child, LoRALinear))
+    if not wrapped:
+        return ""
+    return (f"; {parent_path or 'the model'!r} holds {wrapped}: if {leaf!r} is packed into one of them, pass "
+            f"apply_lora packed_modules={{<packed layer>: {{{leaf!r}: <its output features>, ...}}}}")
+
+
 def _resolve_target(ctx, path, source):
     target = ctx.targets.get(path)
     if target is not None:
@@ -411,7 +427,7 @@ def _resolve_target(ctx, path, source):
                            f"apply_lora wrapped; wrap a model with apply_lora(model, target_modules, ...)")
     if module is None:
         raise AdapterError(f"{source}: the adapter targets {path!r}, which is not a module of this model "
-                           f"(paths are relative to the model apply_lora wrapped)")
+                           f"(paths are relative to the model apply_lora wrapped){_packed_hint(model, path)}")
     if isinstance(module, torch.nn.Linear):
         raise AdapterError(f"{source}: the adapter targets {path!r}, an nn.Linear that apply_lora did not wrap; "
                            f"add it to target_modules")

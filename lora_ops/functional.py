@@ -1,4 +1,6 @@
 """The public functional API over the ops (one op call each; metadata built here only on request)."""
+import operator
+
 import torch
 
 from csrc_meta import checks
@@ -69,7 +71,15 @@ def _check_rank_values(rank, lora):
 def _widths(y, slice_widths):
     if slice_widths is None and isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] == 0:
         raise ValueError("y: expected N >= 1 columns, got shape " + str(tuple(y.shape)))
-    return [y.shape[1]] if slice_widths is None else [int(w) for w in slice_widths]
+    return [y.shape[1]] if slice_widths is None else [_width(w) for w in slice_widths]
+
+
+def _width(w):
+    """A slice width as an int: integers of any kind (numpy's, 0-d tensors), never a float truncated."""
+    try:
+        return operator.index(w)
+    except TypeError:
+        raise TypeError(f"slice_widths: expected integers, got {w!r}") from None
 
 
 def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None, slice_widths=None):
@@ -102,6 +112,9 @@ def shrink(x, lora_a, scale, rank, *, token_slots=None, batch=None):
 def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=None):
     """y[:, slice i] += h[:, i, :rank] @ B[slot, slice i, :rank]^T, in place; returns y."""
     checks.check_shrink_output(h)
+    if (isinstance(y, torch.Tensor) and y.dim() == 2 and not torch.compiler.is_compiling()
+            and h.shape[0] != y.shape[0]):   # (before the token count: _meta counts h's rows)
+        raise ValueError(f"h: expected {y.shape[0]} rows (y's tokens), got shape {tuple(h.shape)}")
     meta = _meta(h, lora_b, token_slots, batch)
     widths = _widths(y, slice_widths)
     _check_rank_values(rank, lora_b)

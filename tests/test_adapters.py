@@ -380,6 +380,12 @@ ERROR_CASES = {
                          AdapterError, "'lm_head', an nn.Linear that apply_lora did not wrap"),
     "unknown_module": ({}, lambda t: {**t, **peft_tensors({"model.nowhere": (32, 32)}, 4, 0)},
                        AdapterError, "'model.nowhere', which is not a module of this model"),
+    # (split q/k/v adapters for a model that packs them, as Phi-3's qkv_proj: the message names packed_modules)
+    "module_packed_elsewhere": ({}, lambda t: {**t, **peft_tensors({"model.layers.0.self_attn.w_proj": (32, 32)},
+                                                                   4, 0)},
+                                AdapterError, r"'model.layers.0.self_attn.w_proj', which is not a module of this "
+                                r"model .*'model.layers.0.self_attn' holds \['k_proj', 'o_proj', 'q_proj', "
+                                r"'v_proj'\]: if 'w_proj' is packed into one of them, pass apply_lora packed_modules"),
     "wrong_a_shape": ({}, lambda t: _edit(t, "lora_A.weight", lambda a: a[:, :31]),
                       AdapterError, r"lora_A has shape \(4, 31\); expected \[r, 32\]"),
     "wrong_b_shape": ({}, lambda t: _edit(t, "lora_B.weight", lambda b: b[:30]),

@@ -297,6 +297,14 @@ FUNCTIONAL_BAD = [
     ("no_columns", lambda a: {**a, "y": a["y"][:, :0], "lora_b": a["lora_b"][:, :0], "slice_widths": None},
      ValueError, {"add_lora_": "y: expected N >= 1 columns, got shape (4, 0)",
                   "expand_": "y: expected N >= 1 columns, got shape (4, 0)", "shrink": None}),
+    # (int() truncated a float width: [3.9, 2.2] ran as [3, 2])
+    ("slice_widths_float", lambda a: {**a, "slice_widths": [5.5, 4.5]}, TypeError,
+     {"add_lora_": "slice_widths: expected integers, got 5.5", "expand_": "slice_widths: expected integers, got 5.5",
+      "shrink": None}),
+    # (h's rows were counted as the tokens: the error blamed token_slots)
+    ("h_rows", lambda a: {**a, "h": a["h"][:3]}, ValueError,
+     {"expand_": "h: expected 4 rows (y's tokens), got shape (3, 2, 4)", "add_lora_": None,
+      "shrink": None}),
 ]
 
 
@@ -307,7 +315,7 @@ def test_functional_api_names_its_bad_arguments(backend, op, kind, edit, error, 
     if op == "expand_" and "scale" in str(message):
         pytest.skip("expand takes no scale")
     if isinstance(message, dict) and message.get(op, "") is None:
-        pytest.skip(f"{op} has no y")
+        pytest.skip(f"not an argument of {op}")
     args = valid_args(backend.device)
     given = dict(token_slots=slots([0, 1, 2, -1], backend.device)) if kind == "token_slots" else dict(
         batch=BatchMeta(args["sorted_token_ids"], args["slot_starts"], args["slot_counts"]))

@@ -220,7 +220,6 @@ def test_stack_a_keeps_its_parameters_through_conversions(conversion):
     """_stack made new parameters at every conversion: a model's .to() on its own device left an optimizer (and
     the trainer's gradient-mask hooks) on the old lora_a, which then never trained, silently. The parameters
     keep their identity now, and an optimizer built before the conversion trains the stacked layer."""
-    from lora_ops import training
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     layers = list(ctx1.layers.values())
     before = [(layer.base.weight, layer.base.bias, layer.lora_a, layer.lora_b) for layer in layers]
