@@ -398,6 +398,28 @@ def check_written_in_place(name, t):
                           f"overlapping view); pass a tensor of its own, e.g. {name}.clone()")
 
 
+def apart_from(t, y):
+    """``t``, or a copy of it where its memory meets y's, which the op writes in place (``add_lora(x, x, ...)``:
+    x += delta(x) on a square layer; x or h a view of y's buffer). The ops' contract: every input is read as it
+    was before the call. Each backend passes its inputs through this before it writes y: Triton programs of
+    the one-launch kernel read x rows while others write their y columns, an expand's column blocks each read
+    h rows, and the torch CPU kernels write one slot's rows of y before they read the next slot's x (on
+    memory they share, a later read saw an earlier write). Conservative (views interleaved in one buffer
+    without a shared element are copied too); tensors of two storages (the usual case) cost two storage
+    reads."""
+    if t.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() or t.numel() == 0 or y.numel() == 0:
+        return t
+    t0, y0 = t.data_ptr(), y.data_ptr()
+    if t0 < y0 + _extent(y) and y0 < t0 + _extent(t):
+        return t.clone()
+    return t
+
+
+def _extent(t):
+    """The bytes from ``t``'s first element to the end of its last (strides are never negative in torch)."""
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                       slot_counts):
     """weight [N, K] and bias [N] (or None) of the base layer, in x's dtype and on its device; then the

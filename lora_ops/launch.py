@@ -362,7 +362,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
     M, N = y.shape
     if M == 0:
         return
-    h = _apart_from(h, y)
+    h = checks.apart_from(h, y)
 
     def build():
         cfg = configs.expand_config(M, N, len(slice_widths), lora_b.shape[2], lora_b.shape[0], y.device, y.dtype)
@@ -376,28 +376,8 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     checks.check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                            slot_counts)
-    _add_lora(y, _apart_from(x, y), lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+    _add_lora(y, checks.apart_from(x, y), lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
               slot_counts)
-
-
-def _apart_from(t, y):
-    """``t``, or a copy of it where its memory meets y's, which the kernels write in place (``add_lora(x, x,
-    ...)``: x += delta(x) on a square layer). Programs of the one-launch kernel each read x rows while others
-    write their y columns, and an expand's column blocks each read h rows: on memory they share, a later
-    program read what an earlier one wrote (wrong columns, a race on a GPU). The torch kernels and the
-    two-launch path's shrink read all of x first. Conservative (views interleaved in one buffer without a
-    shared element are copied too); tensors of two storages (the usual case) cost two storage reads."""
-    if t.untyped_storage().data_ptr() != y.untyped_storage().data_ptr() or t.numel() == 0 or y.numel() == 0:
-        return t
-    t0, y0 = t.data_ptr(), y.data_ptr()
-    if t0 < y0 + _extent(y) and y0 < t0 + _extent(t):
-        return t.clone()
-    return t
-
-
-def _extent(t):
-    """The bytes from ``t``'s first element to the end of its last (strides are never negative in torch)."""
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):

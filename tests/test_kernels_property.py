@@ -21,7 +21,7 @@ from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUT
 from lora_ops import configs, launch
 from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig
-from lora_ops.reference import shrink_reference
+from lora_ops.reference import lora_delta_reference, shrink_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
 
@@ -560,6 +560,38 @@ def test_y_that_is_x_takes_the_delta_of_x_before_the_write(backend, add_lora_pat
     assert add_lora(case, xy) is xy
     assert_rows_bit_identical(xy, expected.to(xy.dtype), case.no_adapter_rows(), "slot -1")
     assert rel_err(xy, expected) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("shift", [4, 70 * 3 + 5], ids=["half_a_row", "rows_and_a_bit"])
+def test_x_overlapping_y_takes_the_delta_of_x_before_the_write(backend, shift):
+    """x and y views of one buffer, shifted (not the same view): the torch CPU kernels wrote one slot's rows of y
+    before they read the next slot's x (off by 24 in a probe's case); every backend reads x as it was."""
+    M, K = 9, 70
+    case = make_case(M, K, K, num_slots=3, num_slices=2, max_rank=8, seed=8, ranks=[8, 5, 3],
+                     token_slots=[0, 1, -1, 2, 0, 2, 1, -1, 0], device=backend.device)
+    buffer = torch.randn(M * K + shift, generator=torch.Generator().manual_seed(9)).to(backend.device)
+    y, x = buffer[:M * K].view(M, K), buffer[shift:shift + M * K].view(M, K)
+    x.copy_(case.x)
+    delta = lora_delta_reference(x, case.lora_a, case.lora_b, case.scale, case.rank, case.token_slots,
+                                 case.slice_widths)
+    expected = y.double().cpu() + delta
+    lora_ops.add_lora(y, x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                      slice_widths=case.slice_widths)
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
+
+
+def test_expand_into_memory_shifted_from_its_h(backend):
+    """h a view of y's buffer a row and a half on: expand reads h as it was (the torch CPU kernels read later
+    slots' h rows after earlier slots had written y over them)."""
+    M, R, N = 9, 8, 12
+    case = make_case(M, 20, N, num_slots=2, num_slices=1, max_rank=R, seed=10, ranks=[R, 5],
+                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
+    buffer = torch.randn(M * N + 18, generator=torch.Generator().manual_seed(11)).to(backend.device)
+    y, h = buffer[:M * N].view(M, N), buffer[18:18 + M * R].view(M, 1, R)
+    h.copy_(lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta))
+    expected = y.double().cpu() + expand_reference(h, case.lora_b, case.rank, case.token_slots, [N])
+    lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=[N])
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
 
 
 def test_expand_into_the_memory_of_its_h(backend, monkeypatch):
