@@ -369,6 +369,8 @@ def _module_scale(config, path, rank, source):
         raise AdapterError(f"{source}: {path!r}: the adapter config gives lora_alpha={alpha!r} (lora_alpha / "
                            f"alpha_pattern); expected a finite number")
     r_eff = rank if r is None else int(r)
+    if r_eff < 1:       # (a rank-0 factor and no r in the config: before the scale divides by it)
+        raise AdapterError(f"{source}: {path!r}: lora_A has rank 0")
     alpha = r_eff if alpha is None else float(alpha)
     scale = alpha / math.sqrt(r_eff) if config.get("use_rslora") else alpha / r_eff
     return r, scale

@@ -153,8 +153,11 @@ def _token_slots(meta, num_tokens, num_slots):
     tokens at places slot_starts[l] .. + slot_counts[l] of sorted_token_ids (places past its end and token ids
     outside [0, M) ignored). No host sync."""
     sorted_ids, starts, counts = meta
-    place = torch.arange(sorted_ids.shape[0], device=sorted_ids.device)
+    capacity = sorted_ids.shape[0]
+    place = torch.arange(capacity, device=sorted_ids.device)
     slot_at = torch.full_like(place, num_slots)
+    # (starts and counts clamped to the buffer, as kernels.work.find_slot_tile clamps them)
+    starts, counts = starts.long().clamp(0, capacity), counts.long().clamp(0, capacity)
     for slot in range(num_slots):
         run = (place >= starts[slot]) & (place < starts[slot] + counts[slot])
         slot_at = torch.where(run, slot, slot_at)

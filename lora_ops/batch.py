@@ -74,8 +74,9 @@ class BatchMeta(NamedTuple):
     slot_counts: torch.Tensor
 
 
-def check_token_slots(token_slots, max_loras, max_tokens=None):
-    """Shape and dtype always; the range [-1, max_loras) only for CPU tensors (no device sync), eagerly.
+def check_token_slots(token_slots, max_loras, max_tokens=None, device=None):
+    """Shape and dtype always; the device, where ``device`` is given: that one or the CPU (host slots are
+    copied over); the range [-1, max_loras) only for CPU tensors (no device sync), eagerly.
 
     On a GPU an out-of-range slot is treated as 'no adapter' (see :func:`fill_batch_meta`), so no value
     can make a kernel read or write out of bounds.
@@ -86,6 +87,9 @@ def check_token_slots(token_slots, max_loras, max_tokens=None):
         raise ValueError(f"token_slots: expected a 1-D tensor [M], got shape {tuple(token_slots.shape)}")
     if token_slots.dtype not in SLOT_DTYPES:
         raise TypeError(f"token_slots: expected dtype int32 or int64, got {token_slots.dtype}")
+    if device is not None and token_slots.device != torch.device(device) and token_slots.device.type != "cpu":
+        where = "the CPU" if torch.device(device).type == "cpu" else f"{torch.device(device)} or the CPU"
+        raise ValueError(f"token_slots: expected a tensor on {where}, got one on {token_slots.device}")
     if max_tokens is not None and token_slots.shape[0] > max_tokens:
         raise ValueError(f"token_slots: {token_slots.shape[0]} tokens exceed the batch capacity "
                          f"max_tokens={max_tokens}")
@@ -169,7 +173,7 @@ class LoRABatch:
 
     def update(self, token_slots):
         """Refill from per-token slots [M] (int32/int64, CPU or on this batch's device)."""
-        check_token_slots(token_slots, self.max_loras, self.max_tokens)
+        check_token_slots(token_slots, self.max_loras, self.max_tokens, self.device)
         return self._refill(token_slots)
 
     def _refill(self, token_slots):

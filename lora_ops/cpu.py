@@ -25,15 +25,19 @@ def cpu_kernel(fn):
 
 
 def _slot_runs(num_slots, rank, sorted_token_ids, slot_starts, slot_counts, num_tokens):
-    """(slot, token ids, rank) for every slot with tokens and a positive rank."""
+    """(slot, token ids, rank) for every slot with tokens and a positive rank. Starts are clamped to the buffer as
+    the kernels clamp them (kernels.work.find_slot_tile): a negative one, a Python slice's from the end, gave
+    the slot other tokens than the GPU's."""
     starts = slot_starts.tolist()
     counts = slot_counts.tolist()
     ranks = rank.tolist()
+    capacity = sorted_token_ids.shape[0]
     for slot in range(num_slots):
         r, n = ranks[slot], counts[slot]
         if n <= 0 or r <= 0:
             continue
-        ids = sorted_token_ids[starts[slot]:starts[slot] + n].long()
+        start = min(max(starts[slot], 0), capacity)
+        ids = sorted_token_ids[start:start + n].long()
         yield slot, ids[(ids >= 0) & (ids < num_tokens)], r
 
 

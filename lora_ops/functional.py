@@ -16,6 +16,9 @@ def _meta(x, lora_a, token_slots, batch):
                          f"into the first dimension)")
     if isinstance(x, torch.Tensor) and x.dim() < 2 and lora_a.dim() == 4:   # (else the token counts name token_slots)
         raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if isinstance(lora_a, torch.Tensor) and lora_a.dim() >= 3 and lora_a.shape[0] == 0:
+        stack = "lora_a" if lora_a.dim() == 4 else "lora_b"      # (expand passes its lora_b)
+        raise ValueError(f"{stack}: expected at least one slot, got shape {tuple(lora_a.shape)}")
     if (token_slots is None) == (batch is None):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
@@ -23,7 +26,7 @@ def _meta(x, lora_a, token_slots, batch):
         if (isinstance(token_slots, torch.Tensor) and isinstance(x, torch.Tensor)
                 and token_slots.device != x.device):
             # Slots made on the host for tensors on a GPU (set_token_slots takes them too): checked there, moved.
-            check_token_slots(token_slots, lora_a.shape[0])
+            check_token_slots(token_slots, lora_a.shape[0], device=x.device)
             token_slots = token_slots.to(x.device)
         if _traced(token_slots):
             # Traceable ops in tensors of the tokens' own size: a LoRABatch sized from the count pinned an

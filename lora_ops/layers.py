@@ -27,11 +27,13 @@ in one mixed batch; in ``model.train()``, while a trainer is open, each slot's a
 ``ctx.save_adapter(name, directory)`` writes a slot back as a PEFT adapter directory.
 """
 import contextlib
+import copy
 import functools
 import math
 import numbers
 import re
 import sys
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -236,6 +238,26 @@ class LoRAContext:
         if state.get("trainer") is not None:
             state["trainer"], state["dropout_p"] = None, None
         return state
+
+    def __deepcopy__(self, memo):
+        """As the default deep copy (:meth:`__getstate__`), but refused for part of the model: a block or layer
+        copied alone reaches the context through its layers, and copying it copied the whole model into a
+        private context that this context's set_batch and loads never reach (a block duplicated into the model
+        kept serving the adapters and batch of the moment it was copied, silently)."""
+        model = self._model() if self._model is not None else None
+        if model is not None and id(model) not in memo:
+            through = next((path for path, layer in self.layers.items() if id(layer) in memo), None)
+            if through is not None:
+                raise RuntimeError(
+                    f"copy.deepcopy of part of a model wrapped by apply_lora (reached LoRALinear {through!r}): "
+                    f"its layers belong to the whole model's LoRAContext, and the part's copy would take a private "
+                    f"copy of the whole model and context, which set_batch and load_adapter here never reach. Copy "
+                    f"the whole model (copy.deepcopy(model): the copy's context serves the copy), or copy blocks "
+                    f"before apply_lora")
+        new = LoRAContext.__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def __setstate__(self, state):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))    # (a context unpickled in a new process)
@@ -1154,9 +1176,14 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     """
     packed = _normalise_packed(packed_modules)
     selected = _select_targets(model, target_modules, packed)
+    wrapped = [path for path, module in model.named_modules() if isinstance(module, LoRALinear)
+               and (target_modules == ALL_LINEAR or _matches(target_modules, path))]
+    if selected and wrapped:
+        # (The new context would not serve them: set_batch on it never reached them, silently.)
+        warnings.warn(f"apply_lora: target_modules also selects {len(wrapped)} layer(s) already wrapped "
+                      f"({wrapped[0]!r}{' and others' if len(wrapped) > 1 else ''}): they stay with the context that "
+                      f"wrapped them; this one serves only the {len(selected)} it wraps now", stacklevel=2)
     if not selected:
-        wrapped = [path for path, module in model.named_modules() if isinstance(module, LoRALinear)
-                   and (target_modules == ALL_LINEAR or _matches(target_modules, path))]
         already = (f" (it selects {wrapped[0]!r}{' and others' if len(wrapped) > 1 else ''}, already a LoRALinear: "
                    f"apply_lora wraps a layer once; its context serves it)") if wrapped else ""
         as_name = (isinstance(target_modules, str) and target_modules != ALL_LINEAR and not wrapped

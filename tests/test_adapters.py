@@ -392,6 +392,9 @@ ERROR_CASES = {
                       AdapterError, r"lora_B has shape \(30, 4\); expected \[32, 4\]"),
     "rank_above_capacity": ({"r": MAX_RANK + 2}, lambda t: peft_tensors(module_shapes(toy_lm()), MAX_RANK + 2, 3),
                             AdapterError, f"rank {MAX_RANK + 2} exceeds the layer's capacity max_rank={MAX_RANK}"),
+    # (without r the scale divided by the rank first: a bare ZeroDivisionError)
+    "rank_zero_without_r": ({"r": None}, lambda t: _edit(_edit(t, "lora_A.weight", lambda a: a[:0]), "lora_B.weight",
+                                                         lambda b: b[:, :0]), AdapterError, "lora_A has rank 0"),
     "rank_disagrees_with_config": ({"r": 8}, None, AdapterError,
                                    r"lora_A has rank 4, but the adapter config gives r=8"),
     "missing_lora_b": ({}, lambda t: {k: v for k, v in t.items() if k != f"base_model.model.{Q0}.lora_B.weight"},

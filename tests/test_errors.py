@@ -270,6 +270,9 @@ BAD_SLOTS = [
      "token_slots: expected 4 entries (one per token), got 3"),
     ("slots_too_many", lambda a, d: dict(token_slots=slots([0, 1, 2, -1, 0], d)), ValueError,
      "token_slots: expected 4 entries (one per token), got 5"),
+    # (a tensor neither on x's device nor the CPU: torch's "Cannot copy out of meta tensor" came first)
+    ("slots_on_meta", lambda a, d: dict(token_slots=torch.zeros(4, dtype=torch.int64, device="meta")), ValueError,
+     "token_slots: expected a tensor on "),
 ]
 
 
@@ -301,6 +304,12 @@ FUNCTIONAL_BAD = [
     ("slice_widths_float", lambda a: {**a, "slice_widths": [5.5, 4.5]}, TypeError,
      {"add_lora_": "slice_widths: expected integers, got 5.5", "expand_": "slice_widths: expected integers, got 5.5",
       "shrink": None}),
+    # (LoRABatch's "max_loras >= 1" came first)
+    ("no_slots", lambda a: {**a, "lora_a": a["lora_a"][:0], "lora_b": a["lora_b"][:0], "scale": a["scale"][:0],
+                            "rank": a["rank"][:0]}, ValueError,
+     {"add_lora_": "lora_a: expected at least one slot, got shape (0, 2, 4, 6)",
+      "shrink": "lora_a: expected at least one slot, got shape (0, 2, 4, 6)",
+      "expand_": "lora_b: expected at least one slot, got shape (0, 10, 4)"}),
     # (h's rows were counted as the tokens: the error blamed token_slots)
     ("h_rows", lambda a: {**a, "h": a["h"][:3]}, ValueError,
      {"expand_": "h: expected 4 rows (y's tokens), got shape (3, 2, 4)", "add_lora_": None,

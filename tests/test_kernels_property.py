@@ -644,6 +644,21 @@ def test_split_k_matches_reference(backend, checked_dtype, R):
     assert_delta_close(y, torch.zeros_like(y), case.delta_reference(), dtype)
 
 
+def test_a_negative_slot_start_is_clamped_by_every_backend(backend):
+    """Hand-built metadata with slot 0's start at -3: the kernels clamp it to 0 (kernels.work.find_slot_tile);
+    the torch CPU kernels took it as a Python slice start from the end, and gave slot 0's delta to the tokens
+    of the no-adapter group instead."""
+    M = 8
+    case = make_case(M, 12, 10, num_slots=3, num_slices=1, max_rank=4, seed=12, ranks=[4, 3, 2],
+                     token_slots=[0, 0, 1, 1, 2, 2, -1, -1], device=backend.device)
+    meta = lora_ops.BatchMeta(*(torch.tensor(v, dtype=torch.int32, device=backend.device) for v in
+                                (list(range(M)), [-3, 2, 4, 6], [2, 2, 2, 2])))
+    y = case.new_y("zero")
+    lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=meta,
+                      slice_widths=case.slice_widths)
+    assert rel_err(y, case.delta_reference()) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("bad_slot", [-2, 3], ids=["below_-1", "equal_to_L"])
 @pytest.mark.parametrize("op", ["add_lora", "shrink", "expand"])
 def test_cpu_slot_out_of_range_raises(backend, op, bad_slot):

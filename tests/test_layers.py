@@ -155,6 +155,35 @@ def test_a_copy_taken_inside_per_row_is_not_in_the_block():
         pass
 
 
+def test_a_part_of_the_model_is_not_deep_copied_alone():
+    """A block or layer deep-copied alone took a private copy of the whole model and its context: a block
+    duplicated into the model (depth up-scaling) kept serving the adapters and batch of the moment of the copy,
+    whatever set_batch said after. Refused, naming the layer; the whole model, and a container holding the
+    context before the model, still copy."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"copy.deepcopy of part of a model wrapped by apply_lora \(reached "
+                                           r"LoRALinear 'proj'\).*Copy the whole model"):
+        copy.deepcopy(model["proj"])
+    for root in (model, {"ctx": ctx, "model": model}):
+        twin = copy.deepcopy(root)
+        twin_model = twin["model"] if isinstance(root, dict) else twin
+        twin_ctx = twin_model["proj"].context
+        assert twin_model is not model and twin_ctx is not ctx and twin_ctx.layers["proj"] is twin_model["proj"]
+        assert twin_ctx.adapters == ctx.adapters
+        if isinstance(root, dict):
+            assert twin["ctx"] is twin_ctx
+
+
+def test_apply_lora_warns_of_selected_layers_another_context_serves():
+    model = nn.Sequential(nn.Linear(K, K), nn.Linear(K, K), nn.Linear(K, K))
+    first = apply_lora(model, ["0", "1"], max_loras=2, max_rank=4, max_tokens=8)
+    with pytest.warns(UserWarning, match=r"apply_lora: target_modules also selects 1 layer\(s\) already wrapped "
+                                         r"\('1'\): they stay with the context that wrapped them; this one serves "
+                                         r"only the 1 it wraps now"):
+        second = apply_lora(model, ["1", "2"], max_loras=2, max_rank=4, max_tokens=8)
+    assert list(first.layers) == ["0", "1"] and list(second.layers) == ["2"]
+
+
 def test_unload_under_inference_mode_then_a_training_forward():
     """unload_adapter under torch.inference_mode after a batch set with grad mode on rebuilt the batch's
     autograd copy as inference tensors: every later autograd forward raised "Inference tensors do not track
@@ -548,8 +577,8 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
         layers["proj"](x)
         return layers["proj"](x[:, :-1].reshape(-1, K))
     torch._dynamo.reset()
-    with pytest.raises((ValueError, RuntimeError), match=r"or the flattened tokens of the last such input, got "
-                                                         r"shape \(8, 24\)"):
+    with pytest.raises((ValueError, RuntimeError), match=r"the flattened tokens of the last such input, or one "
+                                                         r"token a row of it \[rows, features\], got shape \(8, 24\)"):
         with torch.no_grad(), ctx.per_row(["a", "b"]):
             torch.compile(mismatched, backend="aot_eager", fullgraph=True)(torch.randn(2, 5, K))
     torch._dynamo.reset()
@@ -559,11 +588,13 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
     ("unknown_adapter", r"adapter 'nope' is not loaded"),
     ("no_adapters", r"per_row: adapters is empty"),
     ("rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its 3 adapters"),
-    ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\] "
-                   r"or the flattened tokens of the last such input, got shape \(5, 24\)"),
+    ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\], "
+                   r"the flattened tokens of the last such input, or one token a row of it \[rows, features\], got "
+                   r"shape \(5, 24\)"),
     ("nested", r"per_row: already active on this context"),
     ("compiled_flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., "
-                            r"features\] or the flattened tokens of the last such input, got shape \(6, 24\)"),
+                            r"features\], the flattened tokens of the last such input, or one token a row of it "
+                            r"\[rows, features\], got shape \(6, 24\)"),
     ("compiled_rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its "
                                      r"3 adapters"),
     ("a_string", r"per_row: adapters must be a list of adapter names \(or None\), one per row; got the string 'ab'"),
