@@ -467,13 +467,14 @@ class LoRAContext:
         with rows, where it had M tokens: nothing else says which row a token is in; or (rows, 1) for one token
         a row of it, [rows, K] (BERT's pooler). Under torch.compile the
         shape remembered is the traced one (Dynamo carries the attribute through the graph), so the flattened
-        layer's batch follows its block's input within one graph, whatever the prefill's length. A 3-D input
-        whose first dimension is the inner one in memory is refused: a transposed view, [tokens, rows, K] as
-        Longformer's and LED's attention call their projections, whose tokens were taken for rows (a multiple
-        of the adapters: beam copies) and served the wrong adapters, silently. Which of its dimensions holds the
-        rows cannot be told from the shape."""
+        layer's batch follows its block's input within one graph, whatever the prefill's length. An input of 3
+        or more dimensions whose first is not its outer one in memory is refused: a transposed view, [tokens,
+        rows, K] as Longformer's and LED's attention call their projections, whose tokens were taken for rows (a
+        multiple of the adapters: beam copies) and served the wrong adapters, silently. Which of its dimensions
+        holds the rows cannot be told from the shape."""
         if x.dim() >= 3:
-            if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1 and 0 < x.stride(0) < x.stride(1):
+            inner = zip(x.shape[1:-1], x.stride()[1:-1])
+            if x.shape[0] > 1 and any(n > 1 and 0 < x.stride(0) < s for n, s in inner):
                 raise ValueError(f"{self._name(layer)}: inside per_row the input {tuple(x.shape)} is a transposed "
                                  f"view (strides {tuple(x.stride())}): the layer is called sequence first, as "
                                  f"Longformer's and LED's attention call theirs, and its rows cannot be told from "

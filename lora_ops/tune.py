@@ -56,7 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=None, help="table path (default: this GPU's table in the first folder of "
-                    "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up)")
+                    "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up; a --dry-run's in a "
+                    "new temporary folder unless $LORA_OPS_TUNED_DIR is set)")
     ap.add_argument("--time-budget", type=float, default=float("inf"),
                     help="seconds; stop early and write (checked between shapes)")
     ap.add_argument("--dry-run", action="store_true",
@@ -449,6 +450,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     buckets = args.tokens or [b for b in heuristics.TOKEN_BUCKETS if b <= 64 or not args.dry_run]
     out = args.out or _default_out(gpu)
+    if args.dry_run and not args.out and not os.environ.get("LORA_OPS_TUNED_DIR"):
+        # (a dry run's table, timed on the interpreter, has no place among the tables the library looks up)
+        out = os.path.join(tempfile.mkdtemp(prefix="lora_ops_dry_run_"), os.path.basename(out))
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
     for kind in _PER_LAYER:   # once per layer and rank: its first (smallest) bucket's job
@@ -511,10 +515,11 @@ def main(argv=None):
     for e in searched:
         if e["kind"] == "fused" and e["heuristic_us"]:  # per layer call: the heuristic's path against the tuned one
             by_layer[(e["layer"], e["rank"], e["tokens"])] = e["heuristic_us"] / e["us"]
+    speed_up = ""
     if by_layer:
         geo = torch.tensor(list(by_layer.values())).log().mean().exp().item()
-        print(f"wrote {len(entries)} entries to {out}; per add_lora_ call, tuned vs heuristic: geomean "
-              f"speed-up {geo:.2f}x over {len(by_layer)} shapes")
+        speed_up = f"; per add_lora_ call, tuned vs heuristic: geomean speed-up {geo:.2f}x over {len(by_layer)} shapes"
+    print(f"wrote {len(entries)} entries to {out}{speed_up}")
     limits = [e for e in entries if e["kind"] == "stack_limit"]
     if limits:
         print("stack_a token limits: " + ", ".join(f"{e['layer']} r{e['rank']} {e['max_tokens']}" for e in limits))

@@ -1069,8 +1069,8 @@ def test_a_subclass_output_it_keeps_is_not_written(returns):
 def test_per_row_refuses_a_sequence_first_view(compiled):
     """Longformer and LED call their attention projections on hidden_states.transpose(0, 1), [tokens, rows, K]:
     per_row took its tokens for rows (a multiple of the adapters, so beam copies) and gave them the wrong
-    adapters, silently. A 3-D input whose first dimension is the inner one in memory is refused, naming the
-    layer; a batch-first input of the same shape is served."""
+    adapters, silently. An input of 3 or more dimensions whose first is not its outer one in memory is refused,
+    naming the layer; a batch-first input of the same shape is served."""
     class SeqFirstInside(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1087,6 +1087,9 @@ def test_per_row_refuses_a_sequence_first_view(compiled):
         with pytest.raises(Exception, match=r"LoRALinear 'query': inside per_row the input \(6, 4, 8\) is a "
                                             r"transposed view"):
             run(torch.randn(4, 6, 8))
+        with pytest.raises(Exception, match=r"LoRALinear 'query': inside per_row the input \(4, 2, 3, 8\) is a "
+                                            r"transposed view"):     # (4-D: was served, tokens taken for rows)
+            model.query(torch.randn(2, 4, 3, 8).transpose(0, 1))
         model.query(torch.randn(6, 4, 8))       # (batch-first: 6 rows, 3 for each adapter)
         model.query(torch.randn(1, 6, 8).expand(4, 6, 8))    # (an expanded row: stride 0, every row alike)
 

@@ -2,13 +2,14 @@
 interpreter on tiny shapes, so it checks the code path and the table it writes, not speed."""
 import json
 import math
+import re
 import os
 
 import pytest
 import torch
 
 from conftest import INTERPRETED
-from lora_ops import tune
+from lora_ops import configs, tune
 from lora_ops.configs import heuristics, tuning
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="--dry-run runs the kernels on the interpreter")
@@ -323,3 +324,14 @@ def test_dry_run_defaults_to_the_tiny_model():
     assert tune.parse_args(["--dry-run"]).model == ["tiny"]
     assert tune.parse_args([]).model == ["llama3-8b"]
     assert tune.parse_args(["--dry-run", "--model", "phi4-mini"]).model == ["phi4-mini"]
+
+
+def test_dry_run_without_out_leaves_the_package_tables_alone(monkeypatch, capsys):
+    """A dry run's table (interpreter timings) went into the package's tuned folder, beside the tables the
+    library looks up; without --out or $LORA_OPS_TUNED_DIR it goes to a new temporary folder now."""
+    monkeypatch.delenv("LORA_OPS_TUNED_DIR", raising=False)
+    before = sorted(p.name for p in configs.TUNED_DIR.iterdir())
+    table = tune.main(DRY + ["--tokens", "1", "--kinds", "stacked"])
+    assert table["entries"] and sorted(p.name for p in configs.TUNED_DIR.iterdir()) == before
+    written = re.search(r"wrote \d+ entries to (\S+)$", capsys.readouterr().out, re.M).group(1)
+    assert "lora_ops_dry_run_" in written and json.load(open(written))["entries"] == table["entries"]
