@@ -51,9 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", nargs="+", default=None, choices=sorted(MODELS),
                     help="default: llama3-8b (tiny with --dry-run)")
     ap.add_argument("--layers", nargs="*", default=None, help="subset of layer names (default: all)")
-    ap.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    ap.add_argument("--tokens", nargs="+", type=int, default=None, help="token buckets (default: all)")
-    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--ranks", nargs="+", type=_positive, default=[16, 64])
+    ap.add_argument("--tokens", nargs="+", type=_positive, default=None, help="token buckets (default: all)")
+    ap.add_argument("--slots", type=_positive, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=None, help="table path (default: this GPU's table in the first folder of "
                     "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up; a --dry-run's in a "
@@ -80,13 +80,26 @@ def parse_args(argv=None):
                          "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
                          "timed last, with the table this run writes)")
-    ap.add_argument("--max-candidates", type=int, default=None,
+    ap.add_argument("--max-candidates", type=_positive, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     args = ap.parse_args(argv)
     if args.model is None:   # (a dry run of Llama's shapes on the interpreter took minutes a shape)
         args.model = ["tiny"] if args.dry_run else ["llama3-8b"]
+    if args.layers:   # (a name that selects nothing wrote an empty table over the GPU's own)
+        known = {name for m in args.model for name in MODELS[m]}
+        unknown = [name for name in args.layers if name not in known]
+        if unknown:
+            ap.error(f"--layers: {unknown} not among {', '.join(args.model)}'s layers ({', '.join(sorted(known))})")
     return args
+
+
+def _positive(text):
+    """An argparse type: an integer >= 1 (0 divided by zero deep in a run, -1 cut candidate lists silently)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 KINDS = ("pair", "stacked", "store", "stack_pad", "stack_limit")
@@ -198,10 +211,13 @@ def tune_shape(job, args, device, dtype, problems):
         sys.stderr.write(f"\nlora_ops.tune: no shrink + expand pair ran for {key}: shape skipped\n")
         return []
     heur_pair_us = tuning.time_config("shrink", problems, heur_shrink, heur_expand)
+    # The shrink's share is a difference of two timings, which noise can make negative (a CPU dry run wrote
+    # -141949 µs): at least 0; the pair's own time is pair_us.
     entries = [
         dict(kind="shrink", features=K, out_features=N, **key, config=shrink._asdict(),
-             us=round(split_us - expand_us, 2), pair_us=round(split_us, 2),
-             heuristic_us=_us(None if None in (heur_pair_us, heur_expand_us) else heur_pair_us - heur_expand_us),
+             us=round(max(split_us - expand_us, 0.0), 2), pair_us=round(split_us, 2),
+             heuristic_us=_us(None if None in (heur_pair_us, heur_expand_us) else max(heur_pair_us - heur_expand_us,
+                                                                                      0.0)),
              candidates=len(timings)),
         dict(kind="expand", features=N, **key, config=expand._asdict(), us=round(expand_us, 2),
              heuristic_us=_us(heur_expand_us), candidates=len(expand_timings)),
@@ -442,6 +458,10 @@ def main(argv=None):
 
     if args.dry_run:
         device, gpu, args.workers = torch.device("cpu"), "dry-run", 0
+        if args.dtype == "bfloat16":
+            # (check_candidate: the interpreter computes bf16 wrongly itself)
+            sys.stderr.write("lora_ops.tune --dry-run: bfloat16 candidates are run but their outputs not checked "
+                             "on the interpreter; --dtype float16 checks them\n")
     elif not torch.cuda.is_available():
         sys.exit("lora_ops.tune: needs a CUDA GPU (or --dry-run)")
     else:

@@ -517,14 +517,16 @@ def test_tuner_check_passes_right_candidates_and_restores_y(case, dtype, request
     assert torch.equal(p["y"], y0)   # the check ran from y as it was before the timing, and put it back
 
 
-@pytest.mark.parametrize("fault", ["one_value", "one_row", "nan", "skipped"])
+@pytest.mark.parametrize("fault,tokens", [("one_value", 9), ("one_row", 9), ("nan", 9), ("skipped", 9), ("skipped", 1)],
+                         ids=["one_value", "one_row", "nan", "skipped", "skipped-one_token"])
 @pytest.mark.parametrize("kind", ["expand", "store", "shrink_alone"])
-def test_tuner_check_rejects_wrong_candidates(kind, fault, monkeypatch, capsys):
+def test_tuner_check_rejects_wrong_candidates(kind, fault, tokens, monkeypatch, capsys):
     """A candidate whose output is wrong (one value or one row off by the delta's size, a NaN, or no write at
-    all) fails the check, and time_config drops it with a line to stderr."""
+    all) fails the check, and time_config drops it with a line to stderr. One token too: its problem's token
+    drew "no adapter" (a zero delta), and a config that wrote nothing passed the check at the 1-token bucket."""
     R, cfg, ecfg = CHECKED["shrink" if kind == "shrink_alone" else kind]
     kind = kind.replace("_alone", "")
-    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, 9)
+    p = tuning.synthetic_problem(torch.device(DEVICE), torch.float32, 40, [24, 8], R, 3, tokens)
     real = tuning.RUNNERS[kind]
 
     def faulty(p, cfg, expand_cfg=None):
@@ -548,6 +550,12 @@ def test_tuner_check_rejects_wrong_candidates(kind, fault, monkeypatch, capsys):
     assert tuning.check_candidate(kind, p, cfg, ecfg) is not None
     assert tuning.time_config(kind, [p], cfg, ecfg) is None
     assert "wrong result" in capsys.readouterr().err
+
+
+def test_synthetic_problems_give_token_0_an_adapter():
+    for seed in range(64):
+        p = tuning.synthetic_problem(torch.device("cpu"), torch.float32, 8, [4], 4, 3, 1, seed=seed)
+        assert int(p["slots"][0]) >= 0 and int(p["meta"].slot_counts[3]) == 0
 
 
 @pytest.mark.parametrize("kind", ["expand", "shrink_alone", "stacked"])

@@ -43,7 +43,7 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
             # The shrink's share is the pair's time less the expand's, two timings: a difference that wall
             # clocks on a busy CPU can make negative (CI, 2026-12-03: the heuristic's, -10 ms), so only the
             # pair's own time must be positive.
-            assert e["pair_us"] > 0 and math.isfinite(e["us"]) and math.isfinite(e["heuristic_us"])
+            assert e["pair_us"] > 0 and 0 <= e["us"] < math.inf and 0 <= e["heuristic_us"] < math.inf
         else:
             assert e["us"] > 0 and e["heuristic_us"] > 0
         if e["kind"] == "stacked":   # the layer timed with the config it replaces beside it
@@ -335,3 +335,18 @@ def test_dry_run_without_out_leaves_the_package_tables_alone(monkeypatch, capsys
     assert table["entries"] and sorted(p.name for p in configs.TUNED_DIR.iterdir()) == before
     written = re.search(r"wrote \d+ entries to (\S+)$", capsys.readouterr().out, re.M).group(1)
     assert "lora_ops_dry_run_" in written and json.load(open(written))["entries"] == table["entries"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ranks", "0"], "argument --ranks: expected an integer >= 1, got 0"),
+    (["--tokens", "0"], "argument --tokens: expected an integer >= 1, got 0"),
+    (["--slots", "0"], "argument --slots: expected an integer >= 1, got 0"),
+    (["--max-candidates", "-1"], "argument --max-candidates: expected an integer >= 1, got -1"),
+    (["--layers", "gateup"], r"--layers: \['gateup'\] not among tiny's layers \(down, qkv\)"),
+], ids=["ranks", "tokens", "slots", "max_candidates", "layers"])
+def test_bad_arguments_are_refused_naming_them(argv, message, capsys):
+    """(0 divided by zero deep in a run, -1 cut the candidate lists silently, a layer name that selects nothing
+    wrote an empty table over the GPU's own.)"""
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--dry-run", *argv])
+    assert re.search(message, capsys.readouterr().err)

@@ -235,7 +235,8 @@ def fused_candidates(bucket, in_features, max_rank):
 
 
 def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_slots, num_tokens, seed=0):
-    """Random signed inputs of the given shapes and a batch of `num_slots` adapters, ~10% no adapter."""
+    """Random signed inputs of the given shapes and a batch of `num_slots` adapters, ~10% no adapter (never
+    token 0)."""
     g = torch.Generator(device=device).manual_seed(seed)
     S, N = len(slice_widths), sum(slice_widths)
 
@@ -250,6 +251,9 @@ def synthetic_problem(device, dtype, in_features, slice_widths, max_rank, num_sl
     rank = torch.full((num_slots,), max_rank, dtype=torch.int32, device=device)
     slots = torch.randint(0, num_slots, (num_tokens,), generator=g, device=device)
     slots = torch.where(torch.rand(num_tokens, generator=g, device=device) < 0.1, -1, slots)
+    # Token 0 always has an adapter: a one-token problem whose token drew -1 had a zero delta, against which the
+    # output check (check_candidate) passed a config that wrote nothing.
+    slots[:1].clamp_(min=0)
     batch = LoRABatch(num_tokens, num_slots, device)
     batch.update(slots)
     h = torch.randn(num_tokens, S, max_rank, generator=g, device=device)
