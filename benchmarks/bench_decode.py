@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
+from repo_path import HERE, REPO  # noqa: E402  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
@@ -158,7 +158,8 @@ def main(argv=None):
     slots = torch.arange(args.batch, device=device) % 4
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "triton": getattr(__import__("triton"), "__version__", None), "layers": args.layers,
+              "triton": getattr(__import__("triton"), "__version__", None), "git": report.git_revision(REPO),
+              "dtype": str(dtype).replace("torch.", ""), "layers": args.layers,
               "batch": args.batch, "adapters": 4, "batch_fill": _batch_fill(device, args.batch, 4), "rows": []}
 
     def step():

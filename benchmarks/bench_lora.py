@@ -17,7 +17,6 @@ import datetime
 import functools
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -80,7 +79,19 @@ def config_choice(variant):
 
 
 def _csv(cast=str):
-    return lambda s: tuple(cast(v) for v in s.split(",") if v.strip())
+    """An argparse type: comma-separated values, each ``cast`` (named so that a bad value's error says what was
+    expected, not "invalid <lambda> value")."""
+    def values(s):
+        return tuple(cast(v) for v in s.split(",") if v.strip())
+    values.__name__ = f"comma-separated {getattr(cast, '__name__', 'value')}"
+    return values
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
 
 
 def parse_args(argv=None):
@@ -98,7 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--models", type=_csv(), help="models to keep: llama3-8b, phi4-mini")
     p.add_argument("--layers", type=_csv(), help="layer names to keep, e.g. qkv,o")
     p.add_argument("--ranks", type=_csv(), help="rank labels to keep, e.g. 16 or mix")
-    p.add_argument("--ms", type=_csv(int), help="token counts to use, e.g. 1,64,4096")
+    p.add_argument("--ms", type=_csv(positive_int), help="token counts to use, e.g. 1,64,4096")
     p.add_argument("--variants", type=_csv(), default=(),
                    help="extra timings of ours, each checked first: " + ", ".join(VARIANTS) + " (default none)")
     p.add_argument("--only-check", action="store_true", help="correctness only (no timing), every row")
@@ -133,17 +144,6 @@ def _short(exc, limit=300):
 # --- the environment
 
 
-def _git_revision():
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev + ("+dirty" if dirty else "")) if rev else None
-    except Exception:
-        return None
-
-
 def _triton_version():
     try:
         import triton
@@ -167,7 +167,7 @@ def environment(args, timer, dtype, notes):
         "date": now.strftime("%Y-%m-%d %H:%M UTC"), "grid": args.grid, "device": str(timer.device),
         "gpu": device_name(timer.device), "torch": torch.__version__, "triton": _triton_version(),
         "cuda": torch.version.cuda, "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
-        "git": _git_revision(), "timing": timer.method(), "cache": args.cache,
+        "git": report.git_revision(REPO), "timing": timer.method(), "cache": args.cache,
         "l2_MiB": timer.l2_bytes >> 20, "copy_GBps": None, "matmul_TFLOPs": None,
         "args": {k: v for k, v in vars(args).items()},
     }
@@ -488,6 +488,9 @@ def main(argv=None):
         env["peers"] = {"names": sorted(peers), "adapters": adapters, "builds": os.environ.get("LORA_PEERS")}
     cases = shapes.cases(args.grid, tiny=args.tiny, subset=args.subset, models=args.models, layers=args.layers,
                          ranks=args.ranks, tokens=args.ms)
+    if not cases:   # (a filter that matched nothing wrote empty files and "0 rows ok")
+        sys.exit(f"bench_lora: no row of the {args.grid} grid matches --models {args.models}, --layers "
+                 f"{args.layers}, --ranks {args.ranks}, --ms {args.ms}")
     out_dir = args.out or default_out_dir()
     stem = file_stem(args, device)
     title = f"lora_ops {args.grid} grid on {env['gpu']} ({env['date']})"

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from repo_path import HERE  # noqa: E402  (first: this checkout's lora_ops)
+from repo_path import HERE, REPO  # noqa: E402  (first: this checkout's lora_ops)
 
 import lora_ops  # noqa: E402
 import report  # noqa: E402
@@ -199,7 +199,8 @@ def main(argv=None):
     host_added_stacked = host_rows["LoRALinear, stack_a (lora_linear_stacked)"] - host_rows[stack_base]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "triton": getattr(__import__("triton"), "__version__", None), "tokens": M, "rank": args.rank,
+              "triton": getattr(__import__("triton"), "__version__", None), "git": report.git_revision(REPO),
+              "tokens": M, "rank": args.rank,
               "in_features": K, "out_features": N, "rows_us": {k: round(v, 2) for k, v in rows.items()},
               "enqueue_us": {k: round(v, 2) for k, v in host_rows.items()},
               "lora_added_us": round(added, 2), "lora_added_enqueue_us": round(host_added, 2),

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import subprocess
 
 IMPLS = ("ours", "vllm", "sglang")
 PEERS = ("vllm", "sglang")
@@ -24,9 +25,31 @@ def ratio(a, b):
     return a / b if a is not None and b is not None and b > 0 else None
 
 
+def git_revision(repo):
+    """The checkout's short commit, "+dirty" where tracked files changed; None without git."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+dirty" if dirty else "")) if rev else None
+    except Exception:
+        return None
+
+
 def geomean(values):
+    """The geometric mean of the positive values (None where there are none); see left_out."""
     values = [v for v in values if v is not None and v > 0]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+LEFT_OUT = " left out"   # a bin's key + this: how many of its rows a mean left out (non-positive ratios)
+
+
+def left_out(values):
+    """How many of ``values`` geomean leaves out for being zero or negative (a paired delta within the noise,
+    where a variant's time less the base layer's is a difference of two timings)."""
+    return sum(1 for v in values if v is not None and v <= 0)
 
 
 def bound_us(row):
@@ -152,7 +175,10 @@ def _groups(rows):
 def _bin_means(rows, numerator, denominator):
     means = {}
     for label, keep in BASE_BINS:
-        means[label] = geomean(ratio(numerator(r), denominator(r)) for r in rows if keep(r["M"]))
+        ratios = [ratio(numerator(r), denominator(r)) for r in rows if keep(r["M"])]
+        means[label] = geomean(ratios)
+        if left_out(ratios):
+            means[label + LEFT_OUT] = left_out(ratios)
     return means
 
 
@@ -196,6 +222,7 @@ def summary_text(summary):
     head = [label for label, _ in BASE_BINS] + [f"floor {FLOOR_BIN[0]}"]
     lines = ["geometric means (time ratios; 'X/base' bins: X/base, last column: X/floor)",
              f"{'':<28}" + "".join(f"{h:>14}" for h in head)]
+    starred = False
     for group, g in summary.items():
         for key, vals in g.items():
             if key.endswith("slower than a peer"):
@@ -205,7 +232,10 @@ def summary_text(summary):
                 tail = "   (last column: all M)"
             else:
                 cells, tail = [vals.get(h) for h in head], ""
-            lines.append(f"{group + ' ' + key:<28}" + "".join(f"{_fmt(v, 2):>14}" for v in cells) + tail)
+            marks = ["*" if vals.get(h + LEFT_OUT) else "" for h in head[:len(cells)]]
+            starred = starred or any(marks)
+            lines.append(f"{group + ' ' + key:<28}" + "".join(f"{_fmt(v, 2) + m:>14}" for v, m in zip(cells, marks))
+                         + tail)
         slow = g["ours slower than a peer"]
         if slow["of"]:
             per_peer = ", ".join(f"{k} {v}" for k, v in slow.items() if k.startswith("than "))
@@ -214,6 +244,9 @@ def summary_text(summary):
         if "stack_a slower than a peer" in g:
             slow = g["stack_a slower than a peer"]
             lines.append(f"{group + ' stack_a slower than a peer':<28}{slow['rows']:>14} of {slow['of']} rows")
+    if starred:
+        lines.append("*: rows whose ratio was zero or negative (a paired delta within the noise) left out of that "
+                     "mean (the JSON's summary counts them under '<bin>" + LEFT_OUT + "')")
     return "\n".join(lines)
 
 
