@@ -29,6 +29,7 @@ import lora_ops  # noqa: E402
 import lora_ops.configs  # noqa: E402,F401  (the variants set config choices; not imported by lora_ops itself)
 import lora_ops.launch  # noqa: E402,F401
 from lora_ops.layers import stacked_token_limit, stacked_weight  # noqa: E402
+from lora_ops.tune import positive_int  # noqa: E402
 import problems  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -85,13 +86,6 @@ def _csv(cast=str):
         return tuple(cast(v) for v in s.split(",") if v.strip())
     values.__name__ = f"comma-separated {getattr(cast, '__name__', 'value')}"
     return values
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
 
 
 def parse_args(argv=None):

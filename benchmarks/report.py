@@ -195,10 +195,10 @@ def summarise(rows):
             per_bin = _bin_means(group, t, lambda r: r.get("base_us"))
             per_bin[f"floor {FLOOR_BIN[0]}"] = geomean(ratio(t(r), r.get("floor_us"))
                                                        for r in group if FLOOR_BIN[1](r["M"]))
-            if any(v is not None for v in per_bin.values()):
+            if any(v is not None for k, v in per_bin.items() if not k.endswith(LEFT_OUT)):
                 g[f"{impl}/base"] = per_bin
         alone = _bin_means(group, lambda r: r.get("ours_us"), lambda r: r.get("alone_us"))
-        if any(v is not None for v in alone.values()):
+        if any(v is not None for k, v in alone.items() if not k.endswith(LEFT_OUT)):
             alone["all M"] = geomean(ratio(r.get("ours_us"), r.get("alone_us")) for r in group)
             g["ours/alone-sum"] = alone
         compared = [r for r in group if best_peer_us(r) is not None]

@@ -243,7 +243,9 @@ class LoRAContext:
         """As the default deep copy (:meth:`__getstate__`), but refused for part of the model: a block or layer
         copied alone reaches the context through its layers, and copying it copied the whole model into a
         private context that this context's set_batch and loads never reach (a block duplicated into the model
-        kept serving the adapters and batch of the moment it was copied, silently)."""
+        kept serving the adapters and batch of the moment it was copied, silently). A part is told by the copy
+        reaching the context through one of its layers before the model: a container holding a layer before
+        the model (``[model[1], model]``) is refused too, the model first passes."""
         model = self._model() if self._model is not None else None
         if model is not None and id(model) not in memo:
             through = next((path for path, layer in self.layers.items() if id(layer) in memo), None)
@@ -252,8 +254,8 @@ class LoRAContext:
                     f"copy.deepcopy of part of a model wrapped by apply_lora (reached LoRALinear {through!r}): "
                     f"its layers belong to the whole model's LoRAContext, and the part's copy would take a private "
                     f"copy of the whole model and context, which set_batch and load_adapter here never reach. Copy "
-                    f"the whole model (copy.deepcopy(model): the copy's context serves the copy), or copy blocks "
-                    f"before apply_lora")
+                    f"the whole model (copy.deepcopy(model): the copy's context serves the copy; a container copied "
+                    f"with it must hold the model before its parts), or copy blocks before apply_lora")
         new = LoRAContext.__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
@@ -374,7 +376,7 @@ class LoRAContext:
         """Per step, per token: ``token_slots [M]`` int32/int64 slots in [-1, max_loras) (-1: no adapter),
         on the CPU or on this context's device. An empty slot behaves like -1 (rank 0)."""
         self._refuse_in_rows("set_token_slots")
-        check_token_slots(token_slots, self.max_loras, self.max_tokens)
+        check_token_slots(token_slots, self.max_loras, self.max_tokens, self.device)
         self._fill(token_slots)
         return token_slots.shape[0]
 
@@ -395,7 +397,8 @@ class LoRAContext:
 
         A layer's input is ``[rows, tokens, ..., features]``, row-major (Hugging Face models keep the batch
         dimension; flattened tokens ``[M, features]`` take the batch of the last input with rows, where it had
-        M tokens), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
+        M tokens, and a view of one token a row of it, ``[rows, features]`` (BERT's pooler), each row's
+        adapter), so a prefill, each cached decode step, an encoder and a decoder (its cross-attention
         projections over the encoder's tokens included) each get the batch of their own shape, built once per
         shape in the block and never refilled. Rows may be a multiple k of ``len(adapters)``: beam search and
         ``num_return_sequences`` repeat each row k times in place, so each adapter takes k rows. Under
@@ -485,13 +488,16 @@ class LoRAContext:
             rows, tokens = self._row_shape
             if x.shape[0] == rows * tokens:
                 return self._row_shape
-            if x.shape[0] == rows:
-                # One token a row, as BERT's pooler (each row's first token) or a head on each row's last takes
-                # (PEFT's "all-linear" adapts the pooler): each takes its row's adapter.
+            if x.shape[0] == rows and x.dim() == 2 and x.stride(0) == tokens * x.shape[1] * x.stride(1):
+                # One token a row, a view of the rows' input ([rows, tokens, K][:, i]: BERT's pooler takes each
+                # row's first token; PEFT's "all-linear" adapts it): each takes its row's adapter. Only such a
+                # view: a routed expert's gathered tokens (a tensor of their own) whose count equals the rows
+                # would take wrong adapters silently.
                 return (rows, 1)
         raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
                          f"features], the flattened tokens of the last such input, or one token a row of it "
-                         f"[rows, features], got shape {tuple(x.shape)} (no row is known for its tokens: a layer "
+                         f"[rows, features] (a view: input[:, i]), got shape {tuple(x.shape)} (no row is known for "
+                         f"its tokens: a layer "
                          f"that sees some tokens of some rows cannot take per-row adapters, so leave it out of "
                          f"target_modules; for other inputs call set_batch instead)")
 
@@ -1177,8 +1183,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     """
     packed = _normalise_packed(packed_modules)
     selected = _select_targets(model, target_modules, packed)
-    wrapped = [path for path, module in model.named_modules() if isinstance(module, LoRALinear)
-               and (target_modules == ALL_LINEAR or _matches(target_modules, path))]
+    wrapped = _wrapped_targets(model, target_modules, packed)
     if selected and wrapped:
         # (The new context would not serve them: set_batch on it never reached them, silently.)
         warnings.warn(f"apply_lora: target_modules also selects {len(wrapped)} layer(s) already wrapped "
@@ -1349,6 +1354,23 @@ def _slice_paths(path, packed):
         return None
     prefix = parent + "." if parent else ""
     return tuple((prefix + slice_name, width) for slice_name, width in packed[name])
+
+
+def _wrapped_targets(model, target_modules, packed):
+    """Paths of the LoRALinear layers that ``target_modules`` would select were they still nn.Linear (by
+    _select_targets' rule: all-linear leaves the output layer out; a packed layer's slice names select it)."""
+    output_layer = _output_layer(model) if target_modules == ALL_LINEAR else None
+    out = []
+    for path, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        if target_modules == ALL_LINEAR:
+            hit = module is not output_layer and module.base is not output_layer
+        else:
+            hit = any(_matches(target_modules, p) for p in [path, *(p for p, _ in _slice_paths(path, packed) or ())])
+        if hit:
+            out.append(path)
+    return out
 
 
 def _output_layer(model):

@@ -51,9 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", nargs="+", default=None, choices=sorted(MODELS),
                     help="default: llama3-8b (tiny with --dry-run)")
     ap.add_argument("--layers", nargs="*", default=None, help="subset of layer names (default: all)")
-    ap.add_argument("--ranks", nargs="+", type=_positive, default=[16, 64])
-    ap.add_argument("--tokens", nargs="+", type=_positive, default=None, help="token buckets (default: all)")
-    ap.add_argument("--slots", type=_positive, default=4)
+    ap.add_argument("--ranks", nargs="+", type=positive_int, default=[16, 64])
+    ap.add_argument("--tokens", nargs="+", type=positive_int, default=None, help="token buckets (default: all)")
+    ap.add_argument("--slots", type=positive_int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--out", default=None, help="table path (default: this GPU's table in the first folder of "
                     "$LORA_OPS_TUNED_DIR, else in the package, where the library looks it up; a --dry-run's in a "
@@ -80,7 +80,7 @@ def parse_args(argv=None):
                          "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
                          "timed last, with the table this run writes)")
-    ap.add_argument("--max-candidates", type=_positive, default=None,
+    ap.add_argument("--max-candidates", type=positive_int, default=None,
                     help="search only the first N candidates of each kernel (smoke runs; default all)")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default: CPUs - 2; 0: none)")
     args = ap.parse_args(argv)
@@ -94,7 +94,7 @@ def parse_args(argv=None):
     return args
 
 
-def _positive(text):
+def positive_int(text):
     """An argparse type: an integer >= 1 (0 divided by zero deep in a run, -1 cut candidate lists silently)."""
     value = int(text)
     if value < 1:

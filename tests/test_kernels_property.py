@@ -21,7 +21,7 @@ from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUT
 from lora_ops import configs, launch
 from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig
-from lora_ops.reference import lora_delta_reference, shrink_reference
+from lora_ops.reference import lora_delta_reference, lora_forward_reference, shrink_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
 
@@ -657,6 +657,21 @@ def test_a_negative_slot_start_is_clamped_by_every_backend(backend):
     lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=meta,
                       slice_widths=case.slice_widths)
     assert rel_err(y, case.delta_reference()) < TOLERANCE[torch.float32]
+    # The gradients read the metadata alike: the backward ops, and the graph the double backward differentiates
+    # (autograd._token_slots).
+    leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_a, case.lora_b)]
+    refs = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    out = lora_ops.lora_forward(torch.zeros_like(y), *leaves, case.scale, case.rank, batch=meta,
+                                slice_widths=case.slice_widths)
+    ref = lora_forward_reference(torch.zeros(y.shape, dtype=torch.float64), *refs, case.scale.cpu(), case.rank.cpu(),
+                                 case.token_slots.cpu(), case.slice_widths)
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out), create_graph=True)
+    ref_grads = torch.autograd.grad(ref, refs, grad_out, create_graph=True)
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOLERANCE[torch.float32]
+    second = torch.autograd.grad(grads[0].square().sum(), leaves[1])[0]
+    assert rel_err(second, torch.autograd.grad(ref_grads[0].square().sum(), refs[1])[0]) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("bad_slot", [-2, 3], ids=["below_-1", "equal_to_L"])

@@ -438,6 +438,12 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
         want = ctx.layers["pooler"](h[:, 0])
         assert rel_err(want, model.pooler.base(h[:, 0])) > 1e-3       # (the adapter matters)
     assert torch.equal(pooled, want)
+    # Rows' worth of gathered tokens (a routed expert's, say) are no view of a row each: refused, not served by
+    # row.
+    with torch.no_grad(), ctx.per_row(["a", None]):
+        h, _ = model(x)
+        with pytest.raises(ValueError, match=r"LoRALinear 'pooler': inside per_row .* got shape \(2, 24\)"):
+            model.pooler(h.reshape(-1, K)[torch.tensor([0, 5])])
     ctx = apply_lora(Encoder(), ["proj"], max_loras=2, max_rank=4, max_tokens=16)
     ctx.set_batch([(None, 5), (None, 5)])
     assert ctx.layers["proj"](torch.randn(2, 5, K)).shape == (2, 5, K)
@@ -578,7 +584,8 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
         return layers["proj"](x[:, :-1].reshape(-1, K))
     torch._dynamo.reset()
     with pytest.raises((ValueError, RuntimeError), match=r"the flattened tokens of the last such input, or one "
-                                                         r"token a row of it \[rows, features\], got shape \(8, 24\)"):
+                                                         r"token a row of it \[rows, features\] \(a view: input\[:, i\]\), "
+                                                         r"got shape \(8, 24\)"):
         with torch.no_grad(), ctx.per_row(["a", "b"]):
             torch.compile(mismatched, backend="aot_eager", fullgraph=True)(torch.randn(2, 5, K))
     torch._dynamo.reset()
@@ -589,12 +596,12 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
     ("no_adapters", r"per_row: adapters is empty"),
     ("rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its 3 adapters"),
     ("flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., features\], "
-                   r"the flattened tokens of the last such input, or one token a row of it \[rows, features\], got "
-                   r"shape \(5, 24\)"),
+                   r"the flattened tokens of the last such input, or one token a row of it \[rows, features\] "
+                   r"\(a view: input\[:, i\]\), got shape \(5, 24\)"),
     ("nested", r"per_row: already active on this context"),
     ("compiled_flat_input", r"LoRALinear 'proj': inside per_row a layer's input must be \[rows, tokens, \.\.\., "
                             r"features\], the flattened tokens of the last such input, or one token a row of it "
-                            r"\[rows, features\], got shape \(6, 24\)"),
+                            r"\[rows, features\] \(a view: input\[:, i\]\), got shape \(6, 24\)"),
     ("compiled_rows_not_a_multiple", r"LoRALinear 'proj': the input has 4 rows; per_row expects a multiple of its "
                                      r"3 adapters"),
     ("a_string", r"per_row: adapters must be a list of adapter names \(or None\), one per row; got the string 'ab'"),
@@ -1128,3 +1135,9 @@ def test_a_shallow_copy_of_a_stacked_layer_leaves_the_original_stacked():
     twin = copy.copy(layer)
     assert layer.base.weight is weight and layer.lora_a is lora_a and twin.lora_a is lora_a
     assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
+
+
+def test_set_token_slots_names_slots_on_another_device():
+    _, ctx = one_layer_model(None, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"token_slots: expected a tensor on the CPU, got one on meta"):
+        ctx.set_token_slots(torch.zeros(4, dtype=torch.int64, device="meta"))
