@@ -150,7 +150,8 @@ class LoRAContext:
       :meth:`per_row` each layer reads instead a batch built from its own input's rows (``model.generate``).
       Every layer's forward reads them, and its input, flattened to ``[M, K]``, must have the M
       tokens of the last call, in the same order. In a model split across devices (``device_map``) a layer on
-      another device reads a copy of them there, refreshed at each fill (:meth:`serve_device`).
+      another device reads a copy of them there, refreshed at each fill (:meth:`serve_device`). The batch is
+      this context's, so it serves one thread at a time (threads serving at once take a context each).
 
     **Autograd keeps each forward's batch.** A call that records autograd reads a copy of the metadata and the
     per-token slots that :meth:`set_batch` takes when grad mode is on (a few small copies per step, never
