@@ -498,9 +498,8 @@ class LoRAContext:
         raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
                          f"features], the flattened tokens of the last such input, or one token a row of it "
                          f"[rows, features] (a view: input[:, i]), got shape {tuple(x.shape)} (no row is known for "
-                         f"its tokens: a layer "
-                         f"that sees some tokens of some rows cannot take per-row adapters, so leave it out of "
-                         f"target_modules; for other inputs call set_batch instead)")
+                         f"its tokens: a layer that sees some tokens of some rows cannot take per-row adapters, so "
+                         f"leave it out of target_modules; for other inputs call set_batch instead)")
 
     def _row_token_slots(self, padded, rows, tokens, layer):
         """per_row: the slot of each of ``rows`` x ``tokens`` tokens, row-major, from ``padded`` [adapters + 1]
@@ -1183,8 +1182,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     ``stack_a``: each layer's base weight and ``lora_a`` in one buffer (opt-in; :class:`LoRALinear`).
     """
     packed = _normalise_packed(packed_modules)
-    selected = _select_targets(model, target_modules, packed)
-    wrapped = _wrapped_targets(model, target_modules, packed)
+    selected, wrapped = _select_targets(model, target_modules, packed)
     if selected and wrapped:
         # (The new context would not serve them: set_batch on it never reached them, silently.)
         warnings.warn(f"apply_lora: target_modules also selects {len(wrapped)} layer(s) already wrapped "
@@ -1271,14 +1269,16 @@ def _normalise_packed(packed_modules):
 
 
 def _select_targets(model, target_modules, packed):
-    """[(path, module, slices)]: slices is ((slice path, width), ...) for a packed layer, else None."""
+    """([(path, module, slices)], wrapped): slices is ((slice path, width), ...) for a packed layer, else None;
+    wrapped the paths of the LoRALinear layers the rule would select were they still nn.Linear (another
+    context serves them)."""
     if isinstance(target_modules, str) and target_modules != ALL_LINEAR:
         try:
             re.compile(target_modules)
         except re.error as e:
             raise ValueError(f"target_modules: {target_modules!r} is not a valid regex ({e})") from None
     output_layer = _output_layer(model) if target_modules == ALL_LINEAR else None
-    selected, taken = [], set()
+    selected, taken, wrapped = [], set(), {}
     # Every name a module has (remove_duplicate=False): a module registered twice (tied, or one layer listed
     # twice in a ModuleList) is selected by any of its names, once, and replaced under all of them.
     for path, module in model.named_modules(remove_duplicate=False):
@@ -1289,14 +1289,20 @@ def _select_targets(model, target_modules, packed):
                             f"{type(module).__module__}.{type(module).__name__}: a PeftModel). lora_ops serves PEFT "
                             f"adapters itself: call apply_lora on the base model (before get_peft_model, or after "
                             f"peft_model.unload()), then ctx.load_adapter each adapter's directory")
-        if not path or isinstance(module, LoRALinear) or _inside_lora_linear(model, path) or id(module) in taken:
+        if isinstance(module, LoRALinear):
+            if path and id(module) not in wrapped and (
+                    module is not output_layer and module.base is not output_layer if target_modules == ALL_LINEAR
+                    else _names_hit(target_modules, path, _slice_paths(path, packed))):
+                wrapped[id(module)] = path
+            continue
+        if not path or _inside_lora_linear(model, path) or id(module) in taken:
             continue
         slices = _slice_paths(path, packed)
         read_directly = isinstance(module, nn.Linear) and _weight_read_by_parent(model, path)
         if target_modules == ALL_LINEAR:
             hit = isinstance(module, nn.Linear) and module is not output_layer and not read_directly
         else:
-            hit = any(_matches(target_modules, p) for p in [path, *(p for p, _ in slices or ())])
+            hit = _names_hit(target_modules, path, slices)
         if not hit:
             continue
         if not isinstance(module, nn.Linear):
@@ -1321,7 +1327,12 @@ def _select_targets(model, target_modules, packed):
                              f"but the layer has out_features={module.out_features}")
         selected.append((path, module, slices))
         taken.add(id(module))
-    return selected
+    return selected, list(wrapped.values())
+
+
+def _names_hit(target_modules, path, slices):
+    """Whether names or a regex select the module at ``path``, by its own name or a packed slice's."""
+    return any(_matches(target_modules, p) for p in [path, *(p for p, _ in slices or ())])
 
 
 def _offloaded(model, path):
@@ -1355,23 +1366,6 @@ def _slice_paths(path, packed):
         return None
     prefix = parent + "." if parent else ""
     return tuple((prefix + slice_name, width) for slice_name, width in packed[name])
-
-
-def _wrapped_targets(model, target_modules, packed):
-    """Paths of the LoRALinear layers that ``target_modules`` would select were they still nn.Linear (by
-    _select_targets' rule: all-linear leaves the output layer out; a packed layer's slice names select it)."""
-    output_layer = _output_layer(model) if target_modules == ALL_LINEAR else None
-    out = []
-    for path, module in model.named_modules():
-        if not isinstance(module, LoRALinear):
-            continue
-        if target_modules == ALL_LINEAR:
-            hit = module is not output_layer and module.base is not output_layer
-        else:
-            hit = any(_matches(target_modules, p) for p in [path, *(p for p, _ in _slice_paths(path, packed) or ())])
-        if hit:
-            out.append(path)
-    return out
 
 
 def _output_layer(model):
