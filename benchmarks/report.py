@@ -177,8 +177,9 @@ def _bin_means(rows, numerator, denominator):
     for label, keep in BASE_BINS:
         ratios = [ratio(numerator(r), denominator(r)) for r in rows if keep(r["M"])]
         means[label] = geomean(ratios)
-        if left_out(ratios):
-            means[label + LEFT_OUT] = left_out(ratios)
+        dropped = left_out(ratios)
+        if dropped:
+            means[label + LEFT_OUT] = dropped
     return means
 
 
