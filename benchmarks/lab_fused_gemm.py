@@ -71,8 +71,8 @@ def fused_layer_kernel(
     scale applied); B [L, N, R]; rows [M] int32 (token of each sorted position), row_slot [M] int32 (its slot,
     -1: none; sorted ascending past the -1s), rank [L] int32. slice_end0 / slice_end1: where the first two
     output slices end (N where there are fewer; slice widths are multiples of BLOCK_N). K is a multiple of
-    BLOCK_K (asserted by the launcher). H_TERMS: 0 (no h), 1 (h as one bf16 term) or 2 (hi + lo). GATHER: rows through rows_ptr, or in
-    order.
+    BLOCK_K (asserted by the launcher). H_TERMS: 0 (no h), 1 (h as one bf16 term) or 2 (hi + lo). GATHER: rows
+    through rows_ptr, or in order.
     """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -209,7 +209,8 @@ def check_row(problem, inp, w, outs):
     errs = {}
     for name, y in outs.items():
         y = y()
-        errs[name] = float("nan") if not torch.isfinite(y).all() else float(torch.linalg.vector_norm(y.double() - ref)) / norm
+        finite = bool(torch.isfinite(y).all())
+        errs[name] = float(torch.linalg.vector_norm(y.double() - ref)) / norm if finite else float("nan")
     return errs
 
 
@@ -279,8 +280,8 @@ def main():
         layers = [shapes.tiny_layer(l) for l in layers]
     if RATE:
         return rate_table(timer, layers)
-    print("| model | layer | r | M | base µs | gemm/base | gather/base | layer Δ | shrink/base | fused1 Δ | fused2 Δ "
-          "| err layer | err fused2 |", flush=True)
+    print("| model | layer | r | M | base µs | gemm/base | gather/base | layer Δ | shrink/base | fused1 Δ "
+          "| fused2 Δ | err layer | err fused2 |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layer in layers:
         for M in TOKENS:
@@ -288,7 +289,8 @@ def main():
                 r = row(timer, layer, rank, M)
                 rows.append(r)
                 us, o, e = r["us"], r["over_base"], r["errors"]
-                print(f"| {r['model']} | {r['layer']} | {rank} | {M} | {us['base']:.1f} | {us['gemm'] / us['base']:.3f} "
+                print(f"| {r['model']} | {r['layer']} | {rank} | {M} | {us['base']:.1f} "
+                      f"| {us['gemm'] / us['base']:.3f} "
                       f"| {us['gather'] / us['base']:.3f} | {o['layer']:.3f} | {us['shrink'] / us['base']:.3f} "
                       f"| {o['fused1']:.3f} | {o['fused2']:.3f} | {e['layer']:.1e} | {e['fused2']:.1e} |", flush=True)
     env = dict(torch=torch.__version__, triton=triton.__version__, device=DEV,
@@ -311,7 +313,8 @@ def rate_table(timer, layers):
             rows.append(r)
             us, e = r["us"], r["errors"]
             tflops = 2 * M * layer.in_features * layer.out_features / us["base"] / 1e6
-            print(f"| {r['model']} | {r['layer']} | {M} | {us['base']:.1f} | {tflops:.0f} | {us['gemm'] / us['base']:.3f} "
+            print(f"| {r['model']} | {r['layer']} | {M} | {us['base']:.1f} | {tflops:.0f} "
+                  f"| {us['gemm'] / us['base']:.3f} "
                   f"| {us['gather'] / us['base']:.3f} | {us['tma'] / us['base']:.3f} | {e['gemm']:.1e} "
                   f"| {e['gather']:.1e} | {e['tma']:.1e} |", flush=True)
             print("   best:", r["best_config_last"], flush=True)
