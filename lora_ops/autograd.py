@@ -134,15 +134,17 @@ def _masked_delta(x, lora_a, lora_b, scale, rank, widths, meta):
     bounds = [0, *itertools.accumulate(widths)]
     delta = x.new_zeros(x.shape[0], lora_b.shape[1], dtype=torch.float32)
     # Masks select (torch.where), never multiply: values the kernels do not read (past a slot's rank, other
-    # slots' tokens) may be NaN or inf, and NaN * 0 is NaN. Each slot's product is selected on its tokens at
-    # both ends, x's rows going in and the delta's coming out: its weights meet every row in the dense
-    # products, and a slot's NaN weight made NaN of the other slots' rows there, which the gradients of higher
-    # orders (the cotangents through grad_out) carried to every slot.
+    # slots' tokens) may be NaN or inf, and NaN * 0 is NaN. Each slot's products are selected on its tokens
+    # at every step, x's rows going in, h's and the delta's coming out: its weights meet every row in the
+    # dense products, and a slot's NaN weight made NaN of the other slots' rows there, which the gradients of
+    # higher orders (the cotangents through grad_out) carried to every slot, and of its own weight gradients
+    # where it has no tokens (0 @ NaN; the kernels' first order gives zeros there).
     for slot in range(L):
         mine = (slots == slot)[:, None]
         a = torch.where(in_rank[slot][None, :, None], lora_a[slot].float(), 0.0)     # [S, R, K]
         b = torch.where(in_rank[slot], lora_b[slot].float(), 0.0)                    # [N, R]
         h = torch.einsum("mk,srk->msr", torch.where(mine, xf, 0.0), a) * scales[slot]
+        h = torch.where(mine[:, :, None], h, 0.0)
         term = torch.cat([h[:, i] @ b[bounds[i]:bounds[i + 1]].T for i in range(S)], dim=1)
         delta = delta + torch.where(mine, term, 0.0)
     return delta

@@ -710,6 +710,31 @@ def test_double_backward_keeps_a_slots_nan_in_its_own_gradients(backend, poisone
     assert torch.isnan(poisoned_da[poisoned]).any() == (poisoned == 2)     # (slot 2 has tokens: its own NaN)
 
 
+@pytest.mark.parametrize("weight", ["lora_a", "lora_b"])
+def test_create_graph_gradients_of_a_slot_without_tokens_are_zero_despite_its_nan(backend, weight):
+    """A slot with no tokens and NaN in its weights: its weight gradients are zeros with create_graph=True as
+    without (the kernels' backward), not NaN. The graph's dense products met its NaN weights on rows no
+    token of it owns (0 @ NaN), in its h and so in both its gradients."""
+    case = make_case(**GRAD_CASES["slot_without_tokens"], dtype=torch.float32, device=backend.device, seed=34)
+    y = signed((case.x.shape[0], case.lora_b.shape[1]), case)
+    grad_out = signed(y.shape, case)
+    empty = 1                                       # (the case's slot without tokens)
+    assert not (case.token_slots == empty).any()
+
+    def grads(create_graph):
+        leaves = {"y": y, "x": case.x, "lora_a": case.lora_a.clone().requires_grad_(),
+                  "lora_b": case.lora_b.clone().requires_grad_()}
+        with torch.no_grad():
+            leaves[weight][empty] = float("nan")
+        return torch.autograd.grad(forward(case, leaves), (leaves["lora_a"], leaves["lora_b"]), grad_out,
+                                   create_graph=create_graph)
+
+    for first, second in zip(grads(False), grads(True)):
+        assert torch.isfinite(second).all()
+        torch.testing.assert_close(second.detach(), first, rtol=1e-5, atol=1e-5)
+        assert torch.equal(second[empty], torch.zeros_like(second[empty]))
+
+
 @pytest.mark.parametrize("how", ["func_jvp", "dual_level"])
 @pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "all_minus_one"])
 @pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
