@@ -334,6 +334,19 @@ def test_functional_api_names_its_bad_arguments(backend, op, kind, edit, error, 
         call_with_slots(op, edit(args), **given)
 
 
+@pytest.mark.parametrize("needs_grad", [False, True], ids=["no_grad", "autograd"])
+def test_add_lora_refuses_a_y_with_overlapping_rows_with_autograd_too(backend, needs_grad):
+    """functional.add_lora's autograd branch (an input requiring grad) writes y with copy_, which refuses a
+    stride 0 but wrote rows that overlap, one token's delta over another's, silently."""
+    args = valid_args(backend.device)
+    y = torch.zeros(M * N, device=backend.device).as_strided((M, N), (2, 1))
+    lora_a = args["lora_a"].clone().requires_grad_(needs_grad)
+    with pytest.raises(ValueError, match=re.escape("y: written in place, but more than one of its elements refers "
+                                                   "to one memory location (shape (4, 10), strides (2, 1)")):
+        lora_ops.add_lora(y, args["x"], lora_a, args["lora_b"], args["scale"], args["rank"],
+                          token_slots=slots([0, 1, 2, -1], backend.device), slice_widths=args["slice_widths"])
+
+
 def test_lora_linear_stacked_names_the_stack_not_its_views(backend):
     """lora_linear_stacked's checks ran lora_linear's on the stack's views and named "weight" and "bias"."""
     args = valid_args(backend.device)
