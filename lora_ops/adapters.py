@@ -529,6 +529,9 @@ def _check_stacks_writable(ctx, what):
     slot kept the previous adapter's factors under the new name)."""
     for path, layer in ctx.layers.items():
         for stack in ("lora_a", "lora_b"):
+            if getattr(layer, stack).is_inference():     # (checked before any write: a failure halfway lost a slot)
+                raise AdapterError(f"{what}: {stack} of {path!r} is an inference tensor (made under "
+                                   f"torch.inference_mode), which cannot be written outside it")
             if torch.nn.utils.parametrize.is_parametrized(layer, stack):
                 raise AdapterError(f"{what}: {stack} of {path!r} is parametrized (torch.nn.utils.parametrize): a "
                                    f"load or unload would write the parametrization's output, not the parameter; "

@@ -29,6 +29,7 @@ in one mixed batch; in ``model.train()``, while a trainer is open, each slot's a
 import contextlib
 import copy
 import functools
+import itertools
 import math
 import numbers
 import re
@@ -138,6 +139,24 @@ def _mark_buffers(tensors):
         _static_shape(t)
 
 
+class _TracedState:
+    """What compiled code reads of a context with a dynamic length: the batch's token-count view and per_row's
+    adapters a row. Reached through :data:`_TRACED` (a global), never through the model: Dynamo gives a tensor
+    found through a module's attributes static shapes wherever a built-in nn module is on the path
+    (``force_nn_module_property_static_shapes``), and a layer called from inside one (nn.TransformerEncoderLayer's
+    linear1, or one held by a bare nn.Module()) compiled a graph for every token count, past the recompile
+    limit, and refused an input marked dynamic."""
+    __slots__ = ("batch_tokens", "rows")
+
+    def __init__(self):
+        self.batch_tokens = None
+        self.rows = None
+
+
+_TRACED = {}                    # LoRAContext._serial -> its _TracedState (dropped with the context)
+_SERIALS = itertools.count()
+
+
 class LoRAContext:
     """State shared by every :class:`LoRALinear` of a model: the slot table and the batch metadata.
 
@@ -185,6 +204,7 @@ class LoRAContext:
     @torch.inference_mode(False)
     def __init__(self, max_loras, max_tokens, device=None):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))
+        self._register_traced()
         for name, value in (("max_loras", max_loras), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -211,8 +231,7 @@ class LoRAContext:
         self._copies = 0            # BatchCopy serial numbers
         self.trainer = None         # the open lora_ops.training.SlotTrainer (train_slots), one at a time
         # per_row, while a block runs: {device served: each adapter's slot [len(adapters)]} (also read under
-        # torch.compile, which builds the batches in the graph from it)
-        self._rows = None
+        # torch.compile, which builds the batches in the graph from it): the _rows property
         self._row_batches = {}      # per_row: (rows, tokens per row, device) -> (metadata, per-token slots)
         self._row_current = None    # per_row: the batch of the input check_input saw last
         self._row_shape = None      # per_row: (rows, tokens per row) of the last input with rows
@@ -231,11 +250,12 @@ class LoRAContext:
         # and the error messages read it), so the state holds the model itself: both keep one object per id,
         # and the copy's model is the copy.
         state = dict(self.__dict__)
+        del state["_serial"]            # (a copy or an unpickled context registers its own)
         state["_model"] = self._model() if self._model is not None else None
         # An open trainer stays with the original: its gradient hooks are on the original's stacks, so the
         # copy's would be a trainer without them (unmasked gradients) that refuses a new train_slots.
         # A copy taken inside a per_row block is not in it: only the original's block ends (its finally).
-        state.update(_rows=None, _row_batches={}, _row_current=None, _row_shape=None, row_slots=frozenset())
+        state.update(_row_batches={}, _row_current=None, _row_shape=None, row_slots=frozenset())
         if state.get("trainer") is not None:
             state["trainer"], state["dropout_p"] = None, None
         return state
@@ -264,11 +284,33 @@ class LoRAContext:
 
     def __setstate__(self, state):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))    # (a context unpickled in a new process)
+        self._register_traced()
         model = state.pop("_model")
+        for stale in ("_serial", "_rows", "_batch_tokens"):    # (pickled before session 39: in the dict then)
+            state.pop(stale, None)
         self.__dict__.update(state)
         self._model = weakref.ref(model) if model is not None else None
         _mark_buffers((*self.meta, self.token_slots))
         self._set_batch_tokens(self.batch.num_tokens)
+
+    def _register_traced(self):
+        self._serial = next(_SERIALS)
+        _TRACED[self._serial] = _TracedState()
+        weakref.finalize(self, _TRACED.pop, self._serial, None)
+
+    @property
+    def _batch_tokens(self):
+        """The batch's token-count view (:meth:`_set_batch_tokens`)."""
+        return _TRACED[self._serial].batch_tokens
+
+    @property
+    def _rows(self):
+        """per_row's {device: each adapter's slot}, None outside a block."""
+        return _TRACED[self._serial].rows
+
+    @_rows.setter
+    def _rows(self, rows):
+        _TRACED[self._serial].rows = rows
 
     # ---- slots ---------------------------------------------------------------------------------------
 
@@ -313,6 +355,15 @@ class LoRAContext:
             with torch.inference_mode(False), torch.set_grad_enabled(self._copy is not None):
                 slots = self.token_slots[:M].clone()
                 self._fill(slots.masked_fill_(slots == slot, -1))
+
+    def _forget_adapters(self, why):
+        """Unload every adapter, with a warning: the layers' slots no longer hold them (``why``)."""
+        names = [name for name in self.slot_names if name is not None]
+        if names:
+            warnings.warn(f"LoRAContext: {why}: the adapter slots hold no data, and {names} are unloaded; load "
+                          f"them again", stacklevel=3)
+            for name in names:
+                adapters.unload_adapter(self, name)
 
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""
@@ -537,7 +588,7 @@ class LoRAContext:
         view = self._count_base[:num_tokens + 2]
         torch._dynamo.maybe_mark_dynamic(view, 0)
         torch._dynamo.mark_static_address(view, guard=False)
-        self._batch_tokens = view
+        _TRACED[self._serial].batch_tokens = view
 
     def _copy_batch(self):
         """The batch as it is now, in tensors of its own (never written again; their shapes, strides and
@@ -754,6 +805,9 @@ class LoRALinear(nn.Module):
         self._stack_params = None       # set by _stack: the parameters made views of the stack (weight, bias, lora_a)
         self.stacked_max_tokens = 0     # set by _stack
         self._eager = eager_ops.EagerCalls()   # bound eager calls (lora_ops.eager)
+        # The base's mode: a new module is in training mode, and a model from from_pretrained (eval) had its
+        # wrapped layers drop adapters' dropout in while a trainer was open.
+        self.train(base.training)
         if stack_a and stacked_token_limit(N, K, L * S * R, device=weight.device, dtype=weight.dtype):
             self._stack()       # (which leaves a base it cannot stack unstacked: _stackable_now)
         self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
@@ -833,6 +887,21 @@ class LoRALinear(nn.Module):
     def out_features(self):
         """The base layer's out_features (every slice's)."""
         return self.base.out_features
+
+    @in_features.setter
+    def in_features(self, value):
+        self._refuse_resize("in_features", value)
+
+    @out_features.setter
+    def out_features(self, value):
+        self._refuse_resize("out_features", value)
+
+    def _refuse_resize(self, name, value):
+        # (Hugging Face's resize_token_embeddings sets lm_head.out_features: torch's "property has no setter"
+        # named nothing a user could act on)
+        raise AttributeError(f"{self.context._name(self)}: {name} is the base layer's, and the adapter stacks "
+                             f"are sized by it; a wrapped layer cannot be resized (to {value}): resize the model "
+                             f"(resize_token_embeddings) before apply_lora")
 
     # The base layer's weight and bias, read-only, as PEFT's LoRA layers forward them: model code reads
     # ``proj.weight.dtype`` to cast its activations (Hugging Face's T5 before ``wo``). Code that computes with
@@ -1056,12 +1125,25 @@ class LoRALinear(nn.Module):
                 self._stack()
 
     def _apply(self, fn, *args, **kwargs):
-        # model.half() / .to(dtype) would cast the float32 scale buffer; the op needs it in float32.
-        scale = self.scale
+        # model.half() / .to(dtype) would cast the float32 scale buffer, and model.type(dtype) the int32 rank
+        # too; the ops need them as they were.
+        scale, rank = self.scale, self.rank
+        left_meta = rank.is_meta
         self._eager.clear()     # the bound calls hold the old tensors
-        super()._apply(fn, *args, **kwargs)
+        # (Never inference tensors: a conversion under torch.inference_mode made the adapter stacks ones, and
+        # every later load, unload or train_slots failed on torch's "inplace update to inference tensor".)
+        with torch.inference_mode(False):
+            super()._apply(fn, *args, **kwargs)
+            if left_meta and not self.rank.is_meta:
+                # to_empty: the stacks, ranks and scales hold whatever the memory held, which set_batch served
+                # as adapters (ranks of -1551737373). Every slot is emptied, and the context's names go.
+                for slot in range(self.rank.shape[0]):
+                    self.clear_slot(slot)
+                self.context._forget_adapters("the model left the meta device (to_empty)")
         if self.scale.dtype != torch.float32:
             self.scale = scale.to(device=self.scale.device)
+        if self.rank.dtype != torch.int32:
+            self.rank = rank.to(device=self.rank.device)
         # A conversion that moved or cast the parameters made them separate tensors: stack again. One that
         # changed nothing leaves the views as they are, and so does one that moved the stack's storage in place
         # (share_memory_: the views follow it; restacking put them in private memory, silently unshared).

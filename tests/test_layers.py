@@ -666,6 +666,104 @@ def test_stacks_are_frozen_parameters_and_dtype_casts_keep_scale_fp32():
     assert names["proj.scale"] is layer.scale and layer.context is ctx
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_module_type_keeps_rank_int32_and_the_layer_serving(dtype):
+    """nn.Module.type(dtype) casts integer buffers too: rank became float and every later forward raised
+    "rank: expected dtype torch.int32", which named neither the layer nor the conversion."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    model.type(dtype)
+    assert layer.rank.dtype == torch.int32 and layer.scale.dtype == torch.float32
+    assert layer.lora_a.dtype == dtype and layer.base.weight.dtype == dtype
+    ctx.set_batch(REQUESTS)
+    x = torch.randn(12, K, dtype=dtype)
+    with torch.no_grad():
+        got = layer(x)
+    want = layer_reference(layer, x, request_slots(ctx, REQUESTS))
+    assert rel_err(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
+def test_a_conversion_under_inference_mode_leaves_the_adapters_writable(stack_a):
+    """model.half() inside torch.inference_mode made the adapter stacks inference tensors: later loads,
+    unloads and train_slots failed on torch's "Inplace update to inference tensor", and with stack_a a
+    replace failed halfway, its slot's A already cleared (a failed load must leave every slot as it was).
+    The conversion makes normal tensors; a stack that is an inference tensor anyway is refused before any
+    write."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    if stack_a:
+        layer._stack()
+    with torch.inference_mode():
+        model.half()
+    assert not layer.lora_a.is_inference() and not layer.lora_b.is_inference()
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, N)}, 3, seed=9), replace=True)
+    ctx.unload_adapter("b")
+    ctx.set_batch([("a", 4), ("c", 4)])
+    x = torch.randn(8, K, dtype=torch.float16)
+    with torch.no_grad():
+        got = layer(x)
+    assert rel_err(got, layer_reference(layer, x, request_slots(ctx, [("a", 4), ("c", 4)]))) <= TOLERANCE[torch.float16]
+    with torch.inference_mode():
+        frozen = layer.lora_b.detach().clone()
+    lora_b = layer.lora_b
+    lora_b.data = frozen
+    before = [t.clone() for t in (layer.lora_a, layer.lora_b, layer.scale, layer.rank)]
+    with pytest.raises(AdapterError, match=r"lora_b of 'proj' is an inference tensor"):
+        ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, N)}, 2, seed=10), replace=True)
+    assert all(torch.equal(t, u) for t, u in zip(before, (layer.lora_a, layer.lora_b, layer.scale, layer.rank)))
+
+
+@pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
+def test_to_empty_after_meta_empties_the_slots_and_unloads_the_names(stack_a):
+    """model.to("meta") then to_empty(): the stacks, ranks and scales held whatever the memory held, the
+    context still listed the adapters, and set_batch served the garbage (ranks of -1551737373) silently. Every
+    slot is emptied, with a warning naming the adapters unloaded; loads work again."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    layer = model["proj"]
+    if stack_a:
+        layer._stack()
+    base = {k: v.clone() for k, v in layer.base.state_dict().items()}
+    model.to("meta")
+    with pytest.warns(UserWarning, match=r"the model left the meta device \(to_empty\): the adapter slots hold no "
+                                         r"data, and \['a', 'b', 'c'\] are unloaded; load them again"):
+        model.to_empty(device="cpu")
+    layer.base.load_state_dict(base)
+    assert ctx.adapters == {} and layer.rank.tolist() == [0] * MAX_LORAS and layer.slot_ranks == [0] * MAX_LORAS
+    assert not layer.lora_a.any() and not layer.lora_b.any() and not layer.scale.any()
+    with pytest.raises(ValueError, match="adapter 'a' is not loaded"):
+        ctx.set_batch([("a", 2)])
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, N)}, 3, seed=9), {"r": 3, "lora_alpha": 6})
+    ctx.set_batch([("a", 4), (None, 2)])
+    x = torch.randn(6, K)
+    with torch.no_grad():
+        got = layer(x)
+    want = layer_reference(layer, x, request_slots(ctx, [("a", 4), (None, 2)]))
+    assert rel_err(got, want) <= TOLERANCE[torch.float32]
+
+
+def test_a_wrapped_layer_refuses_resizing_naming_it():
+    """Hugging Face's resize_token_embeddings sets lm_head.out_features: torch's "property 'out_features' of
+    'LoRALinear' object has no setter" named nothing to act on."""
+    model, _ = one_layer_model(None, torch.float32, "cpu")
+    for name in ("out_features", "in_features"):
+        with pytest.raises(AttributeError, match=rf"LoRALinear 'proj': {name} is the base layer's, and the adapter "
+                                                 rf"stacks are sized by it; a wrapped layer cannot be resized \(to "
+                                                 rf"7\): resize the model \(resize_token_embeddings\) before "
+                                                 rf"apply_lora"):
+            setattr(model["proj"], name, 7)
+
+
+def test_apply_lora_keeps_the_models_eval_mode():
+    """A new module is in training mode: apply_lora on a model in eval() (from_pretrained's) left its wrapped
+    layers training, so an open trainer's adapter dropout ran in the eval model's forwards."""
+    model = nn.Sequential(nn.Linear(K, N), nn.Linear(N, K)).eval()
+    model[1].train()
+    apply_lora(model, ["0", "1"], max_loras=2, max_rank=4, max_tokens=8)
+    assert not model[0].training and not model[0].base.training
+    assert model[1].training
+
+
 def test_ranks_per_slot_and_host_mirror():
     model, ctx = one_layer_model(None, torch.float32, "cpu")
     layer = model["proj"]

@@ -417,3 +417,55 @@ def test_dynamic_true_compiles_alike_whatever_the_first_count():
                 check_step(compiled, model, token_ids(n, seed=i, mark=lambda t, d: None))
         return counter.frame_count
     assert frames(4) == frames(64) == frames(3) <= 2
+
+
+def encoder_with_lora(stack_a=False):
+    """nn.TransformerEncoder (batch_first) with each layer's linear1 and linear2 wrapped: LoRA layers reached
+    through built-in nn modules, whose attributes Dynamo gives static shapes; two adapters loaded."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    ctx = apply_lora(model, ["linear1", "linear2"], max_loras=2, max_rank=4, max_tokens=64, stack_a=stack_a)
+    gen = torch.Generator().manual_seed(1)
+    for name in ("a", "b"):
+        tensors = {}
+        for i in range(2):
+            for proj, (n, k) in (("linear1", (64, 32)), ("linear2", (32, 64))):
+                tensors[f"layers.{i}.{proj}.lora_A.weight"] = torch.randn(4, k, generator=gen) * 0.3
+                tensors[f"layers.{i}.{proj}.lora_B.weight"] = torch.randn(n, 4, generator=gen) * 0.3
+        ctx.load_adapter_tensors(name, tensors, {"r": 4, "lora_alpha": 8})
+    return model, ctx
+
+
+@pytest.mark.parametrize("stack_a", [False, True], ids=["lora_linear", "stack_a"])
+def test_layers_inside_builtin_modules_compile_once_across_token_counts(stack_a):
+    """LoRA layers called from inside built-in nn modules (nn.TransformerEncoderLayer's linear1 / linear2):
+    the token count stays dynamic. The layers read the batch's token count through the model's attributes,
+    to which Dynamo gives static shapes under a built-in module: a graph per token count, past the recompile
+    limit (fullgraph: a hard failure at the ninth), and an input marked dynamic was refused. Now one graph, as
+    for the model without LoRA; per_row's adapters a row likewise (one graph for every row count)."""
+    model, ctx = encoder_with_lora(stack_a)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with no_recompiles():
+        for i, n in enumerate(range(3, 15)):
+            ctx.set_batch([("a", n // 2), (None, 1), ("b", n - n // 2 - 1)])
+            x = torch.randn(1, n, 32, generator=torch.Generator().manual_seed(i))
+            torch._dynamo.mark_dynamic(x, 1)
+            out = compiled(x)
+            assert rel_err(out, model(x)) <= EXACT
+    assert counter.frame_count == 1
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for rows in range(2, 7):
+            x = torch.randn(rows, 5, 32, generator=torch.Generator().manual_seed(rows))
+            names = (["a", None, "b"] * 3)[:rows]
+            with ctx.per_row(names):
+                out = compiled(x)
+                assert rel_err(out, model(x)) <= EXACT
+            for r, name in enumerate(names):       # each row as its own batch, eagerly
+                ctx.set_batch([(name, 5)])
+                assert rel_err(out[r:r + 1], model(x[r:r + 1])) <= EXACT
+    assert counter.frame_count <= 2     # (rows 2, then a dynamic count: Dynamo's automatic dynamic)
