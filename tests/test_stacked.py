@@ -358,12 +358,14 @@ def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
     assert "lora_linear" in used
 
 
-@pytest.mark.parametrize("how", ["load_state_dict_assign", "weight", "bias", "lora_a"])
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "weight", "bias", "lora_a", "weight_set_then_to"])
 def test_a_compiled_stacked_layer_follows_replaced_parameters(how):
     """A stacked layer under torch.compile took its stack whatever the parameters were (the pointer check is
     eager only): after load_state_dict(assign=True) or a parameter replaced by another, the compiled model
     computed with the old base weight and lora_a, silently. Now the load stacks the new tensors again, and a
-    replacement compiles again, to lora_linear; both equal the unstacked model given the same parameters."""
+    replacement compiles again, to lora_linear; both equal the unstacked model given the same parameters.
+    A parameter's memory replaced in place (``set_``: remove_parametrizations(..., leave_parametrized=True)
+    does it) is seen in eager mode only; the README's remedy, ``model.to(device)`` after it, stacks again."""
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     requests = [("a", 5), (None, 2), ("b", 3)]
     torch._dynamo.reset()       # (each model's layers compile their own entries: the recompile limit is shared)
@@ -383,9 +385,14 @@ def test_a_compiled_stacked_layer_follows_replaced_parameters(how):
             stacked.load_state_dict(new_state)
             layer, reference = stacked.model.layers[0].self_attn.o_proj, plain.model.layers[0].self_attn.o_proj
             owner, name = {"weight": (layer.base, "weight"), "bias": (layer.base, "bias"),
-                           "lora_a": (layer, "lora_a")}[how]
+                           "lora_a": (layer, "lora_a"), "weight_set_then_to": (layer.base, "weight")}[how]
             fresh = torch.randn_like(getattr(owner, name))
-            setattr(owner, name, torch.nn.Parameter(fresh.clone(), requires_grad=False))
+            if how == "weight_set_then_to":
+                getattr(owner, name).set_(fresh.clone())
+                stacked.to(fresh.device)
+                assert layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
+            else:
+                setattr(owner, name, torch.nn.Parameter(fresh.clone(), requires_grad=False))
             target = reference.base if how != "lora_a" else reference
             getattr(target, name).copy_(fresh)
     with torch.no_grad():
