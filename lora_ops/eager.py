@@ -13,13 +13,13 @@ these guards hold (DESIGN §4 Host cost):
   runs it through the op's own Function) and the layer still takes the plain path (eval or no dropout,
   a bare ``nn.Linear`` with no hooks, no side-stream overlap);
 - the layer's tensors are the objects the op checked (the base weight and bias, lora_a, lora_b, scale,
-  rank, the context's metadata tuple, the slice widths; stack_a's stack and its views still intact), and
-  the ones a kernel indexes by the layer's shape (lora_a, lora_b, scale, rank) still have the shapes,
-  strides, dtypes and devices they had (``param.data = ...`` keeps a tensor's identity, not its shape);
+  rank, the context's metadata tuple, the slice widths; stack_a's stack and its views still intact, their
+  shapes too), and the ones a kernel indexes by the layer's shape (lora_a, lora_b, scale, rank) and the
+  base weight and bias, which torch's GEMM takes, still have the shapes, strides, dtypes and devices they
+  had (``param.data = ...`` keeps a tensor's identity, not its shape);
 - the config state, the launch switches, the plan table and the current CUDA device are the ones the
   plan was built under (``configs.generation()``, ``triton_launch.switches()``, ``plan.epoch()``);
-- the base GEMM's output has the shape and strides the plan was built for (checked after it runs; a
-  weight swapped under its Parameter shows there).
+- the base GEMM's output has the shape and strides the plan was built for (checked after it runs).
 
 A guard that fails sends the call down the op's own path (checks, path, plan), which binds again. The
 plan itself still takes each call's addresses and checks their alignment (lora_ops.plan).
@@ -54,7 +54,10 @@ def plain_linear(module):
     """A bare nn.Linear (no subclass, no hooks): lora_linear may run its GEMM in place of its forward. Backward
     hooks too (register_full_backward_hook on the base, or global ones): they fire only where the base's own
     forward runs."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+    params = module._parameters
+    # (Its weight and bias parameters: a weight kept as a buffer raised a KeyError in the layer's forward.)
+    return (type(module) is nn.Linear and params.get("weight") is not None and "bias" in params
+            and not module._forward_hooks and not module._forward_pre_hooks
             and not module._backward_hooks and not module._backward_pre_hooks
             and not _global_forward_hooks and not _global_forward_pre_hooks
             and not _global_backward_hooks and not _global_backward_pre_hooks)
@@ -79,11 +82,12 @@ class _Bound:
     """One input signature's call: the path ("add", "write", "stacked" or "delta"), its plan, what it was bound
     to, and for a call autograd needs, the delta's signature for its backward (autograd.delta_signature: a
     function of what the guards hold, taken once)."""
-    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature")
+    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature", "base_shapes")
 
-    def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None):
+    def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None, base_shapes=None):
         self.path, self.plan, self.objects, self.shapes = path, bound_plan, objects, shapes
         self.out_shape, self.state, self.device, self.signature = out_shape, _state(), device, signature
+        self.base_shapes = base_shapes
 
 
 class EagerCalls:
@@ -118,6 +122,7 @@ class EagerCalls:
             return None
         objects = bound.objects
         if not (weight is objects[0] and bias is objects[1] and layer._stacked is objects[8]
+                and _base_shapes(weight, bias) == bound.base_shapes
                 and _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank)):
             return None
         # (bind imported launch.) A scale that requires grad is an input of the op's Function, where its output
@@ -155,8 +160,8 @@ class EagerCalls:
         lora_ops.autograd.BoundAddLora (add_lora's autograd). Without dropout, and not where the caller takes
         add_lora for another reason than autograd (vmap, forward-mode AD): the caller's conditions. The base's
         own forward is never bound."""
-        if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor:
-            return None
+        if not _enabled[0] or ops.wrapped_untraced(x) or type(y) is not torch.Tensor or forward_ad._current_level >= 0:
+            return None         # (forward-mode AD: as in replay; BoundAddLora has no jvp)
         bound = self._calls.get(("delta", *_shaped(x), *_shaped(y), grad))
         if bound is None or (grad and not ops.eager_autograd()):
             return None
@@ -224,13 +229,22 @@ class EagerCalls:
                          if grad else None)
             self._keep((*_shaped(x), grad), _Bound(
                 path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
-                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x), signature))
+                _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x), signature,
+                _base_shapes(weight, bias)))
 
 
 def _adapters(layer):
     """(lora_a, lora_b, scale, rank) from the layer's dicts (None where something moved one)."""
     params, buffers = layer._parameters, layer._buffers
     return params.get("lora_a"), params.get("lora_b"), buffers.get("scale"), buffers.get("rank")
+
+
+def _base_shapes(weight, bias):
+    """The base weight's and bias's shapes, strides, dtypes and devices: ``param.data = ...`` keeps a
+    parameter's identity, and a replay then ran torch's GEMM on another shape (raw shape or dtype errors on
+    the write-first path, a bias of one entry broadcast silently) where the op names the argument."""
+    return (weight.shape, weight.stride(), weight.dtype, weight.get_device(),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
 
 
 def _adapter_shapes(lora_a, lora_b, scale, rank):
@@ -260,7 +274,7 @@ def _needs_grad(x, weight, bias, lora_a, lora_b, scale):
 
 def _run(bound, x, weight, bias, lora_a, lora_b, scale, rank, meta):
     """lora_linear's output through ``bound`` (its "add" or "write" path), or None where the base GEMM's
-    output is not the one the plan was built for (a weight swapped under its Parameter)."""
+    output is not the one the plan was built for."""
     if bound.path == "write":
         y = x.new_empty(bound.out_shape[0])     # (x's dtype: as lora_linear's)
         bound.plan.run((y, x, lora_a, lora_b, scale, rank, *meta))

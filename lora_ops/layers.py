@@ -860,7 +860,8 @@ class LoRALinear(nn.Module):
         # and a second layer over the weight stacked it again.)
         _STACK_OWNERS[id(self.base.weight)] = self
         self._stack_ptrs = (stacked.data_ptr(), stacked.data_ptr() + N * stacked.stride(0) * stacked.element_size(),
-                            None if stacked_bias is None else stacked_bias.data_ptr())
+                            None if stacked_bias is None else stacked_bias.data_ptr(),
+                            (N, stacked.shape[1]), self.lora_a.shape, (N,))
 
     def _stack_intact(self, weight, bias, lora_a):
         """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
@@ -872,11 +873,17 @@ class LoRALinear(nn.Module):
         if torch.compiler.is_compiling():
             params = self._stack_params
             return params is not None and weight is params[0] and bias is params[1] and lora_a is params[2]
-        weight_ptr, lora_a_ptr, bias_ptr = self._stack_ptrs
+        weight_ptr, lora_a_ptr, bias_ptr, weight_shape, lora_a_shape, bias_shape = self._stack_ptrs
         dtype = self._stacked[0].dtype
+        # (Shapes too: ``weight.data = weight.data[:N - 8]`` keeps the address, and the stacked path served a
+        # narrower output where the unstacked op refuses B's rows; a bias cut to one entry served the stack's.)
+        if bias is None:
+            bias_kept = bias_ptr is None
+        else:
+            bias_kept = bias.data_ptr() == bias_ptr and bias.shape == bias_shape
         return (weight.data_ptr() == weight_ptr and lora_a.data_ptr() == lora_a_ptr
-                and weight.dtype is dtype and lora_a.dtype is dtype
-                and (bias.data_ptr() == bias_ptr if bias is not None else bias_ptr is None))
+                and weight.shape == weight_shape and lora_a.shape == lora_a_shape
+                and weight.dtype is dtype and lora_a.dtype is dtype and bias_kept)
 
     @property
     def in_features(self):

@@ -190,6 +190,57 @@ def test_a_weight_swapped_to_other_rows_is_caught_after_the_gemm(triton_kernels)
         call(layer, x)
 
 
+BASE_SWAPS = {
+    "weight_rows": (lambda w, b: (w[:N - 8], b), ValueError,    # (with a bias: the bias is checked first)
+                    rf"lora_b: expected shape|bias: expected {N} entries \(weight's rows\)|bias: expected {N - 8}"),
+    "weight_features": (lambda w, b: (torch.cat([w, w], dim=1), b), ValueError,
+                        re.escape(f"weight: expected shape [N, K] with K = {K} (x's features), got ({N}, {2 * K})")),
+    "weight_dtype": (lambda w, b: (w.half(), b), TypeError,
+                     re.escape("weight: expected dtype torch.float32 (the dtype of x), got torch.float16")),
+    "bias_one_entry": (lambda w, b: (w, b[:1]), ValueError, re.escape(f"bias: expected {N} entries")),
+    "bias_2d": (lambda w, b: (w, b[None]), ValueError, re.escape("bias: expected a 1-D tensor")),
+}
+
+
+@pytest.mark.parametrize("path", ["accumulate_bias", "write_first", "stack_a"])
+@pytest.mark.parametrize("swap", list(BASE_SWAPS))
+def test_a_base_parameter_swapped_in_place_is_refused_as_by_the_op(triton_kernels, monkeypatch, path, swap):
+    """``param.data = ...`` keeps the base weight's and bias's identity: a bound call replayed torch's GEMM on the
+    new tensors (the write-first path: torch's raw shape and dtype errors; a bias of one entry or [1, N] broadcast
+    silently; stack_a served a narrower output, its views' addresses unchanged). The op's own error now, as
+    without the binding."""
+    edit, error, message = BASE_SWAPS[swap]
+    if path == "write_first":
+        if swap.startswith("bias"):
+            pytest.skip("the write-first path takes no bias")
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    layer = make_layer(5, bias=path != "write_first", stack_a=path == "stack_a")
+    x = fresh_input(10, 0)
+    call(layer, x)
+    call(layer, x)                      # (a replay: the call is bound)
+    assert layer._eager.replays == 1
+    base = layer.base
+    weight, bias = edit(base.weight.data, None if base.bias is None else base.bias.data)
+    base.weight.data = weight
+    if bias is not None:
+        base.bias.data = bias
+    with pytest.raises(error, match=message):
+        call(layer, x)
+
+
+def test_a_base_weight_kept_as_a_buffer_serves(triton_kernels):
+    """A frozen base whose weight is a buffer (``del lin.weight; lin.register_buffer("weight", w)``, which
+    nn.Linear serves): the layer's forward read it from the base's parameters and raised a KeyError."""
+    layer = make_layer(7, bias=True)
+    weight = layer.base.weight.detach().clone()
+    del layer.base.weight
+    layer.base.register_buffer("weight", weight)
+    x = fresh_input(10, 0)
+    for _ in range(2):
+        assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("change", ["configs", "plans", "base_hook", "train_with_dropout"])
 def test_state_changes_take_the_op_path(triton_kernels, change):
     layer = make_layer(6)

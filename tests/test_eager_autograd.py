@@ -301,6 +301,25 @@ def test_forward_mode_ad_through_layers_matches_float64(backend, kind, how):
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_forward_mode_ad_after_training_calls_bound_the_layer(backend, kind):
+    """A dual input after ordinary training calls (adapters requiring grad, grad mode on) bound the layer: a
+    hooked base's delta replayed through BoundAddLora, which has no forward-mode rule, and raised torch's
+    internal "You must implement the jvp function"; the tangent now comes from the op's path."""
+    layer, x = small_layer(kind, backend.device)
+    a, b = layer.lora_a.detach().clone(), layer.lora_b.detach().clone()
+    layer.lora_a.requires_grad_(True)
+    layer.lora_b.requires_grad_(True)
+    for _ in range(2):
+        layer(x).sum().backward()
+    t_x = torch.randn_like(x)
+    for _ in range(2):
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, t_x))).tangent
+        _, want = torch.func.jvp(lambda x_: layer_reference(layer, x_, a, b), (x.double(),), (t_x.double(),))
+        assert rel_err(tangent, want) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
 @pytest.mark.parametrize("how", ["func_grad", "func_vjp", "func_jacrev"])
 def test_func_grad_and_vjp_through_layers_match_float64(backend, kind, how):
     """torch.func.grad, vjp and jacrev over the input and both adapters (functional_call) after the layer's calls
