@@ -512,6 +512,12 @@ class LoRAContext:
         the graph from the adapters' slots (a few small ops; the layers of one input shape compute the same,
         which Inductor computes once). Their number is dynamic (per_row marks it): the graph guards on neither
         how many adapters there are nor which."""
+        _refuse_frozen_graphs()
+        if torch.compiler._is_exporting_flag:
+            # (The block's rows would be a constant of the program: later blocks and set_batch ignored, silently.)
+            raise RuntimeError(f"{self._name(layer)}: torch.export inside ctx.per_row: the program would keep this "
+                               f"block's adapters a row as a constant and ignore later blocks and set_batch; export "
+                               f"outside per_row (the program then serves the batch set_batch sets)")
         rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
@@ -707,6 +713,7 @@ class LoRAContext:
         and raises (Dynamo's TorchRuntimeError holding this message) where the kernels would have given its
         extra tokens no adapter, or dropped the batch's extra slots. Not while torch.export traces: a program's
         inputs are its own, the batch's buffers a constant of it."""
+        _refuse_frozen_graphs()
         if torch.compiler._is_exporting_flag:
             return
         # torch._check, not a raise: Dynamo runs it on the retrace's fake tensors and reports its message, the
@@ -726,6 +733,24 @@ class LoRAContext:
         """'LoRALinear' and the layer's path in the model where apply_lora put it there (for messages)."""
         path = next((p for p, known in self.layers.items() if known is layer), None)
         return "LoRALinear" if path is None else f"LoRALinear {path!r}"
+
+
+# (Their errors came from deep inside: an assertion in the op checks, "try blocks aren't supported", a TraceError.)
+_TRACERS_REFUSED = ("LoRALinear: {what} is not supported (the batch is the context's state, and the ops read it "
+                    "through Python); use torch.compile or torch.export, which trace it")
+
+
+def _refuse_frozen_graphs():
+    """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
+    inference): freezing makes the parameters and the static-address inputs, the adapter stacks and the batch's
+    metadata among them, constants of the compiled code, which then ignored every later set_batch, load and
+    unload, silently. Refused while tracing (read only where Inductor's config is imported: importing it costs
+    ~0.8 s)."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None and inductor_config.freezing:
+        raise RuntimeError("LoRALinear under torch.compile with torch._inductor.config.freezing on: freezing makes "
+                           "the adapter stacks and the batch's metadata constants of the compiled code, which then "
+                           "ignores set_batch, loads and unloads. Turn freezing off for models served by lora_ops")
 
 
 _TOKEN_COUNT_REMEDY = ("call set_batch / set_token_slots for this step's tokens, or run code that steps the model "
@@ -943,10 +968,16 @@ class LoRALinear(nn.Module):
             offsets.append(offsets[-1] + w)
         return offsets
 
+    def __prepare_scriptable__(self):
+        raise TypeError(_TRACERS_REFUSED.format(what="torch.jit.script"))
+
     def forward(self, x):
+        eager = not torch.compiler.is_compiling()
+        if eager and (type(x) is torch.fx.Proxy or torch._C._is_tracing()):
+            raise TypeError(_TRACERS_REFUSED.format(what="torch.fx.symbolic_trace" if type(x) is torch.fx.Proxy
+                                                    else "torch.jit.trace"))
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         context = self.context
-        eager = not torch.compiler.is_compiling()
         if eager and x.is_cuda:
             other = ops.on_other_device(x)
             if other is not None:       # (a model on another GPU than the current one, where launches go)

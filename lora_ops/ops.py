@@ -231,6 +231,8 @@ def call(name, *args):
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
+        if torch._C._are_functorch_transforms_active():
+            _refuse_vmapped_tangents(name)
         tangents = [forward_ad.unpack_dual(a).tangent if isinstance(a, torch.Tensor) else None for a in args]
         if any(t is not None for t in tangents):
             return _call_with_tangents(name, args, tangents)
@@ -265,6 +267,17 @@ def _call_with_tangents(name, args, tangents):
     primals = tuple(forward_ad.unpack_dual(a).primal if isinstance(a, torch.Tensor) else a for a in args)
     out = call(name, *primals)
     return forward_ad.make_dual(out, formula(primals, tangents, out))
+
+
+def _refuse_vmapped_tangents(name):
+    """Forward-mode AD and vmap together (torch.func.jacfwd, vmap(jvp), jvp(vmap)): the tangent formulas add into
+    tensors of the unbatched shape, and unpacking a batched dual has no batching rule; torch's errors named
+    broadcast shapes or aten::_unpack_dual. Refused in our terms."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    if any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(
+            f"lora_ops::{name}: forward-mode AD under vmap (torch.func.jacfwd, vmap(jvp), jvp(vmap)) is not "
+            f"supported; torch.func.jacrev, jvp, vjp, grad and vmap alone are")
 
 
 def _refuse_tangents(name, args):

@@ -361,6 +361,23 @@ def test_func_grad_under_vmap_raises_naming_the_op(backend):
         torch.func.vmap(grad, in_dims=(None, 0))(layer.lora_a.detach(), torch.stack([x, x.flip(0)]))
 
 
+@pytest.mark.parametrize("how", ["jacfwd", "vmap_of_jvp", "jvp_of_vmap"])
+def test_forward_mode_under_vmap_raises_naming_the_op(backend, how):
+    """Forward-mode AD and vmap together: torch's errors named broadcast shapes ([5, 24] against [80, 5, 24]) or
+    aten::_unpack_dual's missing batching rule. An error in our terms."""
+    layer, x = small_layer("bare_base", backend.device)
+    stacked = torch.stack([x, x.flip(0)])
+
+    def jvp_at(x_):
+        return torch.func.jvp(layer, (x_,), (torch.ones_like(x_),))[1]
+    run = {"jacfwd": lambda: torch.func.jacfwd(layer)(x),
+           "vmap_of_jvp": lambda: torch.func.vmap(jvp_at)(stacked),
+           "jvp_of_vmap": lambda: torch.func.jvp(torch.func.vmap(layer), (stacked,), (torch.ones_like(stacked),))}
+    with pytest.raises(NotImplementedError, match=r"lora_ops::lora_linear: forward-mode AD under vmap "
+                                                  r"\(torch.func.jacfwd, vmap\(jvp\), jvp\(vmap\)\) is not supported"):
+        run[how]()
+
+
 @pytest.mark.parametrize("kind", LAYER_KINDS)
 def test_dual_level_without_tangents_and_vmap_still_work(backend, kind):
     """Inside a dual level, inputs without tangents run as usual; torch.func.vmap (no grad) runs the layer

@@ -469,3 +469,47 @@ def test_layers_inside_builtin_modules_compile_once_across_token_counts(stack_a)
                 ctx.set_batch([(name, 5)])
                 assert rel_err(out[r:r + 1], model(x[r:r + 1])) <= EXACT
     assert counter.frame_count <= 2     # (rows 2, then a dynamic count: Dynamo's automatic dynamic)
+
+
+def test_inductor_freezing_is_refused_while_tracing():
+    """Inductor's freezing (torch._inductor.config.freezing, common for CPU inference) makes parameters and
+    static-address inputs constants: the compiled model kept the batch and adapters of its first call and ignored
+    set_batch, loads and unloads, silently. Refused while tracing; without fullgraph Dynamo then runs the layers
+    eagerly, with the right values."""
+    import torch._inductor.config as inductor_config
+    model, ctx, _ = toy_model()
+    ids = token_ids(6, seed=1)
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        ctx.set_batch([("a", 6)])
+        with pytest.raises(Exception, match="LoRALinear under torch.compile with torch._inductor.config.freezing on"):
+            torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        for requests in ([("a", 6)], [("b", 6)], [(None, 6)]):
+            ctx.set_batch(requests)
+            assert rel_err(compiled(ids), model(ids)) <= EXACT
+
+
+def test_export_inside_per_row_is_refused():
+    """The program kept the block's adapters a row as a constant: later blocks and set_batch were ignored."""
+    model, ctx, _ = toy_model()
+    ids = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(0))
+    with ctx.per_row(["a", None, "b"]):
+        with pytest.raises(RuntimeError, match=r"torch.export inside ctx.per_row: the program would keep this block's "
+                                               r"adapters a row as a constant"):
+            torch.export.export(model, (ids,), strict=False)
+
+
+@pytest.mark.parametrize("tracer", ["jit_trace", "jit_script", "fx_symbolic_trace"])
+def test_torchscript_and_fx_are_refused_naming_the_supported_tracers(tracer):
+    """Their errors came from deep inside (an assertion in the op checks, "try blocks aren't supported", a
+    TraceError)."""
+    model, ctx, _ = toy_model()
+    ctx.set_batch([("a", 5)])
+    ids = token_ids(5, seed=2, mark=lambda t, d: None)
+    run = {"jit_trace": lambda: torch.jit.trace(model, (ids,)), "jit_script": lambda: torch.jit.script(model),
+           "fx_symbolic_trace": lambda: torch.fx.symbolic_trace(model)}[tracer]
+    what = {"jit_trace": "torch.jit.trace", "jit_script": "torch.jit.script",
+            "fx_symbolic_trace": "torch.fx.symbolic_trace"}[tracer]
+    with pytest.raises(TypeError, match=rf"LoRALinear: {what} is not supported .*use torch.compile or torch.export"):
+        run()
