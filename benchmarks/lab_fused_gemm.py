@@ -55,6 +55,19 @@ def _autotune_configs():
             for bm, bn, bk, w, s in CONFIGS]
 
 
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: GROUP_M row tiles walk the column tiles together (L2 reuse of
+    W's tiles)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_rows, (pid % in_group) // group_rows
+
+
 @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "H_TERMS", "GATHER"])
 @triton.jit(do_not_specialize=["M"])
 def fused_layer_kernel(
@@ -74,14 +87,7 @@ def fused_layer_kernel(
     BLOCK_K (asserted by the launcher). H_TERMS: 0 (no h), 1 (h as one bf16 term) or 2 (hi + lo). GATHER: rows
     through rows_ptr, or in order.
     """
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = offs_m < M
@@ -135,14 +141,7 @@ def tma_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k])
