@@ -34,7 +34,11 @@ parameter whose gradient is zero. So the trainer does both:
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
-trained on fewer steps than its stack has taken sees different bias corrections. Gradients are per slot
+trained on fewer steps than its stack has taken sees different bias corrections. The optimizer must be
+elementwise: one that scales a tensor's update by the tensor's own norm (Adafactor, refused in
+:meth:`SlotTrainer.step`; LAMB, LARS) would mix every slot of the stack into each slot's step. Its state is
+per stack and so per slot id, not per adapter name: to resume from ``optimizer.state_dict()``, load the
+adapters into the slots they had (the same load order) before ``optimizer.load_state_dict``. Gradients are per slot
 exactly (tests/test_training.py checks them against PEFT trained one adapter at a time). An adapter whose
 slices of a packed layer were loaded with different scales (``alpha_pattern`` across q/k/v of one fused
 layer) holds each slice's ratio to the largest folded into its ``lora_B`` (lora_ops.adapters): the forward
@@ -192,16 +196,19 @@ class SlotTrainer:
         return [stack for layer in self._layers for stack in (layer.lora_a, layer.lora_b)]
 
     @torch.no_grad()
-    def step(self, optimizer, scaler=None):
+    def step(self, optimizer, scaler=None, closure=None):
         """``optimizer.step()`` (``scaler.step(optimizer)`` with a ``torch.amp.GradScaler``, which unscales
-        the gradients and skips the step where one is inf or NaN; ``scaler.update()`` stays the caller's),
-        then every entry outside the chosen slots (within their ranks) that had tokens since the last step
-        is restored bit for bit."""
+        the gradients and skips the step where one is inf or NaN; ``scaler.update()`` stays the caller's;
+        ``optimizer.step(closure)`` with a closure, which LBFGS needs), then every entry outside the chosen
+        slots (within their ranks) that had tokens since the last step is restored bit for bit. Returns what
+        the optimizer's step returns (the closure's loss)."""
+        _check_elementwise(optimizer)
         snapshots = [p.detach().clone() for p in self.parameters()]
+        args = () if closure is None else (closure,)
         if scaler is None:
-            optimizer.step()
+            out = optimizer.step(*args)
         else:
-            scaler.step(optimizer)
+            out = scaler.step(optimizer, *args)
         seen = self._has_grad
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
@@ -217,6 +224,7 @@ class SlotTrainer:
                 a = layer.lora_a
                 a.copy_(torch.where(tied[:, None, None, None], a[:, :1].expand_as(a), a))
         self._has_grad.zero_()
+        return out
 
     def close(self):
         """Stop training: remove the gradient hooks and freeze the stacks again (the context
@@ -334,6 +342,18 @@ def _warn_folded_scales(ctx, names, slots, caller="train_slots"):
 def train_slots(ctx, names, *, freeze_base=True, process_group="default"):
     """A :class:`SlotTrainer` for the adapters ``names`` of ``ctx``."""
     return SlotTrainer(ctx, names, freeze_base=freeze_base, process_group=process_group)
+
+
+def _check_elementwise(optimizer):
+    """Refuse torch's Adafactor: its step size and update clipping take each parameter's whole RMS, and a stack
+    holds every slot, so the other slots' weights (frozen, empty, padding) entered the trained slots' updates:
+    wrong values, silently. Other optimizers that are not elementwise (LAMB, LARS: a trust ratio per tensor)
+    do the same and cannot all be named here; the README says so."""
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is not None and isinstance(optimizer, adafactor):
+        raise TypeError("SlotTrainer.step: torch.optim.Adafactor scales each update by the whole parameter's RMS, "
+                        "and a layer's stack holds every slot, so other slots' weights would change the trained "
+                        "ones' steps; use an elementwise optimizer (AdamW, SGD, RMSprop, Adagrad, ...)")
 
 
 def _data_parallel_group(process_group):

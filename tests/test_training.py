@@ -701,3 +701,42 @@ def test_grad_scaler_steps_through_the_trainer():
     for a, b in zip(stacks[False], stacks[True]):
         assert torch.equal(a, b)
     assert all(not torch.equal(p, q) for p, q in zip(stacks[True], initial)), "the first step moved nothing"
+
+
+def test_a_closure_steps_through_the_trainer():
+    """trainer.step(optimizer, closure=...): LBFGS needs a closure (the step took none, and LBFGS raised torch's
+    missing-argument TypeError); the trained slots move, the others stay bit for bit."""
+    from test_batch_copies import BATCHES, inputs, make_model
+    model, ctx, trainer = make_model()
+    optimizer = torch.optim.LBFGS(trainer.parameters(), lr=0.1, max_iter=3)
+    before = [p.detach().clone() for p in trainer.parameters()]
+    x, w = inputs(0)
+    ctx.set_batch(BATCHES[0])
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (model(x) * w).sum()
+        loss.backward()
+        return loss
+    loss = trainer.step(optimizer, closure=closure)
+    assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
+    moved = [not torch.equal(p, q) for p, q in zip(trainer.parameters(), before)]
+    assert all(moved)
+    trained = trainer._trainable(next(iter(trainer._layers)))
+    for p, q in zip(trainer.parameters(), before):      # untrained slots' entries restored
+        keep = ~trained[:, None, :, None] if p.dim() == 4 else ~trained[:, None, :]
+        assert torch.equal(torch.where(keep, p, 0), torch.where(keep, q, 0))
+    trainer.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch without Adafactor")
+def test_adafactor_is_refused():
+    """Adafactor scales each update by the whole parameter's RMS: other slots' weights in the stack changed the
+    trained slot's steps (1.4e-2 off PEFT trained alone; 8.6e-2 once a frozen slot's A was scaled), silently."""
+    from test_batch_copies import make_model
+    _, _, trainer = make_model()
+    optimizer = torch.optim.Adafactor(trainer.parameters(), lr=1e-2)
+    with pytest.raises(TypeError, match=r"SlotTrainer.step: torch.optim.Adafactor scales each update by the whole "
+                                        r"parameter's RMS"):
+        trainer.step(optimizer)
+    trainer.close()
