@@ -84,7 +84,7 @@ _UNSUPPORTED_KEYS = (
     (re.compile(r"modules_to_save"), "modules_to_save"),
     (re.compile(r"trainable_tokens"), "trainable tokens (trainable_token_indices)"),
     (re.compile(r"\.base_layer\.weight$"), "base-layer weights saved with the adapter (PEFT saves them for "
-     "targeted embed_tokens / lm_head layers)"),
+     "targeted embed_tokens / lm_head layers; save_pretrained(..., save_embedding_layers=False) leaves them out)"),
     (re.compile(r"\.lora_B(\.[^.]+)?\.bias$"), "LoRA bias (lora_bias)"),
     (re.compile(r"\.bias$"), "LoRA bias (bias != 'none': the adapter carries base-layer biases)"),
 )

@@ -14,9 +14,9 @@ these guards hold (DESIGN §4 Host cost):
   a bare ``nn.Linear`` with no hooks, no side-stream overlap);
 - the layer's tensors are the objects the op checked (the base weight and bias, lora_a, lora_b, scale,
   rank, the context's metadata tuple, the slice widths; stack_a's stack and its views still intact, their
-  shapes too), and the ones a kernel indexes by the layer's shape (lora_a, lora_b, scale, rank) and the
-  base weight and bias, which torch's GEMM takes, still have the shapes, strides, dtypes and devices they
-  had (``param.data = ...`` keeps a tensor's identity, not its shape);
+  shapes too), and the ones a kernel indexes by the layer's shape (lora_a, lora_b, scale, rank) still have
+  the shapes, strides, dtypes and devices they had, the base weight and bias, which torch's GEMM takes, their
+  shapes, strides and dtypes (``param.data = ...`` keeps a tensor's identity, not its shape);
 - the config state, the launch switches, the plan table and the current CUDA device are the ones the
   plan was built under (``configs.generation()``, ``triton_launch.switches()``, ``plan.epoch()``);
 - the base GEMM's output has the shape and strides the plan was built for (checked after it runs).
@@ -122,7 +122,6 @@ class EagerCalls:
             return None
         objects = bound.objects
         if not (weight is objects[0] and bias is objects[1] and layer._stacked is objects[8]
-                and _base_shapes(weight, bias) == bound.base_shapes
                 and _adapters_hold(bound, layer, x, lora_a, lora_b, scale, rank)):
             return None
         # (bind imported launch.) A scale that requires grad is an input of the op's Function, where its output
@@ -141,6 +140,10 @@ class EagerCalls:
             bound.plan.run((out, lora_b, rank, scale, *meta))
             self.replays += 1
             return out[:, :weight.shape[0]]
+        # (Written out, as in _adapters_hold; the stacked path's _stack_intact compares its views' shapes.)
+        if ((weight.shape, weight.stride(), weight.dtype) != bound.base_shapes[0]
+                or (bias is not None and (bias.shape, bias.stride(), bias.dtype) != bound.base_shapes[1])):
+            return None
         if grad:
             self.replays += 1
             rest = (scale, rank, layer.slice_widths, *meta)
@@ -240,11 +243,12 @@ def _adapters(layer):
 
 
 def _base_shapes(weight, bias):
-    """The base weight's and bias's shapes, strides, dtypes and devices: ``param.data = ...`` keeps a
-    parameter's identity, and a replay then ran torch's GEMM on another shape (raw shape or dtype errors on
-    the write-first path, a bias of one entry broadcast silently) where the op names the argument."""
-    return (weight.shape, weight.stride(), weight.dtype, weight.get_device(),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
+    """The base weight's and bias's shapes, strides and dtypes: ``param.data = ...`` keeps a parameter's
+    identity, and a replay then ran torch's GEMM on another shape (raw shape or dtype errors on the write-first
+    path, a bias of one entry broadcast silently) where the op names the argument. (Not their devices: only
+    torch's GEMM takes them, which names a device mismatch itself; no kernel gets their pointers.)"""
+    return ((weight.shape, weight.stride(), weight.dtype),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype))
 
 
 def _adapter_shapes(lora_a, lora_b, scale, rank):

@@ -100,10 +100,11 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     # (requires_grad read tensor by tensor: Dynamo cannot trace ops.any_requires_grad's C call)
     if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad or lora_a.requires_grad
                                     or lora_b.requires_grad):
+        out = ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta)     # (checks y's shape)
         # (y's memory checked as add_lora_ checks it: torch's copy_ refuses a stride 0 but writes rows that
         # overlap, one token's delta over another's)
         checks.check_written_in_place("y", y)
-        return y.copy_(ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta))
+        return y.copy_(out)
     ops.call("add_lora_", y, x, lora_a, lora_b, scale, rank, widths, *meta)
     return y
 

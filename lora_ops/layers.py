@@ -512,12 +512,12 @@ class LoRAContext:
         the graph from the adapters' slots (a few small ops; the layers of one input shape compute the same,
         which Inductor computes once). Their number is dynamic (per_row marks it): the graph guards on neither
         how many adapters there are nor which."""
-        _refuse_frozen_graphs()
         if torch.compiler._is_exporting_flag:
             # (The block's rows would be a constant of the program: later blocks and set_batch ignored, silently.)
             raise RuntimeError(f"{self._name(layer)}: torch.export inside ctx.per_row: the program would keep this "
                                f"block's adapters a row as a constant and ignore later blocks and set_batch; export "
                                f"outside per_row (the program then serves the batch set_batch sets)")
+        _refuse_frozen_graphs()
         rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
@@ -526,7 +526,8 @@ class LoRAContext:
         """per_row: (rows, tokens a row) of the layer input ``x`` [rows, tokens, ..., K], remembered; or, for
         flattened tokens [M, K] (Qwen2-MoE's shared expert, after a view(-1, hidden)), those of the last input
         with rows, where it had M tokens: nothing else says which row a token is in; or (rows, 1) for one token
-        a row of it, [rows, K] (BERT's pooler). Under torch.compile the
+        a row of it, [rows, K] (BERT's pooler), and then (rows, 1) for [rows, K] inputs after it (a classification
+        head over the pooled token) until the next input with rows. Under torch.compile the
         shape remembered is the traced one (Dynamo carries the attribute through the graph), so the flattened
         layer's batch follows its block's input within one graph, whatever the prefill's length. An input of 3
         or more dimensions whose first is not its outer one in memory is refused: a transposed view, [tokens,
@@ -550,8 +551,11 @@ class LoRAContext:
                 # One token a row, a view of the rows' input ([rows, tokens, K][:, i]: BERT's pooler takes each
                 # row's first token; PEFT's "all-linear" adapts it): each takes its row's adapter. Only such a
                 # view: a routed expert's gathered tokens (a tensor of their own) whose count equals the rows
-                # would take wrong adapters silently.
-                return (rows, 1)
+                # would take wrong adapters silently. From here on the rows have one token each, until the next
+                # input with rows: the head over the pooled token (BERT's and RoBERTa's classifier, which
+                # "all-linear" adapts too, sees tanh(pooler(...)), a tensor of its own) takes its row's adapter.
+                self._row_shape = (rows, 1)
+                return self._row_shape
         raise ValueError(f"{self._name(layer)}: inside per_row a layer's input must be [rows, tokens, ..., "
                          f"features], the flattened tokens of the last such input, or one token a row of it "
                          f"[rows, features] (a view: input[:, i]), got shape {tuple(x.shape)} (no row is known for "
@@ -713,9 +717,9 @@ class LoRAContext:
         and raises (Dynamo's TorchRuntimeError holding this message) where the kernels would have given its
         extra tokens no adapter, or dropped the batch's extra slots. Not while torch.export traces: a program's
         inputs are its own, the batch's buffers a constant of it."""
-        _refuse_frozen_graphs()
         if torch.compiler._is_exporting_flag:
             return
+        _refuse_frozen_graphs()
         # torch._check, not a raise: Dynamo runs it on the retrace's fake tensors and reports its message, the
         # compiled frame kept (a raise inside the trace made Dynamo skip the frame for good without
         # fullgraph); the message a constant (a closure over the counts does not trace).
@@ -744,10 +748,11 @@ def _refuse_frozen_graphs():
     """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
     inference): freezing makes the parameters and the static-address inputs, the adapter stacks and the batch's
     metadata among them, constants of the compiled code, which then ignored every later set_batch, load and
-    unload, silently. Refused while tracing (read only where Inductor's config is imported: importing it costs
-    ~0.8 s)."""
+    unload, silently. Refused while tracing with grad mode off, where Inductor freezes (read only where
+    Inductor's config is imported: importing it costs ~0.8 s). The backend is not known here: another backend
+    under that flag and no_grad is refused too."""
     inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None and inductor_config.freezing:
+    if inductor_config is not None and inductor_config.freezing and not torch.is_grad_enabled():
         raise RuntimeError("LoRALinear under torch.compile with torch._inductor.config.freezing on: freezing makes "
                            "the adapter stacks and the batch's metadata constants of the compiled code, which then "
                            "ignores set_batch, loads and unloads. Turn freezing off for models served by lora_ops")
@@ -889,7 +894,7 @@ class LoRALinear(nn.Module):
                             (N, stacked.shape[1]), self.lora_a.shape, (N,))
 
     def _stack_intact(self, weight, bias, lora_a):
-        """Whether the parameters are still the views of the stack (eager: two pointer comparisons; a
+        """Whether the parameters are still the views of the stack (eager: their addresses and shapes; a
         parameter replaced by hand drops the layer back to lora_linear). Under torch.compile, whether they are
         the parameter objects the stack made: Dynamo guards on the identity, so a parameter replaced after a
         compile (load_state_dict(assign=True) is restacked: :meth:`_restack_after_load`) compiles again, to
@@ -973,8 +978,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         eager = not torch.compiler.is_compiling()
-        if eager and (type(x) is torch.fx.Proxy or torch._C._is_tracing()):
-            raise TypeError(_TRACERS_REFUSED.format(what="torch.fx.symbolic_trace" if type(x) is torch.fx.Proxy
+        if eager and (isinstance(x, torch.fx.Proxy) or torch._C._is_tracing()):
+            raise TypeError(_TRACERS_REFUSED.format(what="torch.fx.symbolic_trace" if isinstance(x, torch.fx.Proxy)
                                                     else "torch.jit.trace"))
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         context = self.context

@@ -276,8 +276,9 @@ def _refuse_vmapped_tangents(name):
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
     if any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
         raise NotImplementedError(
-            f"lora_ops::{name}: forward-mode AD under vmap (torch.func.jacfwd, vmap(jvp), jvp(vmap)) is not "
-            f"supported; torch.func.jacrev, jvp, vjp, grad and vmap alone are")
+            f"lora_ops::{name}: forward-mode AD together with vmap (torch.func.jacfwd, vmap(jvp), jvp(vmap), or vmap "
+            f"inside a dual level) is not supported; torch.func.jacrev, jvp, vjp, grad, and vmap outside forward-mode "
+            f"AD are")
 
 
 def _refuse_tangents(name, args):

@@ -199,16 +199,18 @@ class SlotTrainer:
     def step(self, optimizer, scaler=None, closure=None):
         """``optimizer.step()`` (``scaler.step(optimizer)`` with a ``torch.amp.GradScaler``, which unscales
         the gradients and skips the step where one is inf or NaN; ``scaler.update()`` stays the caller's;
-        ``optimizer.step(closure)`` with a closure, which LBFGS needs), then every entry outside the chosen
-        slots (within their ranks) that had tokens since the last step is restored bit for bit. Returns what
-        the optimizer's step returns (the closure's loss)."""
-        _check_elementwise(optimizer)
+        ``optimizer.step(closure=closure)`` with a closure, which LBFGS needs: with one chosen slot only, its
+        line search coupling the slots), then every entry outside the chosen slots (within their ranks) that
+        had tokens since the last step is restored bit for bit. Returns what the optimizer's step returns (the
+        closure's loss)."""
+        _check_elementwise(optimizer, len(self.slots))
         snapshots = [p.detach().clone() for p in self.parameters()]
-        args = () if closure is None else (closure,)
+        # (closure= by keyword: GradScaler.step refuses a closure only by that name)
+        kwargs = {} if closure is None else {"closure": closure}
         if scaler is None:
-            out = optimizer.step(*args)
+            out = optimizer.step(**kwargs)
         else:
-            out = scaler.step(optimizer, *args)
+            out = scaler.step(optimizer, **kwargs)
         seen = self._has_grad
         group = _data_parallel_group(self.process_group)
         if group is not None:   # a slot with tokens on any rank moves on every rank
@@ -344,16 +346,22 @@ def train_slots(ctx, names, *, freeze_base=True, process_group="default"):
     return SlotTrainer(ctx, names, freeze_base=freeze_base, process_group=process_group)
 
 
-def _check_elementwise(optimizer):
-    """Refuse torch's Adafactor: its step size and update clipping take each parameter's whole RMS, and a stack
-    holds every slot, so the other slots' weights (frozen, empty, padding) entered the trained slots' updates:
-    wrong values, silently. Other optimizers that are not elementwise (LAMB, LARS: a trust ratio per tensor)
-    do the same and cannot all be named here; the README says so."""
-    adafactor = getattr(torch.optim, "Adafactor", None)
-    if adafactor is not None and isinstance(optimizer, adafactor):
-        raise TypeError("SlotTrainer.step: torch.optim.Adafactor scales each update by the whole parameter's RMS, "
-                        "and a layer's stack holds every slot, so other slots' weights would change the trained "
-                        "ones' steps; use an elementwise optimizer (AdamW, SGD, RMSprop, Adagrad, ...)")
+def _check_elementwise(optimizer, num_chosen):
+    """Refuse Adafactor (torch's, transformers', any class of that name): its step size and update clipping take
+    each parameter's whole RMS, and a stack holds every slot, so the other slots' weights (frozen, empty,
+    padding) entered the trained slots' updates: wrong values, silently. LBFGS's line search takes dot products
+    over all parameters: refused for more than one chosen slot (an adapter trained beside another moved by up to
+    8 against alone). Other optimizers that are not elementwise (LAMB, LARS: a trust ratio per tensor) do the
+    same and cannot all be named here; the README says so."""
+    name = type(optimizer).__name__
+    if name == "Adafactor":
+        raise TypeError(f"SlotTrainer.step: {type(optimizer).__module__}.Adafactor scales each update by the whole "
+                        f"parameter's RMS, and a layer's stack holds every slot, so other slots' weights would "
+                        f"change the trained ones' steps; use an elementwise optimizer (AdamW, SGD, RMSprop, ...)")
+    if isinstance(optimizer, torch.optim.LBFGS) and num_chosen > 1:
+        raise TypeError(f"SlotTrainer.step: LBFGS's line search couples every parameter, and a layer's stack holds "
+                        f"all {num_chosen} trained slots, so each adapter's step would depend on the others; train "
+                        f"one adapter a trainer with LBFGS, or use an elementwise optimizer (AdamW, SGD, ...)")
 
 
 def _data_parallel_group(process_group):

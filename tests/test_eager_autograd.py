@@ -373,8 +373,9 @@ def test_forward_mode_under_vmap_raises_naming_the_op(backend, how):
     run = {"jacfwd": lambda: torch.func.jacfwd(layer)(x),
            "vmap_of_jvp": lambda: torch.func.vmap(jvp_at)(stacked),
            "jvp_of_vmap": lambda: torch.func.jvp(torch.func.vmap(layer), (stacked,), (torch.ones_like(stacked),))}
-    with pytest.raises(NotImplementedError, match=r"lora_ops::lora_linear: forward-mode AD under vmap "
-                                                  r"\(torch.func.jacfwd, vmap\(jvp\), jvp\(vmap\)\) is not supported"):
+    with pytest.raises(NotImplementedError, match=r"lora_ops::lora_linear: forward-mode AD together with vmap "
+                                                  r"\(torch.func.jacfwd, vmap\(jvp\), jvp\(vmap\), or vmap inside a "
+                                                  r"dual level\) is not supported"):
         run[how]()
 
 

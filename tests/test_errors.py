@@ -345,6 +345,11 @@ def test_add_lora_refuses_a_y_with_overlapping_rows_with_autograd_too(backend, n
                                                    "to one memory location (shape (4, 10), strides (2, 1)")):
         lora_ops.add_lora(y, args["x"], lora_a, args["lora_b"], args["scale"], args["rank"],
                           token_slots=slots([0, 1, 2, -1], backend.device), slice_widths=args["slice_widths"])
+    # (the memory check after the op's own: a y of 3 dimensions is named as the op names it)
+    with pytest.raises(ValueError, match=re.escape("y: expected a 2-D tensor, got shape (4, 10, 1)")):
+        lora_ops.add_lora(torch.zeros(M, N, 1, device=backend.device), args["x"], lora_a, args["lora_b"],
+                          args["scale"], args["rank"], token_slots=slots([0, 1, 2, -1], backend.device),
+                          slice_widths=args["slice_widths"])
 
 
 def test_lora_linear_stacked_names_the_stack_not_its_views(backend):

@@ -417,10 +417,12 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
             super().__init__()
             self.proj = nn.Linear(K, K)
             self.pooler = nn.Linear(K, K)
+            self.head = nn.Linear(K, 3)
 
         def forward(self, x):               # x [batch, seq, K]
             h = self.proj(x)
-            return h, self.pooler(h[:, 0])
+            pooled = self.pooler(h[:, 0])
+            return h, pooled, self.head(torch.tanh(pooled))
     model = Encoder()
     ctx = apply_lora(model, "all-linear", max_loras=2, max_rank=4, max_tokens=16)
     ctx.set_batch([(None, 5), (None, 5)])
@@ -428,20 +430,23 @@ def test_a_layer_over_some_tokens_is_named_in_the_error():
                                          r"10.*a pooler or a classification head.*takes its rows' adapters inside "
                                          r"ctx.per_row"):
         model(torch.randn(2, 5, K))
-    # Inside per_row the pooler takes each row's adapter for the row's one token.
-    ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, K), "pooler": (K, K)}, 2, seed=5))
+    # Inside per_row the pooler takes each row's adapter for the row's one token, and so does the head over
+    # the pooled token (a tensor of its own: BERT's classifier, which "all-linear" adapts too, was refused).
+    ctx.load_adapter_tensors("a", peft_tensors({"proj": (K, K), "pooler": (K, K), "head": (K, 3)}, 2, seed=5))
     x = torch.randn(2, 5, K)
     with torch.no_grad():
         with ctx.per_row(["a", None]):
-            h, pooled = model(x)
+            h, pooled, logits = model(x)
         ctx.set_batch([("a", 1), (None, 1)])
         want = ctx.layers["pooler"](h[:, 0])
         assert rel_err(want, model.pooler.base(h[:, 0])) > 1e-3       # (the adapter matters)
-    assert torch.equal(pooled, want)
-    # Rows' worth of gathered tokens (a routed expert's, say) are no view of a row each: refused, not served by
-    # row.
+        want_logits = ctx.layers["head"](torch.tanh(want))
+        assert rel_err(want_logits, model.head.base(torch.tanh(want))) > 1e-3
+    assert torch.equal(pooled, want) and torch.equal(logits, want_logits)
+    # Rows' worth of gathered tokens (a routed expert's, say) after an input with rows are no view of a row
+    # each: refused, not served by row.
     with torch.no_grad(), ctx.per_row(["a", None]):
-        h, _ = model(x)
+        h = model.proj(x)
         with pytest.raises(ValueError, match=r"LoRALinear 'pooler': inside per_row .* got shape \(2, 24\)"):
             model.pooler(h.reshape(-1, K)[torch.tensor([0, 5])])
     ctx = apply_lora(Encoder(), ["proj"], max_loras=2, max_rank=4, max_tokens=16)

@@ -473,19 +473,27 @@ def test_layers_inside_builtin_modules_compile_once_across_token_counts(stack_a)
 
 def test_inductor_freezing_is_refused_while_tracing():
     """Inductor's freezing (torch._inductor.config.freezing, common for CPU inference) makes parameters and
-    static-address inputs constants: the compiled model kept the batch and adapters of its first call and ignored
-    set_batch, loads and unloads, silently. Refused while tracing; without fullgraph Dynamo then runs the layers
-    eagerly, with the right values."""
+    static-address inputs constants where grad mode is off: the compiled model kept the batch and adapters of
+    its first call and ignored set_batch, loads and unloads, silently. Refused while tracing with grad mode off;
+    without fullgraph Dynamo then runs the layers eagerly, with the right values. Grad mode on (Inductor freezes
+    nothing there) compiles."""
     import torch._inductor.config as inductor_config
     model, ctx, _ = toy_model()
     ids = token_ids(6, seed=1)
-    with torch.no_grad(), inductor_config.patch(freezing=True):
-        ctx.set_batch([("a", 6)])
-        with pytest.raises(Exception, match="LoRALinear under torch.compile with torch._inductor.config.freezing on"):
-            torch.compile(model, fullgraph=True, backend="aot_eager")(ids)
+    with inductor_config.patch(freezing=True):
+        with torch.no_grad():
+            ctx.set_batch([("a", 6)])
+            with pytest.raises(Exception, match="LoRALinear under torch.compile with torch._inductor.config.freezing "
+                                                "on"):
+                torch.compile(model, fullgraph=True, backend="inductor")(ids)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="aot_eager")
+            for requests in ([("a", 6)], [("b", 6)], [(None, 6)]):
+                ctx.set_batch(requests)
+                assert rel_err(compiled(ids), model(ids)) <= EXACT
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="aot_eager")
-        for requests in ([("a", 6)], [("b", 6)], [(None, 6)]):
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        for requests in ([("a", 6)], [("b", 6)]):
             ctx.set_batch(requests)
             assert rel_err(compiled(ids), model(ids)) <= EXACT
 

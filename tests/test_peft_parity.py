@@ -247,6 +247,40 @@ def test_bert_all_linear_pooler_inside_per_row_matches_peft(tmp_path, kernels):
     torch._dynamo.reset()
 
 
+def test_bert_classifier_over_the_pooled_token_inside_per_row_matches_peft(tmp_path, kernels):
+    """BertForSequenceClassification with "all-linear": PEFT adapts the pooler and the classifier, whose input
+    (dropout(tanh(pooler(...)))) is a tensor of its own with one token a row. Inside per_row it takes its row's
+    adapter (it was refused, and set_batch cannot describe it), eagerly and compiled."""
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64, num_labels=3)
+    torch.manual_seed(0)
+    base = transformers.BertForSequenceClassification(config).to(DEVICE).eval()
+    peft_model, paths = make_peft_adapters(base, "all-linear", tmp_path, adapters=TWO_ADAPTERS)
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, "all-linear", paths)
+    assert any(path.endswith("classifier") for path in ctx.layers)
+    input_ids = torch.randint(3, 100, (4, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    rows_list = (["t1", None, "t2", "t1"], ["t2", "t2", None, "t1"])
+    with torch.no_grad():
+        for rows in rows_list:
+            theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits
+            with ctx.per_row(rows):
+                assert_rows_match(model(input_ids).logits, theirs, rows)
+        assert rel_err(theirs, base(input_ids).logits) > 1e-2      # (the adapters matter)
+    if not compile_runs_here(kernels):
+        return
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for i, rows in enumerate(rows_list):
+            with ctx.per_row(rows), torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(input_ids).logits
+            assert_rows_match(got, peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits, rows)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
     """T5 casts its hidden states to ``wo.weight.dtype`` before ``wo``: model code that reads a wrapped layer's
     weight (LoRALinear forwards ``weight`` and ``bias`` from its base, as PEFT's layers do; it had raised
