@@ -210,21 +210,44 @@ T5_TARGETS = ["q", "k", "v", "o", "wi", "wo"]
 TWO_ADAPTERS = {"t1": dict(r=4, lora_alpha=8), "t2": dict(r=8, lora_alpha=4)}
 
 
+def bert_all_linear(model_class, tmp_path, wrapped, **sizes):
+    """A tiny BERT of ``model_class`` with TWO_ADAPTERS under "all-linear": (base, PEFT model, our copy, context);
+    ``wrapped``: a layer path suffix "all-linear" must have selected."""
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=64, **sizes)
+    torch.manual_seed(0)
+    base = model_class(config).to(DEVICE).eval()
+    peft_model, paths = make_peft_adapters(base, "all-linear", tmp_path, adapters=TWO_ADAPTERS)
+    model = copy.deepcopy(base)
+    ctx = load_ours(model, "all-linear", paths)
+    assert any(path.endswith(wrapped) for path in ctx.layers)
+    return base, peft_model, model, ctx
+
+
+def compiled_rows_match_peft(model, ctx, peft_model, input_ids, rows_list, output):
+    """The model compiled (fullgraph=True) inside per_row: each rows' output equals PEFT's, one graph for all."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for i, rows in enumerate(rows_list):
+            with ctx.per_row(rows), torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = output(compiled(input_ids))
+            assert_rows_match(got, output(peft_model(input_ids=input_ids, adapter_names=peft_names(rows))), rows)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_bert_all_linear_pooler_inside_per_row_matches_peft(tmp_path, kernels):
     """PEFT's "all-linear" adapts BERT's pooler, which sees one token a row ([rows, hidden]: each row's first):
     inside per_row it takes its row's adapter (it was refused, and the adapter could be served no other way:
     leaving the pooler unwrapped made the load refuse it). Eager, and compiled (fullgraph=True) with other
     adapters in the rows compiling nothing new."""
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64)
-    torch.manual_seed(0)
-    base = transformers.BertModel(config).to(DEVICE).eval()
-    peft_model, paths = make_peft_adapters(base, "all-linear", tmp_path, adapters=TWO_ADAPTERS)
-    model = copy.deepcopy(base)
-    ctx = load_ours(model, "all-linear", paths)
-    assert any(path.endswith("pooler.dense") for path in ctx.layers)
+    base, peft_model, model, ctx = bert_all_linear(transformers.BertModel, tmp_path, "pooler.dense",
+                                                   num_hidden_layers=2)
     input_ids = torch.randint(3, 100, (4, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    for rows in (["t1", None, "t2", "t1"], ["t2", "t1", None, None]):
+    rows_list = (["t1", None, "t2", "t1"], ["t2", "t1", None, None])
+    for rows in rows_list:
         with torch.no_grad():
             theirs = peft_model(input_ids=input_ids, adapter_names=peft_names(rows))
             with ctx.per_row(rows):
@@ -232,33 +255,16 @@ def test_bert_all_linear_pooler_inside_per_row_matches_peft(tmp_path, kernels):
         assert_rows_match(ours.pooler_output, theirs.pooler_output, rows)
         assert_rows_match(ours.last_hidden_state, theirs.last_hidden_state, rows)
     assert rel_err(theirs.pooler_output, base(input_ids).pooler_output) > 1e-2      # (the adapters matter)
-    if not compile_runs_here(kernels):
-        return
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    with torch.no_grad():
-        for i, rows in enumerate((["t1", None, "t2", "t1"], ["t2", "t1", None, None])):
-            with ctx.per_row(rows), torch._dynamo.config.patch(error_on_recompile=i > 0):
-                got = compiled(input_ids).pooler_output
-            assert_rows_match(got, peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).pooler_output,
-                              rows)
-    assert counter.frame_count == 1
-    torch._dynamo.reset()
+    if compile_runs_here(kernels):
+        compiled_rows_match_peft(model, ctx, peft_model, input_ids, rows_list, lambda out: out.pooler_output)
 
 
 def test_bert_classifier_over_the_pooled_token_inside_per_row_matches_peft(tmp_path, kernels):
     """BertForSequenceClassification with "all-linear": PEFT adapts the pooler and the classifier, whose input
     (dropout(tanh(pooler(...)))) is a tensor of its own with one token a row. Inside per_row it takes its row's
     adapter (it was refused, and set_batch cannot describe it), eagerly and compiled."""
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64, num_labels=3)
-    torch.manual_seed(0)
-    base = transformers.BertForSequenceClassification(config).to(DEVICE).eval()
-    peft_model, paths = make_peft_adapters(base, "all-linear", tmp_path, adapters=TWO_ADAPTERS)
-    model = copy.deepcopy(base)
-    ctx = load_ours(model, "all-linear", paths)
-    assert any(path.endswith("classifier") for path in ctx.layers)
+    base, peft_model, model, ctx = bert_all_linear(transformers.BertForSequenceClassification, tmp_path,
+                                                   "classifier", num_hidden_layers=1, num_labels=3)
     input_ids = torch.randint(3, 100, (4, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     rows_list = (["t1", None, "t2", "t1"], ["t2", "t2", None, "t1"])
     with torch.no_grad():
@@ -267,18 +273,8 @@ def test_bert_classifier_over_the_pooled_token_inside_per_row_matches_peft(tmp_p
             with ctx.per_row(rows):
                 assert_rows_match(model(input_ids).logits, theirs, rows)
         assert rel_err(theirs, base(input_ids).logits) > 1e-2      # (the adapters matter)
-    if not compile_runs_here(kernels):
-        return
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    with torch.no_grad():
-        for i, rows in enumerate(rows_list):
-            with ctx.per_row(rows), torch._dynamo.config.patch(error_on_recompile=i > 0):
-                got = compiled(input_ids).logits
-            assert_rows_match(got, peft_model(input_ids=input_ids, adapter_names=peft_names(rows)).logits, rows)
-    assert counter.frame_count == 1
-    torch._dynamo.reset()
+    if compile_runs_here(kernels):
+        compiled_rows_match_peft(model, ctx, peft_model, input_ids, rows_list, lambda out: out.logits)
 
 
 def test_t5_encoder_reading_a_wrapped_layers_weight(tmp_path, kernels):
