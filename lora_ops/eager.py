@@ -247,8 +247,7 @@ def _base_shapes(weight, bias):
     identity, and a replay then ran torch's GEMM on another shape (raw shape or dtype errors on the write-first
     path, a bias of one entry broadcast silently) where the op names the argument. (Not their devices: only
     torch's GEMM takes them, which names a device mismatch itself; no kernel gets their pointers.)"""
-    return ((weight.shape, weight.stride(), weight.dtype),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype))
+    return _shaped(weight), None if bias is None else _shaped(bias)
 
 
 def _adapter_shapes(lora_a, lora_b, scale, rank):

@@ -273,12 +273,17 @@ def _refuse_vmapped_tangents(name):
     """Forward-mode AD and vmap together (torch.func.jacfwd, vmap(jvp), jvp(vmap)): the tangent formulas add into
     tensors of the unbatched shape, and unpacking a batched dual has no batching rule; torch's errors named
     broadcast shapes or aten::_unpack_dual. Refused in our terms."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    if any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+    if torch._C._functorch.TransformType.Vmap in _functorch_transforms():
         raise NotImplementedError(
             f"lora_ops::{name}: forward-mode AD together with vmap (torch.func.jacfwd, vmap(jvp), jvp(vmap), or vmap "
             f"inside a dual level) is not supported; torch.func.jacrev, jvp, vjp, grad, and vmap outside forward-mode "
             f"AD are")
+
+
+def _functorch_transforms():
+    """The kinds of torch.func transforms active now (torch._C._functorch.TransformType members)."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    return {i.key() for i in retrieve_all_functorch_interpreters()}
 
 
 def _refuse_tangents(name, args):
@@ -299,8 +304,7 @@ def _functorch_grad_function(name):
     does not (torch raised about autograd.Function); ours do (lora_linear, add_lora). A grad transform through
     another op, or inside vmap (vmap(grad): the Functions have no vmap rule), raises in our terms. jacrev is
     fine: its vmap runs over the vjp function, after the forward, where torch loops over our backward ops."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-    kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
+    kinds = _functorch_transforms()
     if torch._C._functorch.TransformType.Grad not in kinds:
         return None
     function = AUTOGRAD.get(name)
