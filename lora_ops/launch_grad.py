@@ -57,12 +57,29 @@ def takes_float32_tiles(t):
 WIDE_Q = 8192
 
 
-def segment_outer_config(p, q, num_slots, float32_gpu=False):
+# From 1024 tokens a small grid of them (each program walks a whole slot's tokens) takes 128-token steps on 8
+# warps, 3 stages: up to this many programs of 128 columns, and up to twice as many with 16-wide rank blocks
+# (below 1024 tokens, not measured, the narrowed blocks as before). On an H100
+# (2026-12-06, benchmarks/results/lab-train-ops-h100-2026-12-06-session40.md; Llama-3-8B and Phi-4-mini, ranks
+# 16 and 64, 1024 and 4096 tokens) that took dA and dB to 0.71-0.99 of the time of the narrowed Q blocks on
+# the rows it picks (o and down's dB, o's dA, rank 16's gate_up dA), at worst 1.04; on larger grids it lost
+# (up to 1.6x: qkv and gate_up at rank 64).
+DEEP_STEP_MAX_PROGRAMS = 128
+DEEP_STEP = dict(block_t=128, num_warps=8, num_stages=3)
+DEEP_STEP_MIN_BUCKET = 1024
+
+
+def segment_outer_config(p, q, num_slots, float32_gpu=False, num_tokens=0):
     """Narrow the Q blocks while the grid holds fewer than half of TARGET_PROGRAMS programs: each program
-    reduces a whole slot's tokens. ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q
+    reduces a whole slot's tokens; where the grid of 128-column blocks is small (DEEP_STEP_MAX_PROGRAMS),
+    deeper token steps instead. ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q
     blocks at most, 32-token steps, 8 warps)."""
     block_p = min(rank_block(p), 16) if float32_gpu else rank_block(p)
     block_q = min(feature_block(q), 64) if float32_gpu else feature_block(q)
+    wide_programs = cdiv(q, block_q) * cdiv(p, block_p) * num_slots
+    if (not float32_gpu and block_q == 128 and token_bucket(num_tokens) >= DEEP_STEP_MIN_BUCKET
+            and wide_programs <= DEEP_STEP_MAX_PROGRAMS * (2 if block_p == 16 else 1)):
+        return SegmentOuterConfig(block_p=block_p, block_q=block_q, **DEEP_STEP)
     while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS // 2:
         block_q //= 2
     if float32_gpu:
@@ -187,7 +204,7 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         return out_spec.alloc(v.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("segment_outer", out_spec, (u, v), (L,), meta, lambda out: launch_segment_outer(
-        out, u, v, *meta, segment_outer_config(P, Q, L, takes_float32_tiles(v)), run=False))
+        out, u, v, *meta, segment_outer_config(P, Q, L, takes_float32_tiles(v), u.shape[0]), run=False))
 
 
 # The backward of the delta, every packed slice in one launch per op (lora_ops.autograd): one op call and
@@ -242,7 +259,7 @@ def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, checked
         return out_spec.alloc(x.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("lora_grad_a", out_spec, (dh, x), (L,), meta, lambda out: launch_lora_grad_a(
-        out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x)), run=False))
+        out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x), x.shape[0]), run=False))
 
 
 def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, checked=True):
@@ -257,5 +274,5 @@ def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, 
         return out_spec.alloc(grad_out.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("lora_grad_b", out_spec, (grad_out, h), (widths, L), meta, lambda out: launch_lora_grad_b(
-        out, h, grad_out, rank, widths, *meta[1:], segment_outer_config(R, N, L, takes_float32_tiles(grad_out)),
-        run=False))
+        out, h, grad_out, rank, widths, *meta[1:],
+        segment_outer_config(R, N, L, takes_float32_tiles(grad_out), grad_out.shape[0]), run=False))

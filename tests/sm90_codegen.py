@@ -276,6 +276,19 @@ def cases():
                                        *p["meta"], launch_grad.segment_outer_config(64, 768, 4))
     yield "grad_b_r64", launch_grad.SEGMENT_OUTER, grad_b
 
+    # dA and dB from 1024 tokens on a small grid: 128-token steps, 8 warps, 3 stages (launch_grad.DEEP_STEP).
+    deep = launch_grad.segment_outer_config(64, 768, 4, num_tokens=4096)
+    assert deep.block_t == launch_grad.DEEP_STEP["block_t"]
+
+    def grad_a_deep(p=p):
+        launch_grad.launch_lora_grad_a(p["x"].new_empty(4, 3, 64, 256), dh, p["x"], p["rank"], *p["meta"], deep)
+    yield "grad_a_deep_r64", launch_grad.SEGMENT_OUTER, grad_a_deep
+
+    def grad_b_deep(p=p):
+        launch_grad.launch_lora_grad_b(p["x"].new_empty(4, 768, 64), dh, grad_out, p["rank"], [512, 128, 128],
+                                       *p["meta"], deep)
+    yield "grad_b_deep_r64", launch_grad.SEGMENT_OUTER, grad_b_deep
+
     def grad_h(p=p):
         a = p["B"].transpose(1, 2).contiguous().unsqueeze(1).expand(4, 3, 64, 768)   # B^T, every slice's A
         cfg = configs.heuristics.shrink_config(256, 512, 3, 64, 4)._replace(slice_group=1)

@@ -382,17 +382,23 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
 
 # -- the backward ops on their own ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("wide", [False, True], ids=["heuristic", "wide_q_config"])
+@pytest.mark.parametrize("wide", [False, True, "deep"], ids=["heuristic", "wide_q_config", "deep_step_config"])
 def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
     """The Triton launcher's output is never zero-filled: poison it with NaN and check all of it. Also with
-    the config the heuristic gives wide outputs (launch_grad.WIDE_Q: 32-token steps)."""
+    the config the heuristic gives wide outputs (launch_grad.WIDE_Q: 32-token steps) and the one it gives a
+    small grid from 1024 tokens (launch_grad.DEEP_STEP: 128-token steps, more than these tokens)."""
     backend = triton_kernels
-    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=19)
+    spec = dict(GRAD_CASES["gate_up_mixed_ranks"], K=200 if wide == "deep" else 24)   # (deep: 128-column blocks)
+    case = make_case(**spec, dtype=torch.float32, device=backend.device, seed=19)
     M, K, _, L, _, R = case.shape
     u, v = signed((M, R), case, torch.float32), signed((M, K), case)
     out = torch.full((L, R, K), float("nan"), device=case.x.device)
-    cfg = launch_grad.segment_outer_config(R, launch_grad.WIDE_Q if wide else K, L)
-    assert (cfg.block_t == 32) == wide
+    if wide == "deep":
+        cfg = launch_grad.segment_outer_config(R, K, L, num_tokens=1024)
+        assert cfg.block_t == launch_grad.DEEP_STEP["block_t"] and cfg.block_q == 128
+    else:
+        cfg = launch_grad.segment_outer_config(R, launch_grad.WIDE_Q if wide else K, L)
+        assert (cfg.block_t == 32) == wide
     launch_grad.launch_segment_outer(out, u, v, case.rank, *case.meta, cfg)
     assert not out.isnan().any()
     assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]
@@ -480,12 +486,23 @@ def grad_b_reference(grad_out, h, case):
                       for i in range(h.shape[1])], dim=1)
 
 
-@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "one_slice", "all_minus_one"])
+# From 1024 tokens the backward's configs change (heuristics.SELF_SUM_MIN_BUCKET, launch_grad.DEEP_STEP): a
+# case past it, its 128-column blocks and 16-wide rank blocks on a grid small enough for the deep token steps.
+SLICE_OP_CASES = dict(GRAD_CASES, tokens_1100=dict(M=1100, K=200, N=192, num_slots=4, num_slices=2, max_rank=16,
+                                                   ranks=[16, 5, 0, 11]))
+
+
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "one_slice", "all_minus_one",
+                                     "tokens_1100"])
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
     """lora_grad_h, lora_grad_a, lora_grad_b: every slice in one call, against float64, with a strided
     output gradient (a transposed layout: features at stride M) and x at a column offset."""
-    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
+    case = make_case(**SLICE_OP_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
+    if case_id == "tokens_1100":
+        M, K, N, L, S, R = case.shape
+        assert launch_grad.segment_outer_config(R, K, L * S, num_tokens=M).block_t == 128
+        assert launch_grad.segment_outer_config(R, N, L, num_tokens=M).block_t == 128
     M, K, N, L, S, R = case.shape
     grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
     dh = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)

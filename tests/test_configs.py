@@ -51,10 +51,10 @@ def test_split_k_only_at_small_token_counts():
 
 
 def test_split_k_capped_where_an_expand_adds_the_partial_sums():
-    # o r16 at 1024 tokens: the shrink alone would take 12 splits; every column block of the expand
+    # o r16 at 256 tokens: the shrink alone would take 32 splits; every column block of the expand
     # re-reads each of them, so add_lora_'s pair takes at most MAX_EXPAND_PARTS.
-    alone = heuristics.shrink_config(1024, 4096, 1, 16, 4)
-    paired = heuristics.shrink_config(1024, 4096, 1, 16, 4, out_features=4096)
+    alone = heuristics.shrink_config(256, 4096, 1, 16, 4)
+    paired = heuristics.shrink_config(256, 4096, 1, 16, 4, out_features=4096)
     assert alone.split_k > heuristics.MAX_EXPAND_PARTS == paired.split_k
     # The rank loop takes h summed by the shrink itself: no cap. (At 64 tokens up to rank 256 the
     # heuristic's expand holds the rank in one block and adds the partial sums: capped.)
@@ -62,6 +62,22 @@ def test_split_k_capped_where_an_expand_adds_the_partial_sums():
     assert heuristics.shrink_config(64, 4096, 1, 320, 4, out_features=4096).split_k == \
         heuristics.shrink_config(64, 4096, 1, 320, 4).split_k > heuristics.MAX_EXPAND_PARTS
     assert heuristics.shrink_config(64, 4096, 1, 256, 4, out_features=4096).split_k == heuristics.MAX_EXPAND_PARTS
+
+
+@pytest.mark.parametrize("bucket, in_features, slices, rank, split_k", [
+    (1024, 4096, 1, 16, 2), (1024, 4096, 3, 64, 2), (1024, 14336, 1, 64, 7), (1024, 3072, 1, 16, 1),
+    (4096, 14336, 1, 16, 3), (8192, 8192, 1, 16, 1)], ids=lambda v: str(v))
+def test_shrink_op_splits_keep_enough_k_steps(bucket, in_features, slices, rank, split_k):
+    """From 1024 tokens the shrink op alone (its splits summed by counters) gives each split at least
+    SELF_SUM_MIN_K_STEPS steps of K, on 8 warps; add_lora_'s shrink (out_features) keeps the program target."""
+    alone = heuristics.shrink_config(bucket, in_features, slices, rank, 4)
+    assert alone.split_k == split_k and alone.num_warps == 8
+    assert heuristics.cdiv(in_features, alone.block_k) >= alone.split_k * heuristics.SELF_SUM_MIN_K_STEPS or \
+        alone.split_k == 1
+    paired = heuristics.shrink_config(bucket, in_features, slices, rank, 4, out_features=4096)
+    assert paired.split_k >= alone.split_k
+    # Below 1024 tokens the program target alone decides, as before.
+    assert heuristics.shrink_config(256, in_features, slices, rank, 4).split_k > 1
 
 
 @pytest.mark.parametrize("bucket, rank, out_features, loops", [

@@ -151,6 +151,17 @@ def slice_group_for(num_slices, block_r):
 MAX_EXPAND_PARTS = 8
 
 
+# The shrink op alone (out_features None: the backward's h, and its dh through lora_grad_h) sums its own splits
+# through arrival counters, and no table serves it. From 1024 tokens a split there keeps at least this many
+# K steps, on 8 warps: on an H100 (2026-12-06, benchmarks/results/lab-train-ops-h100-2026-12-06-session40.md;
+# Llama-3-8B and Phi-4-mini layers, ranks 16 and 64, 1024 and 4096 tokens) the 6-12 splits the program target
+# gives at 1024 tokens ran 1.2-2.2x the time of 2-4 (a split of 2-5 steps barely fills its pipeline), and
+# this rule took the shrink op to 0.80 of its time (geomean of 32 rows, worst 1.00) and lora_grad_h to 0.86
+# (worst 1.01). Below 1024 tokens (not measured) the program target alone decides.
+SELF_SUM_MIN_BUCKET = 1024
+SELF_SUM_MIN_K_STEPS = 16
+
+
 def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_features=None):
     """out_features: the width of the expand that adds this shrink's split-K partial sums (add_lora_);
     None where the shrink adds its splits itself (the shrink op)."""
@@ -164,8 +175,11 @@ def shrink_config(bucket, in_features, num_slices, max_rank, num_slots, out_feat
     split_k = max(1, min(TARGET_PROGRAMS // max(programs, 1), cdiv(in_features, block_k), most))
     # H200 tuning (configs/tuned): 3 stages at most shapes (4 won at some from 1024 tokens and lost by up to
     # 1.3x at others, session 19: not a rule), 8 warps once the rank block is 64 wide.
-    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=8 if block_r >= 64 else 4, num_stages=3,
-                        slice_group=group)
+    num_warps = 8 if block_r >= 64 else 4
+    if out_features is None and bucket >= SELF_SUM_MIN_BUCKET:
+        split_k = max(1, min(split_k, cdiv(in_features, block_k) // SELF_SUM_MIN_K_STEPS))
+        num_warps = 8
+    return ShrinkConfig(block_m, block_r, block_k, split_k, num_warps=num_warps, num_stages=3, slice_group=group)
 
 
 def prefers_fused(bucket, in_features, max_rank):

@@ -1,0 +1,237 @@
+"""Lab (session 40): a training step's LoRA ops, one by one, against the base layer, and their configs.
+
+A LoRA layer's training step runs the base GEMM forward (F.linear) and its backward to x (grad_out @ W, W
+frozen), and for the delta: add_lora_ forward, then lora_grad_h (dh), lora_grad_x (dx), lora_grad_a (dA),
+the shrink op (h again, for dB) and lora_grad_b (dB) (lora_ops.autograd.lora_grads). Every backward op runs on
+the heuristic's config (no tuned table serves them). Per Llama-3-8B and Phi-4-mini layer, rank (4 slots, a
+stack of that capacity, ~10% tokens without an adapter) and token count, each op is timed paired with the base
+forward (CUDA-graph replays in turn, cold L2; Timer.measure_paired), beside its bytes floor and its MMA floor.
+
+Then, with SWEEP=1, each backward op again on candidate configs (the config function patched, plans cleared),
+every candidate checked against the ops' torch kernels (lora_ops.cpu / cpu_grad, float32 products) before it
+is timed; the best candidate's time over the heuristic's.
+
+    python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, BUDGET, TAG)
+    DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
+"""
+import contextlib
+import json
+import os
+import time
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+import repo_path  # noqa: F401,E402
+import problems  # noqa: E402
+import shapes  # noqa: E402
+from lab_env import DEV, DTYPE, TINY, ints, run_env  # noqa: E402
+from lora_ops import configs, cpu, cpu_grad, launch_grad, plan  # noqa: E402
+from timing import Timer  # noqa: E402
+
+MODELS = os.environ.get("MODELS", "llama3-8b,phi4-mini").split(",")
+KEEP = os.environ.get("LAYERS", "qkv,o,gate_up,down").split(",")
+RANKS = ints("RANKS", "16,64,256" if not TINY else "16")
+TOKENS = ints("MS", "1024,4096" if not TINY else "48")
+SWEEP = os.environ.get("SWEEP", "1") == "1"
+BUDGET = float(os.environ.get("BUDGET", "480"))
+COPY_BYTES_PER_S = 3.35e12 if DEV == "cuda" else 1e9
+OPS = ("add_lora_", "grad_h", "grad_x", "grad_a", "shrink", "grad_b")
+T0 = time.time()
+
+# Candidates. The shrink kernel (the shrink op, and lora_grad_h through it): the split count is a runtime
+# argument (one compile), so every count the heuristic might choose is tried beside its tiles.
+SPLITS = (1, 2, 3, 4, 6, 8, 12)
+SHRINK_TILES = ((64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3))   # (block_m, block_k, warps, stages)
+# The backward's own kernels: (block_m, block_n, warps, stages) of lora_grad_x and (block_t, block_q, warps,
+# stages) of segment_outer (dA, dB), each on the heuristic's rank block.
+GRAD_X = ((64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))
+SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
+
+
+def layers():
+    by_model = {"llama3-8b": shapes.LLAMA3_8B, "phi4-mini": shapes.PHI4_MINI}
+    if TINY:
+        return [shapes.tiny_layer(layer) for layer in shapes.LLAMA3_8B[:2]]
+    return [layer for m in MODELS for layer in by_model[m] if layer.name in KEEP]
+
+
+class Step:
+    """One problem's tensors (input set k) and its ops as callables."""
+
+    def __init__(self, p, k):
+        self.p, i = p, p.inputs(k)
+        gen = torch.Generator(device=DEV).manual_seed(1000 + k)
+        self.x, self.y, self.a, self.b = i.x, i.y, i.lora_a, i.lora_b
+        self.w = torch.randn(p.N, p.K, device=DEV, dtype=DTYPE, generator=gen).mul_(p.K ** -0.5)
+        self.g = torch.randn(p.M, p.N, device=DEV, dtype=DTYPE, generator=gen)
+        ops = torch.ops.lora_ops
+        meta = (p.rank, *p.meta)
+        self.h = ops.shrink(self.x, self.a, p.scale, *meta)
+        self.dh = ops.lora_grad_h(self.g, self.b, p.scale, *meta[:1], p.widths, *meta[1:])
+        self.calls = {
+            "base": lambda: F.linear(self.x, self.w),
+            "base_dx": lambda: torch.mm(self.g, self.w),
+            "add_lora_": lambda: ops.add_lora_(self.y, self.x, self.a, self.b, p.scale, p.rank, p.widths, *p.meta),
+            "grad_h": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
+            "grad_x": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
+            "grad_a": lambda: ops.lora_grad_a(self.dh, self.x, *meta),
+            "shrink": lambda: ops.shrink(self.x, self.a, p.scale, *meta),
+            "grad_b": lambda: ops.lora_grad_b(self.g, self.h, p.rank, p.widths, *p.meta),
+        }
+
+    def reference(self, name):
+        """The op's output by its torch kernel (float32 products), for checking a candidate."""
+        p, meta = self.p, (self.p.rank, *self.p.meta)
+        return {"grad_h": lambda: cpu_grad.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
+                "grad_x": lambda: cpu_grad.lora_grad_x(self.dh, self.a, *meta),
+                "grad_a": lambda: cpu_grad.lora_grad_a(self.dh, self.x, *meta),
+                "shrink": lambda: cpu.shrink(self.x, self.a, p.scale, *meta),
+                "grad_b": lambda: cpu_grad.lora_grad_b(self.g, self.h, p.rank, p.widths, *p.meta)}[name]()
+
+
+def floors(p):
+    """{op: (bytes floor µs, flops)} of each op, and of the base forward."""
+    e, M, K, N, L, S, R = p.esize, p.M, p.K, p.N, p.L, p.S, p.R
+    a, b = L * S * R * K * e, L * N * R * e
+    h = M * S * R * 4
+    by = {"base": M * K * e + N * K * e + M * N * e, "base_dx": M * N * e + N * K * e + M * K * e,
+          "add_lora_": M * K * e + a + b + 2 * M * N * e, "grad_h": M * N * e + 3 * b + h,
+          "grad_x": h + a + M * K * e, "grad_a": h + M * K * e + a, "shrink": M * K * e + a + h,
+          "grad_b": M * N * e + h + b}
+    fl = {"base": 2 * M * N * K, "base_dx": 2 * M * N * K, "add_lora_": 2 * M * R * (S * K + N),
+          "grad_h": 2 * M * N * R, "grad_x": 2 * M * S * R * K, "grad_a": 2 * M * S * R * K,
+          "shrink": 2 * M * S * R * K, "grad_b": 2 * M * N * R}
+    return {k: (by[k] / COPY_BYTES_PER_S * 1e6, fl[k]) for k in by}
+
+
+@contextlib.contextmanager
+def patched(name, cfg):
+    """The op ``name``'s config function answering ``cfg`` (plans built afresh inside and after)."""
+    if name in ("shrink", "grad_h"):
+        target = mock.patch.object(configs, "shrink_config", lambda *a, **k: cfg)
+    elif name == "grad_x":
+        target = mock.patch.object(launch_grad, "grad_x_config", lambda *a, **k: cfg)
+    else:
+        target = mock.patch.object(launch_grad, "segment_outer_config", lambda *a, **k: cfg)
+    plan.clear()
+    with target:
+        yield
+    plan.clear()
+
+
+def candidates(name, p):
+    if name in ("shrink", "grad_h"):
+        base = configs.shrink_config(p.M, p.K if name == "shrink" else max(p.widths), p.S, p.R, p.L,
+                                     torch.device(DEV), DTYPE)
+        group = 1 if name == "grad_h" else base.slice_group
+        out = []
+        for bm, bk, w, st in SHRINK_TILES:
+            for s in SPLITS:
+                out.append(base._replace(block_m=bm, block_k=bk, num_warps=w, num_stages=st, split_k=s,
+                                         slice_group=group))
+        return out if not TINY else out[:3]
+    if name == "grad_x":
+        base = launch_grad.grad_x_config(p.M, p.K, p.R)
+        out = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in GRAD_X]
+    else:
+        P, Q, slots = (p.R, p.K, p.L * p.S) if name == "grad_a" else (p.R, p.N, p.L)
+        base = launch_grad.segment_outer_config(P, Q, slots)
+        out = [base._replace(block_t=t, block_q=q, num_warps=w, num_stages=st) for t, q, w, st in SEGMENT]
+    return out if not TINY else out[:2]
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def profile(timer, p):
+    steps = {}
+
+    def make(name):
+        def make_call(k):
+            if k not in steps:
+                steps[k] = Step(p, k)
+            return steps[k].calls[name]
+        return make_call
+    names = ("base", "base_dx", *OPS)
+    set_bytes = p.set_bytes() * 2
+    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes))
+    return times, steps
+
+
+def sweep(timer, p, step0, name, heuristic_us):
+    """[(config, µs, error)] of the candidates of op ``name`` that pass, timed one by one."""
+    tol = 1e-2 if name in ("grad_x", "grad_a", "grad_b") else 1e-4
+    want = step0.reference(name)
+    rows = []
+    for cfg in candidates(name, p):
+        if time.time() - T0 > BUDGET:
+            break
+        try:
+            with patched(name, cfg):
+                got = step0.calls[name]()
+                err = rel_err(got, want)
+                if not err <= tol:
+                    rows.append((cfg, None, err))
+                    continue
+                us, _, _ = timer.measure(lambda k: step0.calls[name], p.set_bytes(), eager=False)
+        except Exception as e:   # a config past the GPU's shared memory: noted, not fatal
+            timer.sync_quietly()
+            rows.append((cfg, None, f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        rows.append((cfg, us, err))
+    return rows
+
+
+def main():
+    timer = Timer(DEV)
+    out = dict(run_env(), rows=[], method=timer.method())
+    print(f"# {out['gpu']}, torch {out['torch']}, Triton {out['triton']}, {out['dtype']}")
+    print("| layer | r | M | base | base dx | " + " | ".join(OPS) + " | LoRA / base (fwd+dx) | worst op / floor |")
+    print("|" + "---|" * (6 + len(OPS) + 1))
+    for layer in layers():
+        for rank in RANKS:
+            for M in TOKENS:
+                if time.time() - T0 > BUDGET:
+                    print("budget spent")
+                    break
+                p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
+                times, steps = profile(timer, p)
+                fl = floors(p)
+                lora = sum(times[o] for o in OPS)
+                base = times["base"] + times["base_dx"]
+                worst = max(OPS, key=lambda o: times[o] / fl[o][0])
+                row = dict(model=layer.model, layer=layer.name, rank=rank, M=M, us=times,
+                           floor_us={k: v[0] for k, v in fl.items()}, lora_over_base=lora / base)
+                print(f"| {layer.model[:5]} {layer.name} | {rank} | {M} | {times['base']:.1f} | {times['base_dx']:.1f} | "
+                      + " | ".join(f"{times[o]:.1f}" for o in OPS)
+                      + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |", flush=True)
+                if SWEEP:
+                    row["sweep"] = {}
+                    for name in OPS[1:]:
+                        heur_us, _, _ = timer.measure(lambda k: steps[0].calls[name], p.set_bytes(), eager=False)
+                        res = sweep(timer, p, steps[0], name, heur_us)
+                        ok = [r for r in res if r[1] is not None]
+                        best = min(ok, key=lambda r: r[1]) if ok else None
+                        row["sweep"][name] = dict(heuristic_us=heur_us,
+                                                  candidates=[(list(c), u, e if isinstance(e, str) else round(e, 8))
+                                                              for c, u, e in res])
+                        failed = [r for r in res if r[1] is None]
+                        print(f"    {name}: heuristic {heur_us:.1f} us; best {best[1]:.1f} us "
+                              f"({best[1] / heur_us:.2f}) {tuple(best[0])}" if best else f"    {name}: none ran",
+                              f"; failed {len(failed)}: {failed[:1]}" if failed else "", flush=True)
+                out["rows"].append(row)
+                steps.clear()
+                if DEV == "cuda":
+                    torch.cuda.empty_cache()
+    dest = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    tag = os.environ.get("TAG", "")
+    with open(os.path.join(dest, f"lab_train_ops{'-' + tag if tag else ''}.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
