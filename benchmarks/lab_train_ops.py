@@ -11,7 +11,7 @@ Then, with SWEEP=1, each backward op again on candidate configs (the config func
 every candidate checked against the ops' torch kernels (lora_ops.cpu / cpu_grad, float32 products) before it
 is timed; the best candidate's time over the heuristic's.
 
-    python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, BUDGET, TAG)
+    python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
 """
 import contextlib
@@ -38,6 +38,7 @@ SWEEP = os.environ.get("SWEEP", "1") == "1"
 BUDGET = float(os.environ.get("BUDGET", "480"))
 COPY_BYTES_PER_S = 3.35e12 if DEV == "cuda" else 1e9
 OPS = ("add_lora_", "grad_h", "grad_x", "grad_a", "shrink", "grad_b")
+SWEPT = os.environ.get("SWEPT", ",".join(OPS[1:])).split(",")   # the ops SWEEP=1 sweeps
 T0 = time.time()
 
 # Candidates. The shrink kernel (the shrink op, and lora_grad_h through it): the split count is a runtime
@@ -47,6 +48,10 @@ SHRINK_TILES = ((64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3))   # (block_m
 # The backward's own kernels: (block_m, block_n, warps, stages) of lora_grad_x and (block_t, block_q, warps,
 # stages) of segment_outer (dA, dB), each on the heuristic's rank block.
 GRAD_X = ((64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))
+# lora_grad_x's column blocks a program walks (N_LOOP), on the first three tiles above (GRAD_X_LOOPS=1: instead
+# of them, the six tiles alone).
+N_LOOPS = (1, 2, 4, 8)
+GRAD_X_LOOPS = os.environ.get("GRAD_X_LOOPS", "1") == "1"
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -134,7 +139,8 @@ def candidates(name, p):
         return out if not TINY else out[:3]
     if name == "grad_x":
         base = launch_grad.grad_x_config(p.M, p.K, p.R)
-        out = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in GRAD_X]
+        tiles = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in GRAD_X]
+        out = [t._replace(n_loop=k) for t in tiles[:3] for k in N_LOOPS] if GRAD_X_LOOPS else tiles
     else:
         P, Q, slots = (p.R, p.K, p.L * p.S) if name == "grad_a" else (p.R, p.N, p.L)
         base = launch_grad.segment_outer_config(P, Q, slots)
@@ -211,7 +217,7 @@ def main():
                       + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |", flush=True)
                 if SWEEP:
                     row["sweep"] = {}
-                    for name in OPS[1:]:
+                    for name in SWEPT:
                         heur_us, _, _ = timer.measure(lambda k: steps[0].calls[name], p.set_bytes(), eager=False)
                         res = sweep(timer, p, steps[0], name, heur_us)
                         ok = [r for r in res if r[1] is not None]

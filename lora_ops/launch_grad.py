@@ -25,6 +25,7 @@ class GradXConfig(NamedTuple):
     block_r: int
     num_warps: int
     num_stages: int
+    n_loop: int = 1        # column blocks one program walks (kernels.grad.lora_grad_x_kernel's N_LOOP)
 
 
 class SegmentOuterConfig(NamedTuple):
@@ -94,14 +95,14 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     Returns the :class:`lora_ops.launch.Launch`, run unless ``run`` is False."""
     M, K = dx.shape
     L, S, R, _ = lora_a.shape
-    grid = (cdiv(K, cfg.block_n), max_token_tiles(M, L, cfg.block_m))
+    grid = (cdiv(cdiv(K, cfg.block_n), cfg.n_loop), max_token_tiles(M, L, cfg.block_m))
     return Launch(
         GRAD_X, grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride(),
          *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R),
-             H_PRECISION=f32_operand_precision(lora_a.dtype),
+             H_PRECISION=f32_operand_precision(lora_a.dtype), N_LOOP=cfg.n_loop,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     ).run_if(run)
 

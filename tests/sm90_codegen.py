@@ -258,6 +258,11 @@ def cases():
                                        launch_grad.grad_x_config(256, 256, 64))
     yield "grad_x_r64", launch_grad.GRAD_X, grad_x
 
+    def grad_x_loop(p=p):   # a program walking 4 column blocks (N_LOOP)
+        launch_grad.launch_lora_grad_x(p["x"].new_zeros(256, 256), dh, p["A"], p["rank"], *p["meta"],
+                                       launch_grad.grad_x_config(256, 256, 64)._replace(block_n=64, n_loop=4))
+    yield "grad_x_r64_n_loop4", launch_grad.GRAD_X, grad_x_loop
+
     def segment_outer(p=p):
         launch_grad.launch_segment_outer(p["x"].new_empty(4, 64, 256), dh[:, 0], p["x"], p["rank"], *p["meta"],
                                          launch_grad.segment_outer_config(64, 256, 4))

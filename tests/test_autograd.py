@@ -404,14 +404,19 @@ def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
     assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]
 
 
-def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels):
-    """Poisoned dx: the rows of adapted tokens are written, the others (zeros in the op) never touched."""
+@pytest.mark.parametrize("n_loop", [1, 2], ids=["one_column_block", "two_column_blocks"])
+def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
+    """Poisoned dx: the rows of adapted tokens are written, the others (zeros in the op) never touched. Also
+    with a program walking two 16-wide column blocks of K = 40 (the last program's second past K)."""
     backend = triton_kernels
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
     M, K, _, L, S, R = case.shape
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.full((M, K), float("nan"), device=case.x.device)
     cfg = launch_grad.grad_x_config(M, K, R)
+    if n_loop > 1:
+        cfg = cfg._replace(block_n=16, n_loop=n_loop)
+        assert launch_grad.cdiv(K, 16) % n_loop
     launch_grad.launch_lora_grad_x(dx, dh, case.lora_a, case.rank, *case.meta, cfg)
     untouched = case.untouched_rows().to(dx.device)
     assert dx[untouched].isnan().all()

@@ -15,9 +15,10 @@ def lora_grad_x_kernel(
     stride_xm, stride_xk,
     stride_rank, stride_ids, stride_starts, stride_counts,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr,
+    SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr, N_LOOP: tl.constexpr = 1,
 ):
-    """dx[t, n-block] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot.
+    """dx[t, n-blocks] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot, for
+    N_LOOP column blocks in turn.
 
     Pointers: dh [M, S, R] float32 (gradient of the shrink output, scale already in it); A [L, S, R, K]
     (fp16/bf16/fp32); dx [M, K] (A's dtype), written (not added) at the tile's valid tokens only, so rows
@@ -27,7 +28,9 @@ def lora_grad_x_kernel(
     Strides: every dimension of dh, A and dx, and of the 1-D rank, sorted_ids, slot_starts and slot_counts
     (stride_rank .. stride_counts), in elements.
     NUM_SLICES: S; the slices are summed in the fp32 accumulator, so dx is rounded once.
-    Grid: (cdiv(K, BLOCK_N), token-tile bound); the rank loop stops at the slot's own rank.
+    Grid: (cdiv(cdiv(K, BLOCK_N), N_LOOP), token-tile bound); the rank loop stops at the slot's own rank.
+    N_LOOP: column blocks a program walks after finding its tile (its slot, tokens and rank found once: with
+    one slice and one rank block, a program of one column block is one dot between that search and its store).
     H_PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
     dh's rank columns load in vectors).
     """
@@ -40,31 +43,32 @@ def lora_grad_x_kernel(
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < K
     offs_r = tl.arange(0, BLOCK_R)
     dh_rows = dh_ptr + tok[:, None] * stride_hm
-
     rank_in = rank_ceil(rank, RANK_ALIGN)
-    # Transposed, dx^T = A^T dh^T, so the float32 dh (split in registers) is the MMA's right operand, staged
-    # in shared memory: on the left a pipelined wgmma reads it from registers, which raced in the expand's
-    # rank loop (kernels.work.dot_t).
-    a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_n[:, None].to(tl.int64) * stride_ak
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for i in tl.static_range(NUM_SLICES):
-        for r0 in range(0, rank, BLOCK_R):
-            rs = r0 + offs_r
-            r_ok = rs < rank
-            ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr,
-                         mask=valid[:, None] & (rs < rank_in)[None, :], other=0.0)
-            ht = tl.where(r_ok[None, :], ht, 0.0)
-            a_t = tl.load(a_rows + i * stride_as + rs[None, :].to(tl.int64) * stride_ar,
-                          mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            acc_t = dot_t(a_t, tl.trans(ht), acc_t, H_PRECISION)
-    acc = tl.trans(acc_t)
-
-    dx_ptrs = dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk
-    tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    for nb in range(N_LOOP):
+        n0 = (pid_n * N_LOOP + nb) * BLOCK_N
+        if n0 < K:   # (the last program's blocks may run past K)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < K
+            # Transposed, dx^T = A^T dh^T, so the float32 dh (split in registers) is the MMA's right operand,
+            # staged in shared memory: on the left a pipelined wgmma reads it from registers, which raced in the
+            # expand's rank loop (kernels.work.dot_t).
+            a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_n[:, None].to(tl.int64) * stride_ak
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(NUM_SLICES):
+                for r0 in range(0, rank, BLOCK_R):
+                    rs = r0 + offs_r
+                    r_ok = rs < rank
+                    ht = tl.load(dh_rows + i * stride_hs + rs[None, :] * stride_hr,
+                                 mask=valid[:, None] & (rs < rank_in)[None, :], other=0.0)
+                    ht = tl.where(r_ok[None, :], ht, 0.0)
+                    a_t = tl.load(a_rows + i * stride_as + rs[None, :].to(tl.int64) * stride_ar,
+                                  mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                    acc_t = dot_t(a_t, tl.trans(ht), acc_t, H_PRECISION)
+            acc = tl.trans(acc_t)
+            dx_ptrs = dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk
+            tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
