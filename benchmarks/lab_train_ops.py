@@ -9,7 +9,8 @@ forward (CUDA-graph replays in turn, cold L2; Timer.measure_paired), beside its 
 
 Then, with SWEEP=1, each backward op again on candidate configs (the config function patched, plans cleared),
 every candidate checked against the ops' torch kernels (lora_ops.cpu / cpu_grad, float32 products) before it
-is timed; the best candidate's time over the heuristic's.
+is timed (alone, input sets rotated: cold L2; before 2026-12-06's second run one set, warm); the best
+candidate's time over the heuristic's.
 
     python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
@@ -143,7 +144,7 @@ def candidates(name, p):
         out = [t._replace(n_loop=k) for t in tiles[:3] for k in N_LOOPS] if GRAD_X_LOOPS else tiles
     else:
         P, Q, slots = (p.R, p.K, p.L * p.S) if name == "grad_a" else (p.R, p.N, p.L)
-        base = launch_grad.segment_outer_config(P, Q, slots)
+        base = launch_grad.segment_outer_config(P, Q, slots)   # (its rank block; the candidates set the rest)
         out = [base._replace(block_t=t, block_q=q, num_warps=w, num_stages=st) for t, q, w, st in SEGMENT]
     return out if not TINY else out[:2]
 
@@ -153,7 +154,9 @@ def rel_err(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def profile(timer, p):
+def step_sets(p):
+    """(steps, make): the problem's input sets as Steps, made on demand; make(name)(k) is op ``name``'s call on
+    set k (Timer rotates sets across a graph's calls, so each replay reads from a cold L2)."""
     steps = {}
 
     def make(name):
@@ -162,14 +165,20 @@ def profile(timer, p):
                 steps[k] = Step(p, k)
             return steps[k].calls[name]
         return make_call
+    return steps, make
+
+
+def profile(timer, p):
+    steps, make = step_sets(p)
     names = ("base", "base_dx", *OPS)
     set_bytes = p.set_bytes() * 2
     times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes))
-    return times, steps
+    return times, steps, make
 
 
-def sweep(timer, p, step0, name, heuristic_us):
-    """[(config, µs, error)] of the candidates of op ``name`` that pass, timed one by one."""
+def sweep(timer, p, step0, make, name):
+    """[(config, µs, error)] of the candidates of op ``name``, each checked on set 0, then timed (sets rotated)
+    if it passes."""
     tol = 1e-2 if name in ("grad_x", "grad_a", "grad_b") else 1e-4
     want = step0.reference(name)
     rows = []
@@ -183,7 +192,7 @@ def sweep(timer, p, step0, name, heuristic_us):
                 if not err <= tol:
                     rows.append((cfg, None, err))
                     continue
-                us, _, _ = timer.measure(lambda k: step0.calls[name], p.set_bytes(), eager=False)
+                us, _, _ = timer.measure(make(name), p.set_bytes() * 2, eager=False)
         except Exception as e:   # a config past the GPU's shared memory: noted, not fatal
             timer.sync_quietly()
             rows.append((cfg, None, f"{type(e).__name__}: {str(e)[:80]}"))
@@ -205,7 +214,7 @@ def main():
                     print("budget spent")
                     break
                 p = problems.Problem.for_case(shapes.Case(layer, shapes.uniform(rank), M), DTYPE, DEV)
-                times, steps = profile(timer, p)
+                times, steps, make = profile(timer, p)
                 fl = floors(p)
                 lora = sum(times[o] for o in OPS)
                 base = times["base"] + times["base_dx"]
@@ -218,8 +227,8 @@ def main():
                 if SWEEP:
                     row["sweep"] = {}
                     for name in SWEPT:
-                        heur_us, _, _ = timer.measure(lambda k: steps[0].calls[name], p.set_bytes(), eager=False)
-                        res = sweep(timer, p, steps[0], name, heur_us)
+                        heur_us, _, _ = timer.measure(make(name), p.set_bytes() * 2, eager=False)
+                        res = sweep(timer, p, steps[0], make, name)
                         ok = [r for r in res if r[1] is not None]
                         best = min(ok, key=lambda r: r[1]) if ok else None
                         row["sweep"][name] = dict(heuristic_us=heur_us,

@@ -36,15 +36,35 @@ class SegmentOuterConfig(NamedTuple):
     num_stages: int
 
 
+# From the 1024-token bucket (257 tokens on) a program of lora_grad_x walks up to 8 column blocks (the widest power of two leaving at
+# least this many programs): with one slice and one rank block a program of one block is a single dot between
+# its tile search and its store (Llama down r64 at 4096 tokens: 7616 such programs, 4.6x the bytes floor;
+# session 40, docs/DESIGN.md §4 "The backward's configs").
+GRAD_X_LOOP_MIN_BUCKET = 1024
+GRAD_X_MIN_PROGRAMS = 1024
+GRAD_X_MAX_N_LOOP = 8
+
+
+def grad_x_n_loop(bucket, column_blocks, block_m):
+    if bucket < GRAD_X_LOOP_MIN_BUCKET:
+        return 1
+    n_loop = GRAD_X_MAX_N_LOOP
+    while n_loop > 1 and cdiv(column_blocks, n_loop) * cdiv(bucket, block_m) < GRAD_X_MIN_PROGRAMS:
+        n_loop //= 2
+    return n_loop
+
+
 def grad_x_config(num_tokens, in_features, max_rank, float32_gpu=False):
     """``float32_gpu``: float32 on a GPU, whose IEEE dots spill in these tiles (heuristics.float32_tiles):
     32-wide rank steps and column blocks, 8 warps."""
-    block_m = block_m_for(token_bucket(num_tokens))
+    bucket = token_bucket(num_tokens)
+    block_m = block_m_for(bucket)
     block_n = feature_block(in_features)
     if float32_gpu:
         return GradXConfig(block_m, min(block_n, 32), min(rank_block(max_rank), 32), num_warps=F32_WARPS,
                            num_stages=2)
-    return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2)
+    return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2,
+                       n_loop=grad_x_n_loop(bucket, cdiv(in_features, block_n), block_m))
 
 
 def takes_float32_tiles(t):
@@ -58,9 +78,9 @@ def takes_float32_tiles(t):
 WIDE_Q = 8192
 
 
-# From 1024 tokens a small grid of them (each program walks a whole slot's tokens) takes 128-token steps on 8
-# warps, 3 stages: up to this many programs of 128 columns, and up to twice as many with 16-wide rank blocks
-# (below 1024 tokens, not measured, the narrowed blocks as before). On an H100
+# From the 1024-token bucket (257 tokens on) a small grid of them (each program walks a whole slot's tokens)
+# takes 128-token steps on 8 warps, 3 stages: up to this many programs of 128 columns, and up to twice as many
+# with 16-wide rank blocks (smaller buckets, not measured: the narrowed blocks as before). On an H100
 # (2026-12-06, benchmarks/results/lab-train-ops-h100-2026-12-06-session40.md; Llama-3-8B and Phi-4-mini, ranks
 # 16 and 64, 1024 and 4096 tokens) that took dA and dB to 0.71-0.99 of the time of the narrowed Q blocks on
 # the rows it picks (o and down's dB, o's dA, rank 16's gate_up dA), at worst 1.04; on larger grids it lost
@@ -72,9 +92,10 @@ DEEP_STEP_MIN_BUCKET = 1024
 
 def segment_outer_config(p, q, num_slots, float32_gpu=False, num_tokens=0):
     """Narrow the Q blocks while the grid holds fewer than half of TARGET_PROGRAMS programs: each program
-    reduces a whole slot's tokens; where the grid of 128-column blocks is small (DEEP_STEP_MAX_PROGRAMS),
-    deeper token steps instead. ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q
-    blocks at most, 32-token steps, 8 warps)."""
+    reduces a whole slot's tokens. From the 1024-token bucket of ``num_tokens``, where the grid of 128-column
+    blocks is small (DEEP_STEP_MAX_PROGRAMS), deeper token steps instead (not for float32 on a GPU).
+    ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q blocks at most, 32-token steps, 8
+    warps)."""
     block_p = min(rank_block(p), 16) if float32_gpu else rank_block(p)
     block_q = min(feature_block(q), 64) if float32_gpu else feature_block(q)
     wide_programs = cdiv(q, block_q) * cdiv(p, block_p) * num_slots

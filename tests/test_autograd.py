@@ -425,6 +425,21 @@ def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
     assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
 
 
+def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels):
+    """From 1024 tokens the heuristic gives a program several column blocks (launch_grad.grad_x_n_loop); the op
+    still matches float64 token by token, rows of tokens without an adapter zero."""
+    backend = triton_kernels
+    case = make_case(M=1100, K=4096, N=32, num_slots=4, num_slices=1, max_rank=16, ranks=[16, 3, 0, 9],
+                     dtype=torch.float32, device=backend.device, seed=31)
+    M, K, _, L, S, R = case.shape
+    assert launch_grad.grad_x_config(M, K, R).n_loop == 2
+    dh = signed((M, S, R), case, torch.float32)
+    dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
+    untouched = case.untouched_rows().to(dx.device)
+    assert (dx[untouched] == 0).all()
+    assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
+
+
 def segment_outer_reference(u, v, case):
     """float64 [L, P, Q], token by token."""
     L = case.rank.shape[0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from lora_ops import configs, launch
+from lora_ops import configs, launch, launch_grad
 from lora_ops.configs import heuristics, tuning
 
 
@@ -78,6 +78,21 @@ def test_shrink_op_splits_keep_enough_k_steps(bucket, in_features, slices, rank,
     assert paired.split_k >= alone.split_k
     # Below 1024 tokens the program target alone decides, as before.
     assert heuristics.shrink_config(256, in_features, slices, rank, 4).split_k > 1
+
+
+@pytest.mark.parametrize("tokens, in_features, n_loop", [
+    (256, 14336, 1), (1024, 14336, 1), (4096, 3072, 1), (4096, 4096, 2), (4096, 14336, 4), (8192, 14336, 8)],
+    ids=lambda v: str(v))
+def test_grad_x_walks_column_blocks_from_1024_tokens(tokens, in_features, n_loop):
+    """lora_grad_x's programs walk the widest power of two of column blocks (at most 8) that leaves
+    GRAD_X_MIN_PROGRAMS programs, from 1024 tokens; float32 on a GPU keeps its own tiles, one block each."""
+    cfg = launch_grad.grad_x_config(tokens, in_features, 64)
+    assert cfg.n_loop == n_loop
+    tiles = heuristics.cdiv(heuristics.token_bucket(tokens), cfg.block_m)
+    if n_loop > 1:
+        assert heuristics.cdiv(heuristics.cdiv(in_features, cfg.block_n), n_loop) * tiles >= \
+            launch_grad.GRAD_X_MIN_PROGRAMS
+    assert launch_grad.grad_x_config(tokens, in_features, 64, float32_gpu=True).n_loop == 1
 
 
 @pytest.mark.parametrize("bucket, rank, out_features, loops", [

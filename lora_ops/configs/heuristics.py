@@ -152,12 +152,13 @@ MAX_EXPAND_PARTS = 8
 
 
 # The shrink op alone (out_features None: the backward's h, and its dh through lora_grad_h) sums its own splits
-# through arrival counters, and no table serves it. From 1024 tokens a split there keeps at least this many
-# K steps, on 8 warps: on an H100 (2026-12-06, benchmarks/results/lab-train-ops-h100-2026-12-06-session40.md;
-# Llama-3-8B and Phi-4-mini layers, ranks 16 and 64, 1024 and 4096 tokens) the 6-12 splits the program target
-# gives at 1024 tokens ran 1.2-2.2x the time of 2-4 (a split of 2-5 steps barely fills its pipeline), and
-# this rule took the shrink op to 0.80 of its time (geomean of 32 rows, worst 1.00) and lora_grad_h to 0.86
-# (worst 1.01). Below 1024 tokens (not measured) the program target alone decides.
+# through arrival counters, and no table serves it. From the 1024-token bucket (257 tokens on) a split there
+# keeps at least this many K steps (of the widest slice, for lora_grad_h), on 8 warps: on an H100 (2026-12-06,
+# benchmarks/results/lab-train-ops-h100-2026-12-06-session40.md; Llama-3-8B and Phi-4-mini layers, ranks 16
+# and 64, 1024 and 4096 tokens) the 6-12 splits the program target gives at 1024 tokens ran 1.2-2.2x the time
+# of 2-4 (a split of 2-5 steps barely fills its pipeline); this rule's configs took the shrink op to 0.80 of the
+# heuristic's time (geomean of the 30 rows where the sweep ran them, worst 1.00) and lora_grad_h to 0.87 (worst
+# 1.01). Smaller buckets (not measured) keep the program target alone.
 SELF_SUM_MIN_BUCKET = 1024
 SELF_SUM_MIN_K_STEPS = 16
 
