@@ -53,6 +53,7 @@ GRAD_X = ((64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (
 # of them, the six tiles alone).
 N_LOOPS = (1, 2, 4, 8)
 GRAD_X_LOOPS = os.environ.get("GRAD_X_LOOPS", "1") == "1"
+GRAD_X_LOOP_TILES = int(os.environ.get("GRAD_X_LOOP_TILES", "3"))   # how many of GRAD_X's tiles take N_LOOPS
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -141,7 +142,7 @@ def candidates(name, p):
     if name == "grad_x":
         base = launch_grad.grad_x_config(p.M, p.K, p.R)
         tiles = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in GRAD_X]
-        out = [t._replace(n_loop=k) for t in tiles[:3] for k in N_LOOPS] if GRAD_X_LOOPS else tiles
+        out = [t._replace(n_loop=k) for t in tiles[:GRAD_X_LOOP_TILES] for k in N_LOOPS] if GRAD_X_LOOPS else tiles
     else:
         P, Q, slots = (p.R, p.K, p.L * p.S) if name == "grad_a" else (p.R, p.N, p.L)
         base = launch_grad.segment_outer_config(P, Q, slots)   # (its rank block; the candidates set the rest)

@@ -46,9 +46,9 @@ def lora_grad_x_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     dh_rows = dh_ptr + tok[:, None] * stride_hm
     rank_in = rank_ceil(rank, RANK_ALIGN)
-    for nb in range(N_LOOP):
+    for nb in tl.static_range(N_LOOP):   # (unrolled: with N_LOOP 1 the code of one block a program)
         n0 = (pid_n * N_LOOP + nb) * BLOCK_N
-        if n0 < K:   # (the last program's blocks may run past K)
+        if nb == 0 or n0 < K:   # (a block past the first may lie past K; the first never does)
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < K
             # Transposed, dx^T = A^T dh^T, so the float32 dh (split in registers) is the MMA's right operand,
