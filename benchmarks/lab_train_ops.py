@@ -222,8 +222,8 @@ def main():
                 worst = max(OPS, key=lambda o: times[o] / fl[o][0])
                 row = dict(model=layer.model, layer=layer.name, rank=rank, M=M, us=times,
                            floor_us={k: v[0] for k, v in fl.items()}, lora_over_base=lora / base)
-                print(f"| {layer.model[:5]} {layer.name} | {rank} | {M} | {times['base']:.1f} | {times['base_dx']:.1f} | "
-                      + " | ".join(f"{times[o]:.1f}" for o in OPS)
+                print(f"| {layer.model[:5]} {layer.name} | {rank} | {M} | {times['base']:.1f} | "
+                      + f"{times['base_dx']:.1f} | " + " | ".join(f"{times[o]:.1f}" for o in OPS)
                       + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |", flush=True)
                 if SWEEP:
                     row["sweep"] = {}

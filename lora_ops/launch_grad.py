@@ -74,6 +74,11 @@ def takes_float32_tiles(t):
     return t.dtype is torch.float32 and t.is_cuda
 
 
+def float16_on_gpu(t):
+    """Whether ``t`` is float16 on a GPU (segment_outer_config's ``float16_gpu``)."""
+    return t.dtype is torch.float16 and t.is_cuda
+
+
 # H200, 4 slots, rank 64, 4096 tokens (2026-12-02): dA (Q = 4096) took 28 µs with 128-wide Q blocks (128
 # programs) against 39 µs narrowed to 64 (256 programs); dB of a gate_up slice (Q = 14336) 69 µs with
 # 32-token steps and 3 stages against 84 µs with 64 and 2.
@@ -92,16 +97,18 @@ DEEP_STEP = dict(block_t=128, num_warps=8, num_stages=3)
 DEEP_STEP_MIN_BUCKET = 1024
 
 
-def segment_outer_config(p, q, num_slots, float32_gpu=False, num_tokens=0):
+def segment_outer_config(p, q, num_slots, float32_gpu=False, num_tokens=0, float16_gpu=False):
     """Narrow the Q blocks while the grid holds fewer than half of TARGET_PROGRAMS programs: each program
     reduces a whole slot's tokens. From the 1024-token bucket of ``num_tokens``, where the grid of 128-column
-    blocks is small (DEEP_STEP_MAX_PROGRAMS), deeper token steps instead (not for float32 on a GPU).
+    blocks is small (DEEP_STEP_MAX_PROGRAMS), deeper token steps instead, but not for float32 or float16 on a
+    GPU (``float16_gpu``: there the deep steps compile to a pipelined wgmma reading its widened float16 operand
+    from registers, the pattern that raced in session 20, docs/DESIGN.md §4; bf16's reads shared memory).
     ``float32_gpu``: as grad_x_config's (16-wide rank blocks, 64-wide Q blocks at most, 32-token steps, 8
     warps)."""
     block_p = min(rank_block(p), 16) if float32_gpu else rank_block(p)
     block_q = min(feature_block(q), 64) if float32_gpu else feature_block(q)
     wide_programs = cdiv(q, block_q) * cdiv(p, block_p) * num_slots
-    if (not float32_gpu and block_q == 128 and token_bucket(num_tokens) >= DEEP_STEP_MIN_BUCKET
+    if (not (float32_gpu or float16_gpu) and block_q == 128 and token_bucket(num_tokens) >= DEEP_STEP_MIN_BUCKET
             and wide_programs <= DEEP_STEP_MAX_PROGRAMS * (2 if block_p == 16 else 1)):
         return SegmentOuterConfig(block_p=block_p, block_q=block_q, **DEEP_STEP)
     while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS // 2:
@@ -228,7 +235,8 @@ def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
         return out_spec.alloc(v.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("segment_outer", out_spec, (u, v), (L,), meta, lambda out: launch_segment_outer(
-        out, u, v, *meta, segment_outer_config(P, Q, L, takes_float32_tiles(v), u.shape[0]), run=False))
+        out, u, v, *meta, segment_outer_config(P, Q, L, takes_float32_tiles(v), u.shape[0], float16_on_gpu(v)),
+        run=False))
 
 
 # The backward of the delta, every packed slice in one launch per op (lora_ops.autograd): one op call and
@@ -283,7 +291,8 @@ def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, checked
         return out_spec.alloc(x.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("lora_grad_a", out_spec, (dh, x), (L,), meta, lambda out: launch_lora_grad_a(
-        out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x), x.shape[0]), run=False))
+        out, dh, x, *meta, segment_outer_config(R, K, L * S, takes_float32_tiles(x), x.shape[0], float16_on_gpu(x)),
+        run=False))
 
 
 def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, checked=True):
@@ -299,4 +308,5 @@ def lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, 
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     return _planned("lora_grad_b", out_spec, (grad_out, h), (widths, L), meta, lambda out: launch_lora_grad_b(
         out, h, grad_out, rank, widths, *meta[1:],
-        segment_outer_config(R, N, L, takes_float32_tiles(grad_out), grad_out.shape[0]), run=False))
+        segment_outer_config(R, N, L, takes_float32_tiles(grad_out), grad_out.shape[0], float16_on_gpu(grad_out)),
+        run=False))

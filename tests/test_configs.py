@@ -95,6 +95,17 @@ def test_grad_x_walks_column_blocks_from_1024_tokens(tokens, in_features, n_loop
     assert launch_grad.grad_x_config(tokens, in_features, 64, float32_gpu=True).n_loop == 1
 
 
+def test_segment_outer_deep_steps_only_where_measured():
+    """dA / dB's 128-token steps: from the 1024-token bucket, on a small grid, never for float16 or float32 on
+    a GPU (float16's would be a pipelined wgmma reading a register operand: sm90 codegen)."""
+    deep = launch_grad.DEEP_STEP["block_t"]
+    assert launch_grad.segment_outer_config(64, 4096, 4, num_tokens=1024).block_t == deep
+    assert launch_grad.segment_outer_config(64, 4096, 4, num_tokens=256).block_t != deep
+    assert launch_grad.segment_outer_config(64, 4096, 4, num_tokens=4096, float16_gpu=True).block_t != deep
+    assert launch_grad.segment_outer_config(64, 4096, 4, True, num_tokens=4096).block_t != deep
+    assert launch_grad.segment_outer_config(64, 28672, 4, num_tokens=4096).block_t != deep   # 896 programs
+
+
 @pytest.mark.parametrize("bucket, rank, out_features, loops", [
     (1, 320, 6144, False), (1, 320, 28672, True), (16, 320, 4096, False), (16, 320, 6144, True),
     (64, 256, 28672, False), (64, 320, 4096, True), (256, 128, 6144, False), (256, 128, 28672, True),
