@@ -115,6 +115,18 @@ def test_grads_match_float64_reference(backend, checked_dtype, case_id):
     run_and_compare(case, signed((M, N), case), checked_dtype)
 
 
+def test_grads_past_1024_tokens_match_float64_reference(triton_kernels):
+    """A backward in the 1024-token bucket and above runs other configs (heuristics.SELF_SUM_MIN_BUCKET: the
+    shrink op's and dh's split cap; launch_grad.DEEP_STEP: dA / dB's token steps; launch_grad.grad_x_n_loop:
+    dx's column blocks): the whole forward + backward against float64, packed slices, mixed ranks."""
+    case = make_case(M=1100, K=4096, N=192, num_slots=4, num_slices=2, max_rank=16, ranks=[16, 5, 0, 11],
+                     dtype=torch.float32, device=triton_kernels.device, seed=37)
+    M, K, N, L, S, R = case.shape
+    assert launch_grad.grad_x_config(M, K, R).n_loop > 1
+    assert launch_grad.segment_outer_config(R, N, L, num_tokens=M).block_t == launch_grad.DEEP_STEP["block_t"]
+    run_and_compare(case, signed((M, N), case), torch.float32)
+
+
 @pytest.mark.parametrize("needs", [("x",), ("lora_b",), ("lora_a", "lora_b"), ("y", "x", "lora_a")],
                          ids=lambda n: "+".join(n))
 def test_only_requested_grads(backend, needs):
