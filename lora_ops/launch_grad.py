@@ -107,11 +107,13 @@ def segment_outer_config(p, q, num_slots, float32_gpu=False, num_tokens=0, float
     warps)."""
     block_p = min(rank_block(p), 16) if float32_gpu else rank_block(p)
     block_q = min(feature_block(q), 64) if float32_gpu else feature_block(q)
-    wide_programs = cdiv(q, block_q) * cdiv(p, block_p) * num_slots
+
+    def programs(block_q):
+        return cdiv(q, block_q) * cdiv(p, block_p) * num_slots
     if (not (float32_gpu or float16_gpu) and block_q == 128 and token_bucket(num_tokens) >= DEEP_STEP_MIN_BUCKET
-            and wide_programs <= DEEP_STEP_MAX_PROGRAMS * (2 if block_p == 16 else 1)):
+            and programs(block_q) <= DEEP_STEP_MAX_PROGRAMS * (2 if block_p == 16 else 1)):
         return SegmentOuterConfig(block_p=block_p, block_q=block_q, **DEEP_STEP)
-    while block_q > 32 and cdiv(q, block_q) * cdiv(p, block_p) * num_slots < TARGET_PROGRAMS // 2:
+    while block_q > 32 and programs(block_q) < TARGET_PROGRAMS // 2:
         block_q //= 2
     if float32_gpu:
         return SegmentOuterConfig(block_t=32, block_p=block_p, block_q=block_q, num_warps=F32_WARPS, num_stages=2)
