@@ -12,7 +12,8 @@ every candidate checked against the ops' torch kernels (lora_ops.cpu / cpu_grad,
 is timed (alone, input sets rotated: cold L2; before 2026-12-06's second run one set, warm); the best
 candidate's time over the heuristic's.
 
-    python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG)
+    python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG,
+                                                         # GRAD_X_ONE_BLOCK, AB_GRAD_X: session 41's dx study)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
 """
 import contextlib
@@ -54,6 +55,13 @@ GRAD_X = ((64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (
 N_LOOPS = (1, 2, 4, 8)
 GRAD_X_LOOPS = os.environ.get("GRAD_X_LOOPS", "1") == "1"
 GRAD_X_LOOP_TILES = int(os.environ.get("GRAD_X_LOOP_TILES", "3"))   # how many of GRAD_X's tiles take N_LOOPS
+# GRAD_X_ONE_BLOCK=1 (session 41): lora_grad_x's candidates are its ONE_RANK_BLOCK path (dh held) instead, on
+# these (block_n, warps, stages) at each of N_LOOPS, where the stack fits it (launch_grad.one_rank_block_fits).
+GRAD_X_ONE_BLOCK = os.environ.get("GRAD_X_ONE_BLOCK", "0") == "1"
+ONE_BLOCK_TILES = ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 8, 3))
+# AB_GRAD_X=1: the profile also times lora_grad_x as before session 41 (launch_grad.GRAD_X_HOLDS_DH off),
+# paired with the rest, as "grad_x_before".
+AB_GRAD_X = os.environ.get("AB_GRAD_X", "0") == "1"
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -83,6 +91,7 @@ class Step:
             "add_lora_": lambda: ops.add_lora_(self.y, self.x, self.a, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_h": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_x": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
+            "grad_x_before": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
             "grad_a": lambda: ops.lora_grad_a(self.dh, self.x, *meta),
             "shrink": lambda: ops.shrink(self.x, self.a, p.scale, *meta),
             "grad_b": lambda: ops.lora_grad_b(self.g, self.h, p.rank, p.widths, *p.meta),
@@ -139,9 +148,16 @@ def candidates(name, p):
                 out.append(base._replace(block_m=bm, block_k=bk, num_warps=w, num_stages=st, split_k=s,
                                          slice_group=group))
         return out if not TINY else out[:3]
-    if name == "grad_x":
-        base = launch_grad.grad_x_config(p.M, p.K, p.R)
-        tiles = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in GRAD_X]
+    if name == "grad_x" and GRAD_X_ONE_BLOCK:
+        base = launch_grad.grad_x_config(p.M, p.K, p.R, p.S)
+        if not launch_grad.one_rank_block_fits(p.R, base.block_r, p.S):
+            return []
+        out = [base._replace(block_n=n, num_warps=w, num_stages=st, n_loop=k, one_rank_block=True)
+               for n, w, st in ONE_BLOCK_TILES for k in N_LOOPS]
+    elif name == "grad_x":
+        base = launch_grad.grad_x_config(p.M, p.K, p.R, p.S)
+        tiles = [base._replace(block_m=m, block_n=n, num_warps=w, num_stages=st, one_rank_block=False)
+                 for m, n, w, st in GRAD_X]   # (session 40's sweep: the rank-block path)
         out = [t._replace(n_loop=k) for t in tiles[:GRAD_X_LOOP_TILES] for k in N_LOOPS] if GRAD_X_LOOPS else tiles
     else:
         P, Q, slots = (p.R, p.K, p.L * p.S) if name == "grad_a" else (p.R, p.N, p.L)
@@ -169,11 +185,21 @@ def step_sets(p):
     return steps, make
 
 
+@contextlib.contextmanager
+def grad_x_before():
+    """lora_grad_x's heuristic as before session 41 (no ONE_RANK_BLOCK path), plans built afresh."""
+    plan.clear()
+    with mock.patch.object(launch_grad, "GRAD_X_HOLDS_DH", False):
+        yield
+    plan.clear()
+
+
 def profile(timer, p):
     steps, make = step_sets(p)
-    names = ("base", "base_dx", *OPS)
+    names = ("base", "base_dx", *OPS) + (("grad_x_before",) if AB_GRAD_X else ())
     set_bytes = p.set_bytes() * 2
-    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes))
+    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes),
+                                    {"grad_x_before": grad_x_before})
     return times, steps, make
 
 
@@ -224,7 +250,9 @@ def main():
                            floor_us={k: v[0] for k, v in fl.items()}, lora_over_base=lora / base)
                 print(f"| {layer.model[:5]} {layer.name} | {rank} | {M} | {times['base']:.1f} | "
                       + f"{times['base_dx']:.1f} | " + " | ".join(f"{times[o]:.1f}" for o in OPS)
-                      + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |", flush=True)
+                      + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |"
+                      + (f" grad_x before {times['grad_x_before']:.1f} ({times['grad_x'] / times['grad_x_before']:.2f})"
+                         if AB_GRAD_X else ""), flush=True)
                 if SWEEP:
                     row["sweep"] = {}
                     for name in SWEPT:

@@ -26,6 +26,7 @@ class GradXConfig(NamedTuple):
     num_warps: int
     num_stages: int
     n_loop: int = 1        # column blocks one program walks (kernels.grad.lora_grad_x_kernel's N_LOOP)
+    one_rank_block: bool = False   # the tile's dh, all slices, split once and held (the kernel's ONE_RANK_BLOCK)
 
 
 class SegmentOuterConfig(NamedTuple):
@@ -45,6 +46,15 @@ class SegmentOuterConfig(NamedTuple):
 GRAD_X_LOOP_MIN_BUCKET = 1024
 GRAD_X_MIN_PROGRAMS = 1024
 GRAD_X_MAX_N_LOOP = 8
+# From the same bucket, where the whole rank fits one block and every slice's block side by side at most
+# GRAD_X_MAX_HELD_COLUMNS columns, lora_grad_x takes its ONE_RANK_BLOCK path (the tile's dh loaded and split
+# once, held in registers for all its column blocks) on the same tiles. H100, session 41 (Llama-3-8B and
+# Phi-4-mini, ranks 16 / 64, 1024 / 4096 tokens, benchmarks/lab_train_ops.py): 0.59-0.96 of the time before,
+# geomean 0.79 over 28 rows. Three slices at rank 64 (4 x 64 columns held) gained nothing at best (0.96-1.05)
+# and 1.6-2x on 8 warps; 8 warps lost on every row (geomean 1.05-1.37 by tile).
+GRAD_X_MAX_HELD_COLUMNS = 128
+# Whether the heuristic takes that path (a switch for the lab's A/B, benchmarks/lab_train_ops.py).
+GRAD_X_HOLDS_DH = True
 
 
 def grad_x_n_loop(bucket, column_blocks, block_m):
@@ -56,17 +66,27 @@ def grad_x_n_loop(bucket, column_blocks, block_m):
     return n_loop
 
 
-def grad_x_config(num_tokens, in_features, max_rank, float32_gpu=False):
+def grad_x_config(num_tokens, in_features, max_rank, num_slices, float32_gpu=False, float16_gpu=False):
     """``float32_gpu``: float32 on a GPU, whose IEEE dots spill in these tiles (heuristics.float32_tiles):
-    32-wide rank steps and column blocks, 8 warps."""
+    32-wide rank steps and column blocks, 8 warps. From the 1024-token bucket, where the whole rank fits one
+    block and the slices' blocks side by side fit :data:`GRAD_X_MAX_HELD_COLUMNS`, the same tile on the
+    ONE_RANK_BLOCK path (not for float16 on a GPU: its TF32 products there were checked, not timed)."""
     bucket = token_bucket(num_tokens)
     block_m = block_m_for(bucket)
     block_n = feature_block(in_features)
+    block_r = rank_block(max_rank)
     if float32_gpu:
-        return GradXConfig(block_m, min(block_n, 32), min(rank_block(max_rank), 32), num_warps=F32_WARPS,
-                           num_stages=2)
-    return GradXConfig(block_m, block_n, rank_block(max_rank), num_warps=4, num_stages=2,
-                       n_loop=grad_x_n_loop(bucket, cdiv(in_features, block_n), block_m))
+        return GradXConfig(block_m, min(block_n, 32), min(block_r, 32), num_warps=F32_WARPS, num_stages=2)
+    holds_dh = (GRAD_X_HOLDS_DH and not float16_gpu and bucket >= GRAD_X_LOOP_MIN_BUCKET
+                and one_rank_block_fits(max_rank, block_r, num_slices))
+    return GradXConfig(block_m, block_n, block_r, num_warps=4, num_stages=2,
+                       n_loop=grad_x_n_loop(bucket, cdiv(in_features, block_n), block_m), one_rank_block=holds_dh)
+
+
+def one_rank_block_fits(max_rank, block_r, num_slices):
+    """Whether lora_grad_x's ONE_RANK_BLOCK path takes this stack: the whole rank in one block, and every
+    slice's block side by side at most :data:`GRAD_X_MAX_HELD_COLUMNS` wide (dh's terms stay in registers)."""
+    return max_rank <= block_r and next_power_of_2(num_slices) * block_r <= GRAD_X_MAX_HELD_COLUMNS
 
 
 def takes_float32_tiles(t):
@@ -127,6 +147,9 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     Returns the :class:`lora_ops.launch.Launch`, run unless ``run`` is False."""
     M, K = dx.shape
     L, S, R, _ = lora_a.shape
+    if cfg.one_rank_block and not one_rank_block_fits(R, cfg.block_r, S):
+        raise ValueError(f"lora_grad_x: a one-rank-block config needs the rank ({R}) within block_r "
+                         f"({cfg.block_r}) and {S} slices of it within {GRAD_X_MAX_HELD_COLUMNS} columns")
     grid = (cdiv(cdiv(K, cfg.block_n), cfg.n_loop), max_token_tiles(M, L, cfg.block_m))
     return Launch(
         GRAD_X, grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
@@ -135,6 +158,7 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
         dict(NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
              SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R),
              H_PRECISION=f32_operand_precision(lora_a.dtype), N_LOOP=cfg.n_loop,
+             ONE_RANK_BLOCK=cfg.one_rank_block, SLICES_POW2=next_power_of_2(S),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     ).run_if(run)
 
@@ -224,8 +248,10 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, ch
     if not (M and K):
         return dx_spec.alloc(dh.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
+    _, S, R, _ = lora_a.shape
     return _planned("lora_grad_x", dx_spec, (dh, lora_a), (), meta, lambda dx: launch_lora_grad_x(
-        dx, dh, lora_a, *meta, grad_x_config(M, K, lora_a.shape[2], takes_float32_tiles(lora_a)), run=False))
+        dx, dh, lora_a, *meta, grad_x_config(M, K, R, S, takes_float32_tiles(lora_a), float16_on_gpu(lora_a)),
+        run=False))
 
 
 def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):

@@ -122,7 +122,7 @@ def test_grads_past_1024_tokens_match_float64_reference(triton_kernels):
     case = make_case(M=1100, K=4096, N=192, num_slots=4, num_slices=2, max_rank=16, ranks=[16, 5, 0, 11],
                      dtype=torch.float32, device=triton_kernels.device, seed=37)
     M, K, N, L, S, R = case.shape
-    assert launch_grad.grad_x_config(M, K, R).n_loop > 1
+    assert launch_grad.grad_x_config(M, K, R, S).n_loop > 1
     assert launch_grad.segment_outer_config(R, N, L, num_tokens=M).block_t == launch_grad.DEEP_STEP["block_t"]
     run_and_compare(case, signed((M, N), case), torch.float32)
 
@@ -425,7 +425,7 @@ def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
     M, K, _, L, S, R = case.shape
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.full((M, K), float("nan"), device=case.x.device)
-    cfg = launch_grad.grad_x_config(M, K, R)
+    cfg = launch_grad.grad_x_config(M, K, R, S)
     if n_loop > 1:
         cfg = cfg._replace(block_n=16, n_loop=n_loop)
         assert launch_grad.cdiv(K, 16) % n_loop
@@ -437,6 +437,40 @@ def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
     assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("case_id,n_loop", [("one_slice", 1), ("qkv_3_slices", 2), ("gate_up_mixed_ranks", 3)],
+                         ids=["one_slice", "three_slices_two_blocks", "two_slices_rank_20_three_blocks"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_lora_grad_x_one_rank_block_holds_dh(triton_kernels, bf16_interpreter, dtype, case_id, n_loop):
+    """lora_grad_x's ONE_RANK_BLOCK path (dh of every slice loaded and split once, one dot a column block over
+    the slices side by side; three slices take four slices' columns): poisoned dx, rows of adapted tokens
+    written and the others never touched; A past each slot's rank NaN (never multiplied); programs walking
+    16-wide column blocks, the last past K; against float64 token by token."""
+    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=triton_kernels.device, seed=41)
+    M, K, _, L, S, R = case.shape
+    lora_a = case.lora_a.clone()
+    for slot, r in enumerate(case.rank.tolist()):
+        lora_a[slot, :, r:] = float("nan")
+    dh = signed((M, S, R), case, torch.float32)
+    dx = torch.full((M, K), float("nan"), device=case.x.device, dtype=dtype)
+    cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_n=16, n_loop=n_loop, one_rank_block=True)
+    assert launch_grad.one_rank_block_fits(R, cfg.block_r, S)
+    launch_grad.launch_lora_grad_x(dx, dh, lora_a, case.rank, *case.meta, cfg)
+    untouched = case.untouched_rows().to(dx.device)
+    assert dx[untouched].isnan().all()
+    assert not dx[~untouched].isnan().any()
+    want = grad_x_reference(dh, case)
+    assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[dtype]
+
+
+def test_lora_grad_x_one_rank_block_refuses_a_rank_past_its_block():
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, seed=3)
+    M, K, _, L, S, R = case.shape
+    cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_r=16, one_rank_block=True)
+    with pytest.raises(ValueError, match="rank \\(20\\) within block_r \\(16\\)"):
+        launch_grad.launch_lora_grad_x(torch.zeros(M, K), signed((M, S, R), case, torch.float32), case.lora_a,
+                                       case.rank, *case.meta, cfg, run=False)
+
+
 def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels):
     """From 1024 tokens the heuristic gives a program several column blocks (launch_grad.grad_x_n_loop); the op
     still matches float64 token by token, rows of tokens without an adapter zero."""
@@ -444,7 +478,7 @@ def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels):
     case = make_case(M=1100, K=4096, N=32, num_slots=4, num_slices=1, max_rank=16, ranks=[16, 3, 0, 9],
                      dtype=torch.float32, device=backend.device, seed=31)
     M, K, _, L, S, R = case.shape
-    assert launch_grad.grad_x_config(M, K, R).n_loop == 2
+    assert launch_grad.grad_x_config(M, K, R, S).n_loop == 2
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
     untouched = case.untouched_rows().to(dx.device)

@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -86,13 +87,29 @@ def test_shrink_op_splits_keep_enough_k_steps(bucket, in_features, slices, rank,
 def test_grad_x_walks_column_blocks_from_1024_tokens(tokens, in_features, n_loop):
     """lora_grad_x's programs walk the widest power of two of column blocks (at most 8) that leaves
     GRAD_X_MIN_PROGRAMS programs, from 1024 tokens; float32 on a GPU keeps its own tiles, one block each."""
-    cfg = launch_grad.grad_x_config(tokens, in_features, 64)
+    cfg = launch_grad.grad_x_config(tokens, in_features, 64, 1)
     assert cfg.n_loop == n_loop
     tiles = heuristics.cdiv(heuristics.token_bucket(tokens), cfg.block_m)
     if n_loop > 1:
         assert heuristics.cdiv(heuristics.cdiv(in_features, cfg.block_n), n_loop) * tiles >= \
             launch_grad.GRAD_X_MIN_PROGRAMS
-    assert launch_grad.grad_x_config(tokens, in_features, 64, float32_gpu=True).n_loop == 1
+    assert launch_grad.grad_x_config(tokens, in_features, 64, 1, float32_gpu=True).n_loop == 1
+
+
+@pytest.mark.parametrize("tokens, rank, slices, holds", [
+    (1024, 16, 3, True), (4096, 64, 2, True), (4096, 64, 1, True), (300, 64, 1, True), (256, 16, 1, False),
+    (4096, 64, 3, False), (4096, 128, 1, False), (4096, 20, 2, True), (4096, 16, 5, True), (4096, 32, 5, False)],
+    ids=lambda v: str(v))
+def test_grad_x_holds_dh_where_measured(tokens, rank, slices, holds):
+    """lora_grad_x's ONE_RANK_BLOCK path: from the 1024-token bucket (257 tokens on), the whole rank in one
+    block and the slices' blocks side by side within GRAD_X_MAX_HELD_COLUMNS (three slices at rank 64 gained
+    nothing); never float32's or float16's on a GPU. The tile is the one the rank-block path would take."""
+    cfg = launch_grad.grad_x_config(tokens, 4096, rank, slices)
+    assert cfg.one_rank_block == holds
+    assert cfg._replace(one_rank_block=False) == launch_grad.grad_x_config(tokens, 4096, rank, slices, float16_gpu=True)
+    assert not launch_grad.grad_x_config(tokens, 4096, rank, slices, float32_gpu=True).one_rank_block
+    with mock.patch.object(launch_grad, "GRAD_X_HOLDS_DH", False):
+        assert not launch_grad.grad_x_config(tokens, 4096, rank, slices).one_rank_block
 
 
 def test_segment_outer_deep_steps_only_where_measured():

@@ -3,7 +3,8 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import dot_t, find_slice_block, find_slot_tile, load_tile_tokens, rank_ceil
+from lora_ops.kernels.work import (dot_split, dot_t, find_slice_block, find_slot_tile, load_tile_tokens, rank_ceil,
+                                   split_f32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -16,6 +17,7 @@ def lora_grad_x_kernel(
     stride_rank, stride_ids, stride_starts, stride_counts,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr, N_LOOP: tl.constexpr = 1,
+    ONE_RANK_BLOCK: tl.constexpr = False, SLICES_POW2: tl.constexpr = 1,
 ):
     """dx[t, n-blocks] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot, for
     N_LOOP column blocks in turn.
@@ -33,6 +35,13 @@ def lora_grad_x_kernel(
     one slice and one rank block, a program of one column block is one dot between that search and its store).
     H_PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
     dh's rank columns load in vectors).
+    ONE_RANK_BLOCK (R <= BLOCK_R; SLICES_POW2: S rounded up to a power of two): the tile's dh, every slice
+    side by side as [BLOCK_M, SLICES_POW2 * BLOCK_R], is loaded and split into its bf16 terms once, before
+    the column blocks, and each block is one dot with that many rows of A (slices past S and ranks past the
+    slot's are zeros). dh then sits in registers as the MMA's left operand, loop-invariant, so no step of
+    the column loop writes registers an MMA in flight still reads (the race kernels.work.dot_t avoids is a
+    loop that splits its operand anew each step). Otherwise each column block reloads and splits dh, slice
+    by slice and rank block by rank block, on the MMA's right (dot_t).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -43,6 +52,11 @@ def lora_grad_x_kernel(
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
+    if ONE_RANK_BLOCK:
+        _grad_x_one_rank_block(dh_ptr, a_ptr, dx_ptr, tok, valid, slot, rank, pid_n, K, stride_hm, stride_hs,
+                               stride_hr, stride_al, stride_as, stride_ar, stride_ak, stride_xm, stride_xk,
+                               NUM_SLICES, SLICES_POW2, BLOCK_M, BLOCK_N, BLOCK_R, RANK_ALIGN, H_PRECISION, N_LOOP)
+        return
     offs_r = tl.arange(0, BLOCK_R)
     dh_rows = dh_ptr + tok[:, None] * stride_hm
     rank_in = rank_ceil(rank, RANK_ALIGN)
@@ -69,6 +83,35 @@ def lora_grad_x_kernel(
             acc = tl.trans(acc_t)
             dx_ptrs = dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk
             tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grad_x_one_rank_block(dh_ptr, a_ptr, dx_ptr, tok, valid, slot, rank, pid_n, K, stride_hm, stride_hs, stride_hr,
+                           stride_al, stride_as, stride_ar, stride_ak, stride_xm, stride_xk,
+                           NUM_SLICES: tl.constexpr, SLICES_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, RANK_ALIGN: tl.constexpr,
+                           H_PRECISION: tl.constexpr, N_LOOP: tl.constexpr):
+    """lora_grad_x_kernel's ONE_RANK_BLOCK path: column j of the tile's dh is slice j // BLOCK_R, rank
+    j % BLOCK_R; the same j indexes A's rows, so one dot sums the slices."""
+    offs_j = tl.arange(0, SLICES_POW2 * BLOCK_R)
+    j_slice = offs_j // BLOCK_R
+    j_rank = offs_j % BLOCK_R
+    j_ok = (j_slice < NUM_SLICES) & (j_rank < rank)
+    j_in = (j_slice < NUM_SLICES) & (j_rank < rank_ceil(rank, RANK_ALIGN))   # vector loads; j_ok zeroes the rest
+    ht = tl.load(dh_ptr + tok[:, None] * stride_hm + j_slice[None, :] * stride_hs + j_rank[None, :] * stride_hr,
+                 mask=valid[:, None] & j_in[None, :], other=0.0)
+    hi, lo = split_f32(tl.where(j_ok[None, :], ht, 0.0), H_PRECISION)
+    a_rows = (a_ptr + slot.to(tl.int64) * stride_al + j_slice[:, None].to(tl.int64) * stride_as
+              + j_rank[:, None].to(tl.int64) * stride_ar)
+    dx_rows = dx_ptr + tok[:, None] * stride_xm
+    for nb in range(N_LOOP):
+        offs_n = (pid_n * N_LOOP + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < K
+        a = tl.load(a_rows + offs_n[None, :].to(tl.int64) * stride_ak, mask=j_in[:, None] & n_ok[None, :], other=0.0)
+        a = tl.where(j_ok[:, None], a, 0.0)   # A past the rank may hold anything, NaN included
+        acc = dot_split(hi, lo, a, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION, False)
+        tl.store(dx_rows + offs_n[None, :].to(tl.int64) * stride_xk, acc.to(dx_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
