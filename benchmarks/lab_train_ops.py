@@ -13,7 +13,7 @@ is timed (alone, input sets rotated: cold L2; before 2026-12-06's second run one
 candidate's time over the heuristic's.
 
     python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG,
-                                                         # GRAD_X_ONE_BLOCK, AB_GRAD_X: session 41's dx study)
+                                                         # GRAD_X_ONE_BLOCK, AB_GRAD_X, AB_GRAD_H: session 41)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
 """
 import contextlib
@@ -62,6 +62,8 @@ ONE_BLOCK_TILES = ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 8, 3))
 # AB_GRAD_X=1: the profile also times lora_grad_x as before session 41 (launch_grad.GRAD_X_HOLDS_DH off),
 # paired with the rest, as "grad_x_before".
 AB_GRAD_X = os.environ.get("AB_GRAD_X", "0") == "1"
+# AB_GRAD_H=1: also lora_grad_h with B^T copied by torch (before session 41's transpose kernel), as "grad_h_before".
+AB_GRAD_H = os.environ.get("AB_GRAD_H", "0") == "1"
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -92,6 +94,7 @@ class Step:
             "grad_h": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_x": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
             "grad_x_before": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
+            "grad_h_before": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_a": lambda: ops.lora_grad_a(self.dh, self.x, *meta),
             "shrink": lambda: ops.shrink(self.x, self.a, p.scale, *meta),
             "grad_b": lambda: ops.lora_grad_b(self.g, self.h, p.rank, p.widths, *p.meta),
@@ -194,12 +197,27 @@ def grad_x_before():
     plan.clear()
 
 
+def _torch_b_t(lora_b, num_slices):
+    L, N, R = lora_b.shape
+    return lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, num_slices, R, N)
+
+
+@contextlib.contextmanager
+def grad_h_before():
+    """lora_grad_h with B^T copied by torch, as before session 41 (launch_grad.b_as_shrink_a), plans afresh."""
+    plan.clear()
+    with mock.patch.object(launch_grad, "b_as_shrink_a", _torch_b_t):
+        yield
+    plan.clear()
+
+
 def profile(timer, p):
     steps, make = step_sets(p)
-    names = ("base", "base_dx", *OPS) + (("grad_x_before",) if AB_GRAD_X else ())
+    names = (("base", "base_dx", *OPS) + (("grad_x_before",) if AB_GRAD_X else ())
+             + (("grad_h_before",) if AB_GRAD_H else ()))
     set_bytes = p.set_bytes() * 2
     times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes),
-                                    {"grad_x_before": grad_x_before})
+                                    {"grad_x_before": grad_x_before, "grad_h_before": grad_h_before})
     return times, steps, make
 
 
@@ -252,7 +270,9 @@ def main():
                       + f"{times['base_dx']:.1f} | " + " | ".join(f"{times[o]:.1f}" for o in OPS)
                       + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |"
                       + (f" grad_x before {times['grad_x_before']:.1f} ({times['grad_x'] / times['grad_x_before']:.2f})"
-                         if AB_GRAD_X else ""), flush=True)
+                         if AB_GRAD_X else "")
+                      + (f" grad_h before {times['grad_h_before']:.1f} ({times['grad_h'] / times['grad_h_before']:.2f})"
+                         if AB_GRAD_H else ""), flush=True)
                 if SWEEP:
                     row["sweep"] = {}
                     for name in SWEPT:

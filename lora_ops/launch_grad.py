@@ -17,6 +17,10 @@ from lora_ops.triton_launch import FastLauncher
 
 GRAD_X = FastLauncher(grad_kernels.lora_grad_x_kernel)
 SEGMENT_OUTER = FastLauncher(grad_kernels.segment_outer_kernel)
+TRANSPOSE = FastLauncher(grad_kernels.transpose_rank_kernel)
+# transpose_rank_kernel's tile: features a program, ranks a step (at most; 16 at least).
+TRANSPOSE_BLOCK_N = 64
+TRANSPOSE_BLOCK_R = 64
 
 
 class GradXConfig(NamedTuple):
@@ -303,9 +307,25 @@ def b_as_shrink_a(lora_b, num_slices):
     slice's programs reading only its own columns of grad_out and of B^T (launch.launch_shrink's slice_k)."""
     # B^T is copied with the features contiguous, as a forward A lies: read in B's own layout (rank
     # contiguous), the shrink took 1.7-4x the time (H200, gate_up r64 at 4096 tokens: 66-179 µs a slice by
-    # config against 40 contiguous; the copy 25 µs).
+    # config against 40 contiguous; the copy 25 µs). The copy is our kernel (transpose_rank_kernel): torch's
+    # of the transposed view took 57 µs there (H100, ncu, session 41), more than the shrink.
     L, N, R = lora_b.shape
-    return lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, num_slices, R, N)
+    b_t = torch.empty((L, R, N), dtype=lora_b.dtype, device=lora_b.device)
+    if b_t.numel():
+        launch_transpose_rank(b_t, lora_b)
+    return b_t.unsqueeze(1).expand(L, num_slices, R, N)
+
+
+def launch_transpose_rank(out, lora_b, run=True):
+    """out [L, R, N] = lora_b [L, N, R] transposed (transpose_rank_kernel). Returns the :class:`Launch`, run unless
+    ``run`` is False."""
+    L, N, R = lora_b.shape
+    return Launch(
+        TRANSPOSE, (cdiv(N, TRANSPOSE_BLOCK_N), L), (lora_b, out), (N, R, *lora_b.stride(), *out.stride()),
+        dict(BLOCK_N=TRANSPOSE_BLOCK_N, BLOCK_R=max(16, min(TRANSPOSE_BLOCK_R, next_power_of_2(R))), num_warps=4,
+             num_stages=2),
+    ).run_if(run, too_large="lora_b: too many slots for one call", axes="axis 1 counts the slots",
+             remedy="use fewer slots")
 
 
 def lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):

@@ -275,6 +275,10 @@ def cases():
                                        cfg._replace(n_loop=4))
     yield "grad_x_one_block_r64_two_slices", launch_grad.GRAD_X, grad_x_one_block
 
+    def transpose_b(p=p):   # lora_grad_h's B^T (launch_grad.b_as_shrink_a)
+        launch_grad.launch_transpose_rank(p["B"].new_empty(4, 64, 768), p["B"])
+    yield "transpose_b_r64", launch_grad.TRANSPOSE, transpose_b
+
     def segment_outer(p=p):
         launch_grad.launch_segment_outer(p["x"].new_empty(4, 64, 256), dh[:, 0], p["x"], p["rank"], *p["meta"],
                                          launch_grad.segment_outer_config(64, 256, 4))

@@ -915,3 +915,24 @@ def test_float32_gpu_tiles_compute_the_same_gradients(triton_kernels, monkeypatc
     M, _, N, *_ = case.shape
     run_and_compare(case, signed((M, N), case), torch.float32)
     assert any(c is not None and c.num_warps == heuristics.F32_WARPS for c in resolved), resolved
+
+
+@pytest.mark.parametrize("N, R, layout", [(200, 20, "contiguous"), (64, 64, "contiguous"), (130, 100, "contiguous"),
+                                          (96, 16, "strided")], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_lora_grad_h_transposes_b_exactly(triton_kernels, dtype, N, R, layout):
+    """lora_grad_h's operand B^T [L, S, R, N] comes from our transpose kernel (torch's copy of the transposed view
+    was slower than the shrink, DESIGN §4): bit for bit B transposed, NaN and infinities included, every slice a
+    view of one copy; features past a 64-wide block and ranks past one 64-wide step; a B with gaps in its strides."""
+    gen = torch.Generator().manual_seed(43)
+    L = 3
+    base = torch.randn(L, 2 * N if layout == "strided" else N, R, generator=gen).to(dtype)
+    lora_b = base[:, ::2] if layout == "strided" else base
+    lora_b[0, 1, R - 1] = float("nan")
+    lora_b[1, N - 1, 0] = float("-inf")
+    lora_b = lora_b.to(triton_kernels.device)
+    a = launch_grad.b_as_shrink_a(lora_b, 3)
+    assert a.shape == (L, 3, R, N) and a.stride(1) == 0
+    want = lora_b.transpose(1, 2)
+    assert torch.equal(a[:, 2].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.contiguous().view(torch.int16 if dtype != torch.float32 else torch.int32))
