@@ -188,27 +188,24 @@ def step_sets(p):
     return steps, make
 
 
-@contextlib.contextmanager
-def grad_x_before():
-    """lora_grad_x's heuristic as before session 41 (no ONE_RANK_BLOCK path), plans built afresh."""
-    plan.clear()
-    with mock.patch.object(launch_grad, "GRAD_X_HOLDS_DH", False):
-        yield
-    plan.clear()
-
-
 def _torch_b_t(lora_b, num_slices):
     L, N, R = lora_b.shape
     return lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, num_slices, R, N)
 
 
 @contextlib.contextmanager
-def grad_h_before():
-    """lora_grad_h with B^T copied by torch, as before session 41 (launch_grad.b_as_shrink_a), plans afresh."""
+def launch_grad_as(attr, value):
+    """launch_grad's ``attr`` as ``value`` inside, plans built afresh inside and after: an op as it was."""
     plan.clear()
-    with mock.patch.object(launch_grad, "b_as_shrink_a", _torch_b_t):
+    with mock.patch.object(launch_grad, attr, value):
         yield
     plan.clear()
+
+
+# The profile's "before" variants (AB_GRAD_X, AB_GRAD_H): lora_grad_x without its ONE_RANK_BLOCK path,
+# lora_grad_h with B^T copied by torch, both as before session 41.
+BEFORE = {"grad_x_before": lambda: launch_grad_as("GRAD_X_HOLDS_DH", False),
+          "grad_h_before": lambda: launch_grad_as("b_as_shrink_a", _torch_b_t)}
 
 
 def profile(timer, p):
@@ -216,8 +213,7 @@ def profile(timer, p):
     names = (("base", "base_dx", *OPS) + (("grad_x_before",) if AB_GRAD_X else ())
              + (("grad_h_before",) if AB_GRAD_H else ()))
     set_bytes = p.set_bytes() * 2
-    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes),
-                                    {"grad_x_before": grad_x_before, "grad_h_before": grad_h_before})
+    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes), BEFORE)
     return times, steps, make
 
 
