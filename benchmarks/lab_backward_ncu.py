@@ -19,6 +19,7 @@ import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
 from lab_env import DEV, DTYPE, TINY  # noqa: E402
+from lora_ops.ops import set_cpu_backend  # noqa: E402
 
 ROWS = [r.split(":") for r in os.environ.get("ROWS", "gate_up:64:1024,down:64:4096,qkv:64:1024").split(",")]
 
@@ -48,6 +49,8 @@ def step_ops(p, k=0):
 
 
 def main():
+    if DEV != "cuda":
+        set_cpu_backend("triton")   # the logic check runs our kernels (interpreted), not the torch ones
     for name, rank, M in ROWS:
         rank, M = int(rank), int(M)
         layer = layer_named(name)

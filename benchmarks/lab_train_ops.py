@@ -30,6 +30,7 @@ import problems  # noqa: E402
 import shapes  # noqa: E402
 from lab_env import DEV, DTYPE, TINY, ints, run_env  # noqa: E402
 from lora_ops import configs, cpu, cpu_grad, launch_grad, plan  # noqa: E402
+from lora_ops.ops import set_cpu_backend  # noqa: E402
 from timing import Timer  # noqa: E402
 
 MODELS = os.environ.get("MODELS", "llama3-8b,phi4-mini").split(",")
@@ -243,6 +244,8 @@ def sweep(timer, p, step0, make, name):
 
 
 def main():
+    if DEV != "cuda":
+        set_cpu_backend("triton")   # the logic check runs our kernels (interpreted), not the torch ones
     timer = Timer(DEV)
     out = dict(run_env(), rows=[], method=timer.method())
     print(f"# {out['gpu']}, torch {out['torch']}, Triton {out['triton']}, {out['dtype']}")

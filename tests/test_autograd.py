@@ -437,15 +437,22 @@ def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
     assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("case_id,n_loop", [("one_slice", 1), ("qkv_3_slices", 2), ("gate_up_mixed_ranks", 3)],
-                         ids=["one_slice", "three_slices_two_blocks", "two_slices_rank_20_three_blocks"])
+ONE_RANK_BLOCK_CASES = {**GRAD_CASES, "three_slices_rank_64": dict(M=23, K=40, N=48, num_slots=2, num_slices=3,
+                                                                    max_rank=64, ranks=[64, 37])}
+
+
+@pytest.mark.parametrize("case_id,n_loop", [("one_slice", 1), ("qkv_3_slices", 2), ("gate_up_mixed_ranks", 3),
+                                            ("three_slices_rank_64", 2)],
+                         ids=["one_slice", "three_slices_two_blocks", "two_slices_rank_20_three_blocks",
+                              "three_slices_rank_64_past_the_heuristics_cap"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_lora_grad_x_one_rank_block_holds_dh(triton_kernels, bf16_interpreter, dtype, case_id, n_loop):
+def test_lora_grad_x_one_rank_block_splits_dh_once(triton_kernels, bf16_interpreter, dtype, case_id, n_loop):
     """lora_grad_x's ONE_RANK_BLOCK path (dh of every slice loaded and split once, one dot a column block over
-    the slices side by side; three slices take four slices' columns): poisoned dx, rows of adapted tokens
-    written and the others never touched; A past each slot's rank NaN (never multiplied); programs walking
-    16-wide column blocks, the last past K; against float64 token by token."""
-    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=triton_kernels.device, seed=41)
+    the slices side by side; three slices take four slices' columns, at rank 64 more than the heuristic gives
+    it): poisoned dx, rows of adapted tokens written and the others never touched; A past each slot's rank NaN
+    (never multiplied); programs walking 16-wide column blocks, the last past K; against float64 token by
+    token."""
+    case = make_case(**ONE_RANK_BLOCK_CASES[case_id], dtype=dtype, device=triton_kernels.device, seed=41)
     M, K, _, L, S, R = case.shape
     lora_a = case.lora_a.clone()
     for slot, r in enumerate(case.rank.tolist()):
@@ -453,7 +460,7 @@ def test_lora_grad_x_one_rank_block_holds_dh(triton_kernels, bf16_interpreter, d
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.full((M, K), float("nan"), device=case.x.device, dtype=dtype)
     cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_n=16, n_loop=n_loop, one_rank_block=True)
-    assert launch_grad.one_rank_block_fits(R, cfg.block_r, S)
+    assert R <= cfg.block_r
     launch_grad.launch_lora_grad_x(dx, dh, lora_a, case.rank, *case.meta, cfg)
     untouched = case.untouched_rows().to(dx.device)
     assert dx[untouched].isnan().all()
@@ -918,18 +925,29 @@ def test_float32_gpu_tiles_compute_the_same_gradients(triton_kernels, monkeypatc
 
 
 @pytest.mark.parametrize("N, R, layout", [(200, 20, "contiguous"), (64, 64, "contiguous"), (130, 100, "contiguous"),
-                                          (96, 16, "strided")], ids=lambda v: str(v))
+                                          (96, 16, "strided"), (70, 24, "rank_strided"), (50, 16, "one_slot_shared")],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_lora_grad_h_transposes_b_exactly(triton_kernels, dtype, N, R, layout):
     """lora_grad_h's operand B^T [L, S, R, N] comes from our transpose kernel (torch's copy of the transposed view
     was slower than the shrink, DESIGN §4): bit for bit B transposed, NaN and infinities included, every slice a
-    view of one copy; features past a 64-wide block and ranks past one 64-wide step; a B with gaps in its strides."""
+    view of one copy; features past a 64-wide block and ranks past one 64-wide step; B with gaps between its
+    features, with its rank not contiguous, and one slot's B shared by all (stride 0)."""
     gen = torch.Generator().manual_seed(43)
     L = 3
-    base = torch.randn(L, 2 * N if layout == "strided" else N, R, generator=gen).to(dtype)
-    lora_b = base[:, ::2] if layout == "strided" else base
-    lora_b[0, 1, R - 1] = float("nan")
-    lora_b[1, N - 1, 0] = float("-inf")
+    values = torch.randn(L, N, R, generator=gen).to(dtype)
+    values[0, 1, R - 1] = float("nan")
+    values[1, N - 1, 0] = float("-inf")
+    if layout == "strided":            # gaps between features
+        lora_b = torch.zeros(L, 2 * N, R, dtype=dtype)
+        lora_b[:, ::2] = values
+        lora_b = lora_b[:, ::2]
+    elif layout == "rank_strided":     # the rank not contiguous: laid out [L, R, N], viewed [L, N, R]
+        lora_b = values.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "one_slot_shared":  # stride 0 between slots
+        lora_b = values[:1].expand(L, N, R)
+    else:
+        lora_b = values
     lora_b = lora_b.to(triton_kernels.device)
     a = launch_grad.b_as_shrink_a(lora_b, 3)
     assert a.shape == (L, 3, R, N) and a.stride(1) == 0

@@ -188,12 +188,15 @@ def test_every_config_check_records_every_kernel_and_path():
 
 
 def test_grad_x_one_rank_block_loads_dh_in_vectors(codegen):
-    """lora_grad_x's ONE_RANK_BLOCK path (two slices' dh held, 2 x 64 columns): dh loads once as 16-byte vectors
-    (its slice and rank come from one index, j // 64 and j % 64), A streams through 16-byte cp.async, no
-    spills; its MMAs read dh's loop-invariant terms from registers (no step of the loop rewrites them)."""
+    """lora_grad_x's ONE_RANK_BLOCK path (two slices' dh, 2 x 64 columns, split once): dh loads once as 16-byte
+    vectors (its slice and rank come from one index, j // 64 and j % 64), A streams through 16-byte cp.async, no
+    spills. Its MMAs take dh's terms as a register operand, reloaded from shared memory each column block: safe
+    only because every MMA is waited for (wait_group 0) before the next block; a pipelined one (wait_group 1)
+    reading registers that the next step rewrites is the pattern that raced (kernels.work.dot_t)."""
     case = codegen["grad_x_one_block_r64_two_slices"]
     assert case["loads"].get("ld.global 16 B", 0) > 0 and case["loads"].get("cp.async 16 B", 0) > 0, case
     assert case["spill_bytes"] == 0 and case["wgmma_a"].get("registers", 0) > 0, case
+    assert case["wgmma_waits"] and set(case["wgmma_waits"]) == {0}, case
 
 
 def test_transpose_b_loads_vectors(codegen):

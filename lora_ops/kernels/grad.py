@@ -36,12 +36,13 @@ def lora_grad_x_kernel(
     H_PRECISION: see kernels.work.split_f32. RANK_ALIGN: a power of two dividing R (kernels.work.rank_ceil:
     dh's rank columns load in vectors).
     ONE_RANK_BLOCK (R <= BLOCK_R; SLICES_POW2: S rounded up to a power of two): the tile's dh, every slice
-    side by side as [BLOCK_M, SLICES_POW2 * BLOCK_R], is loaded and split into its bf16 terms once, before
-    the column blocks, and each block is one dot with that many rows of A (slices past S and ranks past the
-    slot's are zeros). dh then sits in registers as the MMA's left operand, loop-invariant, so no step of
-    the column loop writes registers an MMA in flight still reads (the race kernels.work.dot_t avoids is a
-    loop that splits its operand anew each step). Otherwise each column block reloads and splits dh, slice
-    by slice and rank block by rank block, on the MMA's right (dot_t).
+    side by side as [BLOCK_M, SLICES_POW2 * BLOCK_R], is loaded from memory and split into its bf16 terms
+    once, before the column blocks, and each block is one dot with that many rows of A (slices past S and
+    ranks past the slot's are zeros). On sm_90 (Triton 3.6 and 3.9) the compiler parks the terms in shared
+    memory and reloads them into registers for each block's MMA (a register operand), every MMA waited for
+    (wait_group 0) before the next block: nothing in flight reads registers a later step rewrites, which is
+    what raced (kernels.work.dot_t; tests/test_codegen.py holds the waits). Otherwise each column block
+    reloads and splits dh, slice by slice and rank block by rank block, on the MMA's right (dot_t).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -224,5 +225,5 @@ def transpose_rank_kernel(b_ptr, out_ptr, N, R, stride_bl, stride_bn, stride_br,
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
-        tile = tl.load(src + offs_r[None, :] * stride_br, mask=n_ok[:, None] & r_ok[None, :])
-        tl.store(dst + offs_r[:, None] * stride_or, tl.trans(tile), mask=r_ok[:, None] & n_ok[None, :])
+        tile = tl.load(src + offs_r[None, :].to(tl.int64) * stride_br, mask=n_ok[:, None] & r_ok[None, :])
+        tl.store(dst + offs_r[:, None].to(tl.int64) * stride_or, tl.trans(tile), mask=r_ok[:, None] & n_ok[None, :])
