@@ -30,7 +30,7 @@ class GradXConfig(NamedTuple):
     num_warps: int
     num_stages: int
     n_loop: int = 1        # column blocks one program walks (kernels.grad.lora_grad_x_kernel's N_LOOP)
-    one_rank_block: bool = False   # the tile's dh, all slices, split once and held (the kernel's ONE_RANK_BLOCK)
+    one_rank_block: bool = False   # the tile's dh, all slices, split once for its blocks (kernel's ONE_RANK_BLOCK)
 
 
 class SegmentOuterConfig(NamedTuple):
