@@ -19,6 +19,7 @@ import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
 from lab_env import DEV, DTYPE, TINY  # noqa: E402
+from lab_train_ops import OPS, Step  # noqa: E402  (the step's LoRA ops, as that lab times them)
 from lora_ops.ops import set_cpu_backend  # noqa: E402
 
 ROWS = [r.split(":") for r in os.environ.get("ROWS", "gate_up:64:1024,down:64:4096,qkv:64:1024").split(",")]
@@ -29,25 +30,6 @@ def layer_named(name):
     return shapes.tiny_layer(layer) if TINY else layer
 
 
-def step_ops(p, k=0):
-    """{op name: callable} of one training step's LoRA ops on input set ``k`` of problem ``p``."""
-    i = p.inputs(k)
-    gen = torch.Generator(device=DEV).manual_seed(2000 + k)
-    g = torch.randn(p.M, p.N, device=DEV, dtype=DTYPE, generator=gen)
-    ops = torch.ops.lora_ops
-    meta = (p.rank, *p.meta)
-    h = ops.shrink(i.x, i.lora_a, p.scale, *meta)
-    dh = ops.lora_grad_h(g, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
-    return {
-        "add_lora_": lambda: ops.add_lora_(i.y, i.x, i.lora_a, i.lora_b, p.scale, p.rank, p.widths, *p.meta),
-        "grad_h": lambda: ops.lora_grad_h(g, i.lora_b, p.scale, p.rank, p.widths, *p.meta),
-        "grad_x": lambda: ops.lora_grad_x(dh, i.lora_a, *meta),
-        "grad_a": lambda: ops.lora_grad_a(dh, i.x, *meta),
-        "shrink": lambda: ops.shrink(i.x, i.lora_a, p.scale, *meta),
-        "grad_b": lambda: ops.lora_grad_b(g, h, p.rank, p.widths, *p.meta),
-    }
-
-
 def main():
     if DEV != "cuda":
         set_cpu_backend("triton")   # the logic check runs our kernels (interpreted), not the torch ones
@@ -56,7 +38,8 @@ def main():
         layer = layer_named(name)
         spec = shapes.uniform(rank) if not TINY else shapes.tiny_ranks(shapes.uniform(rank))
         p = problems.Problem.for_case(shapes.Case(layer, spec, M), DTYPE, DEV)
-        calls = step_ops(p)
+        step = Step(p, 0)
+        calls = {op: step.calls[op] for op in OPS}
         for fn in calls.values():   # compile, plans, warm caches
             fn()
         if DEV == "cuda":

@@ -56,8 +56,9 @@ GRAD_X = ((64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (
 N_LOOPS = (1, 2, 4, 8)
 GRAD_X_LOOPS = os.environ.get("GRAD_X_LOOPS", "1") == "1"
 GRAD_X_LOOP_TILES = int(os.environ.get("GRAD_X_LOOP_TILES", "3"))   # how many of GRAD_X's tiles take N_LOOPS
-# GRAD_X_ONE_BLOCK=1 (session 41): lora_grad_x's candidates are its ONE_RANK_BLOCK path (dh held) instead, on
-# these (block_n, warps, stages) at each of N_LOOPS, where the stack fits it (launch_grad.one_rank_block_fits).
+# GRAD_X_ONE_BLOCK=1 (session 41): lora_grad_x's candidates are its ONE_RANK_BLOCK path (dh split once) instead,
+# on these (block_n, warps, stages) at each of N_LOOPS, where the rank fits one block (the kernel's condition, not
+# the heuristic's column cap: session 41's sweep timed three slices at rank 64 so).
 GRAD_X_ONE_BLOCK = os.environ.get("GRAD_X_ONE_BLOCK", "0") == "1"
 ONE_BLOCK_TILES = ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 8, 3))
 # AB_GRAD_X=1: the profile also times lora_grad_x as before session 41 (launch_grad.GRAD_X_HOLDS_DH off),
@@ -94,8 +95,6 @@ class Step:
             "add_lora_": lambda: ops.add_lora_(self.y, self.x, self.a, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_h": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_x": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
-            "grad_x_before": lambda: ops.lora_grad_x(self.dh, self.a, *meta),
-            "grad_h_before": lambda: ops.lora_grad_h(self.g, self.b, p.scale, p.rank, p.widths, *p.meta),
             "grad_a": lambda: ops.lora_grad_a(self.dh, self.x, *meta),
             "shrink": lambda: ops.shrink(self.x, self.a, p.scale, *meta),
             "grad_b": lambda: ops.lora_grad_b(self.g, self.h, p.rank, p.widths, *p.meta),
@@ -154,7 +153,7 @@ def candidates(name, p):
         return out if not TINY else out[:3]
     if name == "grad_x" and GRAD_X_ONE_BLOCK:
         base = launch_grad.grad_x_config(p.M, p.K, p.R, p.S)
-        if not launch_grad.one_rank_block_fits(p.R, base.block_r, p.S):
+        if p.R > base.block_r:
             return []
         out = [base._replace(block_n=n, num_warps=w, num_stages=st, n_loop=k, one_rank_block=True)
                for n, w, st in ONE_BLOCK_TILES for k in N_LOOPS]
@@ -184,7 +183,7 @@ def step_sets(p):
         def make_call(k):
             if k not in steps:
                 steps[k] = Step(p, k)
-            return steps[k].calls[name]
+            return steps[k].calls[name.removesuffix("_before")]   # (a "before" variant: the op, patched by BEFORE)
         return make_call
     return steps, make
 

@@ -18,9 +18,8 @@ from lora_ops.triton_launch import FastLauncher
 GRAD_X = FastLauncher(grad_kernels.lora_grad_x_kernel)
 SEGMENT_OUTER = FastLauncher(grad_kernels.segment_outer_kernel)
 TRANSPOSE = FastLauncher(grad_kernels.transpose_rank_kernel)
-# transpose_rank_kernel's tile: features a program, ranks a step (at most; 16 at least).
+# transpose_rank_kernel's features a program (its ranks a step: rank_block's).
 TRANSPOSE_BLOCK_N = 64
-TRANSPOSE_BLOCK_R = 64
 
 
 class GradXConfig(NamedTuple):
@@ -325,8 +324,7 @@ def launch_transpose_rank(out, lora_b, run=True):
     L, N, R = lora_b.shape
     return Launch(
         TRANSPOSE, (cdiv(N, TRANSPOSE_BLOCK_N), L), (lora_b, out), (N, R, *lora_b.stride(), *out.stride()),
-        dict(BLOCK_N=TRANSPOSE_BLOCK_N, BLOCK_R=max(16, min(TRANSPOSE_BLOCK_R, next_power_of_2(R))), num_warps=4,
-             num_stages=2),
+        dict(BLOCK_N=TRANSPOSE_BLOCK_N, BLOCK_R=rank_block(R), num_warps=4, num_stages=2),
     ).run_if(run, too_large="lora_b: too many slots for one call", axes="axis 1 counts the slots",
              remedy="use fewer slots")
 

@@ -263,8 +263,8 @@ def cases():
                                        launch_grad.grad_x_config(256, 256, 64, 3)._replace(block_n=64, n_loop=4))
     yield "grad_x_r64_n_loop4", launch_grad.GRAD_X, grad_x_loop
 
-    # The tile's dh of both slices held (ONE_RANK_BLOCK, the heuristic's from 1024 tokens: 2 x 64 columns, two
-    # bf16 terms in registers), a program walking 4 column blocks.
+    # The tile's dh of both slices split once (ONE_RANK_BLOCK, the heuristic's from the 1024-token bucket: 2 x 64
+    # columns), a program walking 4 column blocks.
     two = tuning.synthetic_problem(cpu, bf16, 256, [384, 384], 64, 4, 256)
     dh_two = torch.randn(256, 2, 64)
 

@@ -951,6 +951,5 @@ def test_lora_grad_h_transposes_b_exactly(triton_kernels, dtype, N, R, layout):
     lora_b = lora_b.to(triton_kernels.device)
     a = launch_grad.b_as_shrink_a(lora_b, 3)
     assert a.shape == (L, 3, R, N) and a.stride(1) == 0
-    want = lora_b.transpose(1, 2)
-    assert torch.equal(a[:, 2].view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       want.contiguous().view(torch.int16 if dtype != torch.float32 else torch.int32))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(a[:, 2].view(bits), lora_b.transpose(1, 2).contiguous().view(bits))
