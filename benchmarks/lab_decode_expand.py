@@ -184,7 +184,7 @@ def decode_steps(table, ranks, replays):
         out[rank] = dict(t, check=check)
         print(f"decode r{rank}: base {t['base']:.1f} shipped {t['shipped']:.1f} ({t['base'] / t['shipped']:.3f}) "
               f"tuned {t['tuned']:.1f} ({t['base'] / t['tuned']:.3f}) max |shipped - tuned| {check:.2e}", flush=True)
-        del model, ctx
+        del ctx
         plan.clear()
     return out
 
