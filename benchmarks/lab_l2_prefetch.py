@@ -23,9 +23,12 @@ CUDA-graph replays in turn, cold L2, inputs rotated), µs:
 Every variant's output is checked against the shipped layer's first (bit-identical: the prefetch reads only).
 
     python benchmarks/lab_l2_prefetch.py out.json
+    NCU=1 ncu --nvtx --nvtx-include "regex:.*/" --cache-control none --clock-control none --section SpeedOfLight \
+        --csv --page details python benchmarks/lab_l2_prefetch.py /tmp/x.json    # each kernel once, no timing
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_l2_prefetch.py /tmp/x.json   # logic check, tiny
 """
 import json
+import os
 import sys
 
 import torch
@@ -41,6 +44,7 @@ from timing import Timer, paired_delta  # noqa: E402
 TOKENS = ints("MS", "64" if not TINY else "16")
 RANKS = ints("RANKS", "64,16")
 PREFETCH_BLOCK = 4096   # elements a program touches
+NCU = os.environ.get("NCU") == "1"
 
 
 @triton.jit
@@ -110,6 +114,16 @@ def main(path):
         for n in ("layer_nopdl", "layer_pf", "layer_pf_normal"):
             got = make(n, 0)()[:, :p.N]
             assert torch.equal(got, ref), f"{n} differs from the shipped layer on {layer.name} r{rank} M{M}"
+        if NCU:   # one run of each in an NVTX range for Nsight Compute (see the module docstring)
+            for n in ("layer", "layer_pf"):
+                fn = make(n, 0)
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push(f"{layer.name} r{rank} M{M}/{n}")
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+            continue
         set_bytes = p.set_bytes() + p.base_set_bytes()
         _, runs = timer.measure_paired({n: (lambda k, n=n: make(n, k)) for n in names},
                                        {n: set_bytes for n in names})
