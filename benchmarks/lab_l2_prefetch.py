@@ -49,14 +49,14 @@ NCU = os.environ.get("NCU") == "1"
 
 @triton.jit
 def l2_prefetch_kernel(src_ptr, sink_ptr, numel, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Reads src[pid * BLOCK : (pid + 1) * BLOCK] through L2 only (.cg), marked evict_last; stores one value to
+    """Reads src[pid * BLOCK : (pid + 1) * BLOCK] marked evict_last (ptxas refuses .cg with it); stores one value to
     sink[pid] only if the block's sum is NaN... never in practice, but it keeps the load from being dropped."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if EVICT_LAST:
-        v = tl.load(src_ptr + offs, mask=offs < numel, other=0.0, cache_modifier=".cg", eviction_policy="evict_last")
+        v = tl.load(src_ptr + offs, mask=offs < numel, other=0.0, eviction_policy="evict_last")
     else:
-        v = tl.load(src_ptr + offs, mask=offs < numel, other=0.0, cache_modifier=".cg")
+        v = tl.load(src_ptr + offs, mask=offs < numel, other=0.0)
     s = tl.sum(v.to(tl.float32), axis=0)
     tl.store(sink_ptr + pid, s, mask=s != s)
 
