@@ -11,7 +11,7 @@ import functools
 import torch
 
 from csrc_meta.checks import apart_from
-from lora_ops.precision import base_linear, no_autocast
+from lora_ops.precision import base_linear, no_autocast, stacked_gemm
 
 
 def cpu_kernel(fn):
@@ -88,7 +88,7 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
                         slot_starts, slot_counts):
     L, N, R = lora_b.shape
     S = len(slice_widths)
-    out = base_linear(x, stacked_weight, stacked_bias)
+    out = stacked_gemm(x, stacked_weight, stacked_bias, N, L * S * R)
     h = out[:, N:N + L * S * R].view(-1, L, S, R)   # every slot's h, unscaled, in x's dtype (rounded once)
     y = out[:, :N]
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, out.shape[0]):

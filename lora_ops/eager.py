@@ -32,6 +32,7 @@ from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pr
                                      _global_forward_pre_hooks)
 
 from lora_ops import autograd, configs, ops, plan, triton_launch
+from lora_ops.precision import stacked_gemm
 
 MAX_SIGNATURES = 64     # per layer: input signatures seen (token counts, mostly); cleared when full
 _enabled = [True]
@@ -134,7 +135,8 @@ class EagerCalls:
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
             stacked, stacked_bias = layer._stacked
-            out = F.linear(x, stacked, stacked_bias)
+            L, S, R, _ = lora_a.shape
+            out = stacked_gemm(x, stacked, stacked_bias, weight.shape[0], L * S * R)
             if (out.shape, out.stride(), out.dtype) != bound.out_shape:
                 return None
             bound.plan.run((out, lora_b, rank, scale, *meta))

@@ -12,7 +12,7 @@ import torch
 
 from csrc_meta import checks
 from lora_ops import configs, plan
-from lora_ops.precision import base_addmm_, base_linear
+from lora_ops.precision import base_addmm_, base_linear, stacked_gemm
 from lora_ops.configs.heuristics import cdiv, max_token_tiles, next_power_of_2, rank_align
 from lora_ops.kernels import expand as expand_kernels
 from lora_ops.kernels import fused as fused_kernels
@@ -573,11 +573,11 @@ def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, sl
     columns. Returns [M, N + L·S·R]; the layer's output is its first N columns."""
     checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
                                      sorted_token_ids, slot_starts, slot_counts)
-    out = base_linear(x, stacked_weight, stacked_bias)
+    L, N, R = lora_b.shape
+    out = stacked_gemm(x, stacked_weight, stacked_bias, N, L * len(slice_widths) * R)
     M = x.shape[0]
     if M == 0:
         return out
-    L, N, R = lora_b.shape
 
     def build():
         cfg = configs.stacked_config(M, N, len(slice_widths), R, L, x.shape[1], x.device, x.dtype)

@@ -9,6 +9,8 @@ import contextlib
 
 import torch
 
+from lora_ops import configs
+
 
 # One C call for the usual case, autocast off everywhere (~0.1 µs; asking about a device takes ~0.4).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
@@ -44,6 +46,27 @@ def base_addmm_(y, x, weight):
     """y += x @ weight^T in place (lora_linear's write-first path), in the inputs' dtype."""
     with no_autocast(x.device.type):
         return y.addmm_(x, weight.t())
+
+
+def stacked_gemm(x, stacked_weight, stacked_bias, out_features, stack_rows):
+    """F.linear(x, [W; A; pad], bias): lora_linear_stacked's GEMM (both backends), [M, rows of the stack]: W's
+    ``out_features`` rows, ``stack_rows`` (L·S·R) of A, then zero padding, there for cuBLAS's kernel choice,
+    which changes with the token count. Where the table pads this count less than the stack holds
+    (configs.stack_pad_at), a prefix of the stack is multiplied into the output's first columns (cuBLAS
+    takes the output's row stride as its leading dimension) and the padding's other columns are left
+    unwritten: nothing reads them (the layer takes the first N columns, the expand the next L·S·R). Without
+    a table entry, or with a bias (an addmm into a column view would first copy the bias there), the whole
+    stack."""
+    total, K = stacked_weight.shape
+    end = out_features + stack_rows
+    if total > end and stacked_bias is None:
+        pad = configs.stack_pad_at(x.shape[0], out_features, K, stack_rows, x.device, x.dtype)
+        if pad is not None and end + pad < total:
+            out = x.new_empty(x.shape[0], total)
+            with no_autocast(x.device.type):
+                torch.mm(x, stacked_weight[:end + pad].t(), out=out[:, :end + pad])
+            return out
+    return base_linear(x, stacked_weight, stacked_bias)
 
 
 def autocast_dtype(x):

@@ -293,15 +293,17 @@ def _per_layer_entry(kind, job, args, timed, times, **result):
 
 def tune_stack_pad(job, args, device, dtype, buckets):
     """The "stack_pad" entry of one layer shape and rank: the zero rows after [W; A] (L·S·R rows of A at
-    args.slots slots) that make cuBLAS's wider GEMM fastest over the buckets the stacked path serves
-    (layers.stacked_token_limit without padding; the smallest bucket where it serves none)."""
+    args.slots slots) that make cuBLAS's wider GEMM fastest at each bucket the stacked path serves
+    (layers.stacked_token_limit without padding; the smallest bucket where it serves none): ``bucket_pads``,
+    one per bucket, and ``pad``, the most of them (the rows the stack holds; configs.stack_pad_at)."""
     from lora_ops.configs import tuning
     from lora_ops.layers import stacked_token_limit
     _, _, K, widths, r, _ = job
     N, rows = sum(widths), args.slots * len(widths) * r
     timed = _buckets_up_to(buckets, stacked_token_limit(N, K, rows))
     times = tuning.stack_pad_times(device, dtype, N, K, rows, timed)
-    return [_per_layer_entry("stack_pad", job, args, timed, times, pad=tuning.best_stack_pad(times))]
+    pads = tuning.best_stack_pads(times)
+    return [_per_layer_entry("stack_pad", job, args, timed, times, pad=max(pads), bucket_pads=pads)]
 
 
 def tune_stack_limit(job, args, device, dtype, buckets):
@@ -545,7 +547,7 @@ def main(argv=None):
         print("stack_a token limits: " + ", ".join(f"{e['layer']} r{e['rank']} {e['max_tokens']}" for e in limits))
     pads = [e for e in entries if e["kind"] == "stack_pad"]
     if pads:
-        padded = ", ".join(f"{e['layer']} r{e['rank']} +{e['pad']}" for e in pads if e["pad"])
+        padded = ", ".join(f"{e['layer']} r{e['rank']} +{e['bucket_pads']}" for e in pads if e["pad"])
         print(f"stack_a padding: {sum(1 for e in pads if e['pad'])} of {len(pads)} layer shapes padded ({padded})")
     for kind, what in (("stacked", "stacked layer"), ("store", "write-first delta")):
         gains = [e["expand_entry_us"] / e["us"] for e in searched if e["kind"] == kind]

@@ -204,6 +204,10 @@ BAD_ENTRIES = [
     (dict(kind="stack_pad", features=4096, in_features=4096, slices=1, rank=16, rows=64, tokens=1, pad=-64),
      "pad must be an int >= 0"),
     (dict(kind="stack_pad", features=4096, in_features=4096, rows=0, pad=64), "rows must be an int >= 1"),
+    (dict(kind="stack_pad", features=4096, in_features=4096, rows=64, pad=64, buckets=[1, 16], bucket_pads=[64]),
+     "bucket_pads must be a list of ints in"),
+    (dict(kind="stack_pad", features=4096, in_features=4096, rows=64, pad=64, buckets=[1, 16],
+          bucket_pads=[0, 96]), "bucket_pads must be a list of ints in"),
 ]
 
 

@@ -59,6 +59,32 @@ def test_lora_linear_stacked_matches_reference(backend, checked_dtype, M, R, wit
     check_output(out, before, case, ref, dtype)
 
 
+@pytest.mark.parametrize("M", [1, 37], ids=["M1", "M37"])
+def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monkeypatch, M):
+    """Where the table pads this token count less than the stack holds (configs.stack_pad_at), the GEMM
+    multiplies only W, A and that many padding rows: y and h as with the whole stack, the padding rows past
+    it never read (NaN here)."""
+    from lora_ops import configs
+    dtype = torch.float32
+    case, stacked, _, before, ref = stacked_problem(M, 16, dtype, backend.device, seed=11, with_bias=False, pad=5)
+    E = N + L * S * 16
+    stacked[E:E + 2] = 0.0   # the two padding rows this count takes; the other three stay NaN
+    asked = []
+    monkeypatch.setattr(configs, "stack_pad_at", lambda *a: asked.append(a) or 2)
+    out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
+                                                 case.slice_widths, *case.meta)
+    assert asked and asked[0][:4] == (M, N, K, L * S * 16) and out.shape == (M, E + 5)
+    full = F.linear(case.x, stacked[:E + 2])
+    check_output(out[:, :E + 2], full, case, ref, dtype)
+    assert torch.equal(out[:, E:E + 2], full.new_zeros(M, 2))
+    # No entry (None) or one that pads this count fully: the whole stack, as before.
+    for pad in (None, 5):
+        monkeypatch.setattr(configs, "stack_pad_at", lambda *a, pad=pad: pad)
+        out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
+                                                     case.slice_widths, *case.meta)
+        check_output(out, F.linear(case.x, stacked), case, ref, dtype)
+
+
 # The expand kernel's two paths (whole rank in one block; the rank loop), each with one and two column blocks.
 STACKED_PATHS = {
     "one_block-1_col_block": (ExpandConfig(16, 16, 32, 4, 2, 1), 24),
@@ -487,6 +513,8 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
     shape = dict(model="llama3-8b", layer="o", features=4096, in_features=4096, slices=1, rank=64, rows=256, tokens=1)
     buckets = [1, 16, 64, 256, 1024]
     entries = [dict(kind="stack_pad", pad=128, **shape),
+               dict(kind="stack_pad", pad=96, buckets=[1, 16, 64, 256], bucket_pads=[32, 0, 96, 64],
+                    **dict(shape, features=6144)),
                dict(kind="stack_limit", max_tokens=1024, buckets=buckets, **shape),              # won to 1024
                dict(kind="stack_limit", max_tokens=64, buckets=buckets, **dict(shape, rows=512))]  # lost past 64
     pretend_gpu_table(entries)
@@ -495,6 +523,12 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
     assert rule == 4096
     try:
         assert configs.stack_pad_rows(4096, 4096, 256, cuda, torch.bfloat16) == 128
+        # One pad for every count without bucket_pads; with them, the pad of the bucket at or below the count's.
+        assert [configs.stack_pad_at(M, 4096, 4096, 256, cuda, torch.bfloat16) for M in (1, 64, 4096)] == [128] * 3
+        assert configs.stack_pad_rows(6144, 4096, 256, cuda, torch.bfloat16) == 96
+        assert [configs.stack_pad_at(M, 6144, 4096, 256, cuda, torch.bfloat16)
+                for M in (1, 2, 16, 17, 64, 200, 256, 1024, 8192)] == [32, 0, 0, 96, 96, 64, 64, 64, 64]
+        assert configs.stack_pad_at(64, 6144, 4096, 512, cuda, torch.bfloat16) is None   # no entry: all of it
         assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == (1024, 1024)
         # Won at every bucket measured: the rule beyond (2^32 / (4096 * 256)); lost past 64: 64, not the rule's.
         assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == rule
@@ -504,6 +538,7 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
                                        (4096, 4096, 256, cuda, torch.float32), (4096, 4096, 256, None, torch.bfloat16)]:
             kw = {} if device is None else dict(device=device, dtype=dtype)   # None: the CPU's defaults
             assert configs.stack_pad_rows(N, K, E, **kw) == 0
+            assert configs.stack_pad_at(64, N, K, E, **kw) is None
             assert configs.stack_limit_tokens(N, K, E, **kw) is None
         assert layers.stacked_token_limit(4096, 4096, 256, device=torch.device("cpu")) == rule
         configs.use_tuned_tables(False)

@@ -31,6 +31,7 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
     for e in first["entries"]:
         if e["kind"] == "stack_pad":   # the wider GEMM's padding: one entry per layer and rank
             assert e["rows"] == 4 * 1 * 8 and e["pad"] in tuning.STACK_PAD_ROWS and e["buckets"] == [1]
+            assert e["bucket_pads"] == [e["pad"]]
             assert set(e["us"]) == {str(p) for p in tuning.STACK_PAD_ROWS}
             continue
         if e["kind"] == "stack_limit":   # both layer paths at every bucket; the limit one of them or 0
@@ -151,13 +152,14 @@ def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, mon
         tune.main(DRY + ["--min-gain", "0.02", "--out", out])
 
 
-@pytest.mark.parametrize("times, pad", [
-    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [8.0, 16.0]}, 384),     # a clear win
-    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [9.8, 19.8]}, 0),       # under STACK_PAD_MIN_GAIN: none
-    ({0: [10.0, 20.0], 128: [8.0, 16.0], 384: [8.0, 16.0]}, 128),    # ties go to the fewer rows
-], ids=["wins", "noise", "tie"])
-def test_best_stack_pad(times, pad):
-    assert tuning.best_stack_pad(times) == pad
+@pytest.mark.parametrize("times, pads", [
+    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [8.0, 16.0]}, [384, 384]),     # a clear win at both
+    ({0: [10.0, 20.0], 64: [9.9, 19.9], 384: [9.8, 19.8]}, [0, 0]),         # under STACK_PAD_MIN_GAIN: none
+    ({0: [10.0, 20.0], 128: [8.0, 16.0], 384: [8.0, 16.0]}, [128, 128]),    # ties go to the fewer rows
+    ({0: [10.0, 20.0], 64: [8.0, 21.0], 384: [11.0, 15.0]}, [64, 384]),     # each bucket its own
+], ids=["wins", "noise", "tie", "per_bucket"])
+def test_best_stack_pads(times, pads):
+    assert tuning.best_stack_pads(times) == pads
 
 
 @pytest.mark.parametrize("stacked, linear, limit", [

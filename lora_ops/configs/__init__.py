@@ -25,7 +25,7 @@ from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig, FusedConfig, ShrinkConfig, token_bucket
 
 __all__ = ["ShrinkConfig", "ExpandConfig", "FusedConfig", "shrink_config", "expand_config", "fused_config",
-           "stacked_config", "store_config", "stack_pad_rows", "stack_limit_tokens",
+           "stacked_config", "store_config", "stack_pad_rows", "stack_pad_at", "stack_limit_tokens",
            "enable_autotune", "force_path", "use_tuned_tables", "table_dirs", "table_path", "table_source",
            "gpu_kind", "token_bucket", "reset", "generation"]
 
@@ -205,6 +205,13 @@ def _entry_problem(entry):
     if kind in STACK_KINDS:
         if kind == "stack_pad" and not (_is_int(entry.get("pad")) and entry["pad"] >= 0):
             return f"pad must be an int >= 0, got {entry.get('pad')!r}"
+        if kind == "stack_pad" and "bucket_pads" in entry:
+            pads, buckets = entry["bucket_pads"], entry.get("buckets")
+            if not (isinstance(pads, list) and isinstance(buckets, list) and len(pads) == len(buckets) > 0
+                    and all(_is_int(p) and 0 <= p <= entry["pad"] for p in pads)
+                    and all(_is_int(b) for b in buckets) and buckets == sorted(buckets)):
+                return ("bucket_pads must be a list of ints in [0, pad], one per entry of buckets (ascending ints), "
+                        f"got {pads!r} for buckets {buckets!r}")
         if kind == "stack_limit" and not (_is_int(entry.get("max_tokens")) and entry.get("buckets")):
             return "max_tokens must be an int and buckets a non-empty list"
         return None
@@ -426,6 +433,32 @@ def stack_pad_rows(out_features, in_features, stack_rows, device=torch.device("c
     Tuned by ``python -m lora_ops.tune --kinds stack_pad``."""
     e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
     return 0 if e is None else int(e["pad"])
+
+
+def stack_pad_at(num_tokens, out_features, in_features, stack_rows, device=torch.device("cpu"),
+                 dtype=torch.bfloat16):
+    """The zero rows of the stack's padding that the GEMM over [W; A; pad] takes at ``num_tokens`` tokens
+    (precision.stacked_gemm multiplies a prefix of the stack), or None without a table entry (the whole
+    stack): the entry's pad for the timed token bucket nearest below this count's (the first bucket's below
+    it), at most :func:`stack_pad_rows`. cuBLAS's kernel
+    choice for a row count changes with the token count (H100, session 42: Llama gate_up r64, 64 tokens, 3.1 µs
+    over the base GEMM with the one pad the H200 tuned for every count, 1.8 with 352 rows; at 256 tokens 160
+    rows best), so the tuner keeps a pad per bucket (``bucket_pads``); an entry without them pads every count
+    alike. Resolved once per (bucket, shape) and remembered."""
+    key = ("stack_pad_at", token_bucket(num_tokens), out_features, in_features, stack_rows, device, dtype)
+    if key not in _resolved:
+        e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
+        _resolved[key] = None if e is None else _bucket_pad(e, key[1])
+    return _resolved[key]
+
+
+def _bucket_pad(entry, bucket):
+    """``entry``'s (a "stack_pad" entry) pad at token bucket ``bucket``."""
+    pads = entry.get("bucket_pads")
+    if not pads:
+        return int(entry["pad"])
+    below = [p for b, p in zip(entry["buckets"], pads) if b <= bucket]
+    return int(min(below[-1] if below else pads[0], entry["pad"]))
 
 
 def stack_limit_tokens(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):

@@ -146,8 +146,11 @@ def stacked_candidates(bucket, out_features, max_rank):
 
 # Zero rows the tuner tries after stack_a's [W; A] (configs.stack_pad_rows), timed as the wider GEMM alone at
 # the token buckets where the stacked path serves the layer (H200 lab, session 13: Llama o with 256 rows of
-# A, 16.3 µs at 64 tokens; 384 rows, 13.0). A pad is kept only where it beats none by STACK_PAD_MIN_GAIN.
-STACK_PAD_ROWS = (0, 64, 128, 192, 256, 384, 512)
+# A, 16.3 µs at 64 tokens; 384 rows, 13.0). A bucket keeps a pad only where it beats none there by
+# STACK_PAD_MIN_GAIN (configs.stack_pad_at). Steps of 32 rows (session 42, H100, lab_stack_pad_buckets: the
+# best pads of Llama's layers at 1-256 tokens were 32, 64, 96, 160, 224 and 352 rows, most between the
+# 64-row steps tried before).
+STACK_PAD_ROWS = tuple(range(0, 513, 32))
 STACK_PAD_MIN_GAIN = 0.97
 
 
@@ -173,12 +176,14 @@ def stack_pad_times(device, dtype, out_features, in_features, stack_rows, bucket
     return times
 
 
-def best_stack_pad(times):
-    """The pad of the fastest geomean over the buckets, if it beats no pad by STACK_PAD_MIN_GAIN; else 0."""
-    def geomean(values):
-        return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
-    best = min(times, key=lambda pad: (geomean(times[pad]), pad))
-    return best if geomean(times[best]) < STACK_PAD_MIN_GAIN * geomean(times[0]) else 0
+def best_stack_pads(times):
+    """The pad of each bucket (``times``: {pad: [µs at each bucket]}): its fastest, if that beats no pad there
+    by STACK_PAD_MIN_GAIN; else 0 (ties: the fewer rows)."""
+    pads = []
+    for i in range(len(times[0])):
+        best = min(times, key=lambda pad: (times[pad][i], pad))
+        pads.append(best if times[best][i] < STACK_PAD_MIN_GAIN * times[0][i] else 0)
+    return pads
 
 
 def layer_path_times(device, dtype, in_features, slice_widths, max_rank, num_slots, buckets):
