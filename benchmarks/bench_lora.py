@@ -29,6 +29,7 @@ import lora_ops  # noqa: E402
 import lora_ops.configs  # noqa: E402,F401  (the variants set config choices; not imported by lora_ops itself)
 import lora_ops.launch  # noqa: E402,F401
 from lora_ops.layers import stacked_token_limit, stacked_weight  # noqa: E402
+from lora_ops.precision import stacked_gemm  # noqa: E402
 from lora_ops.tune import positive_int  # noqa: E402
 import problems  # noqa: E402
 import report  # noqa: E402
@@ -356,7 +357,8 @@ class RowRunner:
 
     def run_stacked_variant(self, rec, variant, problem, inp, ref):
         """lora_linear_stacked with every slot's A stacked under W (DESIGN §4): its first N columns minus
-        the same GEMM's (the wider GEMM may round y unlike F.linear(x, W)) are checked as the delta; the
+        the same GEMM's (precision.stacked_gemm: the wider GEMM, over the prefix of the stack this token count
+        is padded to, may round y unlike F.linear(x, W) or the whole stack) are checked as the delta; the
         layer is graph-timed as stacked_layer_us (run() subtracts the base layer's time, so the delta's
         figure holds the wider GEMM's extra cost)."""
         op = torch.ops.lora_ops.lora_linear_stacked
@@ -372,8 +374,9 @@ class RowRunner:
         def layer(k, i):
             args = (i.x, stacked(k, i), None, i.lora_b, problem.scale, problem.rank, problem.widths, *problem.meta)
             return lambda: op(*args)[:, :N]
+        E = problem.L * problem.S * problem.R
         self.check_and_time_layer(rec, variant, problem, inp, ref, layer,
-                                  lambda: torch.nn.functional.linear(inp.x, stacked(0, inp))[:, :N],
+                                  lambda: stacked_gemm(inp.x, stacked(0, inp), None, N, E)[:, :N],
                                   (N + problem.L * problem.S * problem.R + pad) * problem.K * problem.esize)
 
     def check_and_time_layer(self, rec, variant, problem, inp, ref, layer, before, extra_bytes):
