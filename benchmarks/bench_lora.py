@@ -377,7 +377,7 @@ class RowRunner:
         E = problem.L * problem.S * problem.R
         self.check_and_time_layer(rec, variant, problem, inp, ref, layer,
                                   lambda: stacked_gemm(inp.x, stacked(0, inp), None, N, E)[:, :N],
-                                  (N + problem.L * problem.S * problem.R + pad) * problem.K * problem.esize)
+                                  (N + E + pad) * problem.K * problem.esize)
 
     def check_and_time_layer(self, rec, variant, problem, inp, ref, layer, before, extra_bytes):
         """One whole-layer variant: ``layer(k, inputs)`` builds the call on input set k (it returns the

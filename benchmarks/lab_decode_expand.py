@@ -31,7 +31,6 @@ import time
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 import repo_path  # noqa: F401,E402
 from lab_env import DEV, DTYPE, TINY, T0, ints, lab_rows, problem, run_env, stacked_parts  # noqa: E402
@@ -39,6 +38,7 @@ import problems  # noqa: E402
 from lora_ops import configs, launch, plan  # noqa: E402
 from lora_ops.configs import heuristics  # noqa: E402
 from lora_ops.configs.heuristics import ExpandConfig  # noqa: E402
+from lora_ops.precision import stacked_gemm  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def layer_call(p, inputs, cfg):
         i, _, ws, _ = inputs(k)
 
         def run():
-            out = F.linear(i.x, ws)
+            out = stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R)
             launch.launch_expand_stacked(out, p.N, i.lora_b, p.widths, p.rank, p.scale, *p.meta, cfg,
                                          pdl=launch.stacked_uses_pdl(i.x))
             return out
@@ -80,7 +80,7 @@ def check(p, inputs, cfg):
     value is not finite."""
     i, _, ws, _ = inputs(0)
     out = layer_call(p, inputs, cfg)(0)()
-    delta = out[:, :p.N].double() - F.linear(i.x, ws)[:, :p.N].double()
+    delta = out[:, :p.N].double() - stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R)[:, :p.N].double()
     ref = problems.reference_delta(p, i).double()
     if not torch.isfinite(delta).all():
         return math.inf

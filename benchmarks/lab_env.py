@@ -55,27 +55,30 @@ def rank_loop_rows(rows, tokens):
 
 def stacked_parts(p):
     """For the stacked-layer labs (lab_decode_parts, lab_token_slot_expand): (inputs, call) over problem ``p``.
-    inputs(k) -> (input set k, base weight W, the stack [W; A], F.linear(x, [W; A]) computed once), cached;
-    call(name, k) -> the callable of "base" (F.linear(x, W)), "gemm" (F.linear(x, [W; A])) or "layer"
+    inputs(k) -> (input set k, base weight W, the stack [W; A], its GEMM computed once), cached;
+    call(name, k) -> the callable of "base" (F.linear(x, W)), "gemm" (precision.stacked_gemm over [W; A]) or "layer"
     (lora_linear_stacked as shipped), else None."""
-    import torch.nn.functional as F
     from lora_ops.layers import stacked_weight
+    from lora_ops.precision import stacked_gemm
     sets = {}
+
+    def gemm(x, ws):   # the stacked GEMM as the op runs it (over the prefix of the stack its count's pad takes)
+        return stacked_gemm(x, ws, None, p.N, p.L * p.S * p.R)
 
     def inputs(k):
         if k not in sets:
             i = p.inputs(k)
             w = p.base_inputs(k)[1]
             ws = stacked_weight(w, i.lora_a)
-            sets[k] = (i, w, ws, F.linear(i.x, ws))
+            sets[k] = (i, w, ws, gemm(i.x, ws))
         return sets[k]
 
     def call(name, k):
         i, w, ws, _ = inputs(k)
         if name == "base":
-            return lambda: F.linear(i.x, w)
+            return lambda: torch.nn.functional.linear(i.x, w)
         if name == "gemm":
-            return lambda: F.linear(i.x, ws)
+            return lambda: gemm(i.x, ws)
         if name == "layer":
             op = torch.ops.lora_ops.lora_linear_stacked
             args = (i.x, ws, None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)

@@ -32,13 +32,13 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 import repo_path  # noqa: F401,E402
 from lab_env import DEV, TINY, ints, lab_rows, problem, run_env, stacked_parts  # noqa: E402
 from lora_ops import configs, launch  # noqa: E402
+from lora_ops.precision import stacked_gemm  # noqa: E402
 from timing import Timer, paired_delta  # noqa: E402
 
 TOKENS = ints("MS", "64" if not TINY else "16")
@@ -94,14 +94,14 @@ def main(path):
             if name in ("base", "gemm", "layer"):
                 return call(name, k)
             if name == "gemm_pf":
-                return lambda: fork(lambda: prefetch(i.lora_b, sink), lambda: F.linear(i.x, ws))
+                return lambda: fork(lambda: prefetch(i.lora_b, sink), lambda: stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R))
 
             def layer(pf, pdl):
                 def run():
                     if pf:
-                        out = fork(lambda: prefetch(i.lora_b, sink, pf == "last"), lambda: F.linear(i.x, ws))
+                        out = fork(lambda: prefetch(i.lora_b, sink, pf == "last"), lambda: stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R))
                     else:
-                        out = F.linear(i.x, ws)
+                        out = stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R)
                     launch.launch_expand_stacked(out, p.N, i.lora_b, p.widths, p.rank, p.scale, *p.meta, cfg,
                                                  pdl=pdl)
                     return out

@@ -44,7 +44,7 @@ def main(path):
         for rank in RANKS:
             stack = SLOTS * S * rank
             shipped = configs.stack_pad_rows(N, K, stack, device, DTYPE)
-            pads = sorted({*PADS, shipped})
+            pads = sorted({0, *PADS, shipped})
             # pad -stack: the base weight alone, timed in turn with the rest
             with mock.patch.object(tuning, "STACK_PAD_ROWS", (-stack, *pads)):
                 times = tuning.stack_pad_times(device, DTYPE, N, K, stack, TOKENS)

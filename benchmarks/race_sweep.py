@@ -28,6 +28,7 @@ import problems  # noqa: E402
 import shapes  # noqa: E402
 from lora_ops.configs import tuning  # noqa: E402
 from lora_ops.layers import stacked_token_limit, stacked_weight  # noqa: E402
+from lora_ops.precision import stacked_gemm  # noqa: E402
 
 DEV = os.environ.get("DEV", "cuda")
 TINY = DEV != "cuda"
@@ -76,7 +77,7 @@ def paths(p, i):
         op = torch.ops.lora_ops.lora_linear_stacked
         args = (i.x, wst, None, i.lora_b, p.scale, p.rank, p.widths, *p.meta)
         out["stacked"] = layer_path(lambda: op(*args)[:, :p.N],
-                                    lambda: torch.nn.functional.linear(i.x, wst)[:, :p.N])
+                                    lambda: stacked_gemm(i.x, wst, None, p.N, p.L * p.S * p.R)[:, :p.N])
     return out
 
 

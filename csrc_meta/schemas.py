@@ -18,9 +18,10 @@ lora_linear_stacked  out = x stacked_weight^T + stacked_bias, then out[t, slice 
                     scale[s_t] h[t, s_t, i, :rank] @ lora_b[s_t, slice i, :rank]^T, h = out[:, N:N+L*S*R]
                     as [M, L, S, R]. stacked_weight [N + L*S*R + P, K] holds the base weight [N, K] over
                     lora_a [L, S, R, K] (flattened), then P >= 0 padding rows (a row count cuBLAS handles
-                    well; their output columns are ignored); stacked_bias [N + L*S*R + P] (zeros past N)
-                    or None; out [M, N + L*S*R + P]: the layer's output in columns :N, every slot's
-                    unscaled h (in x's dtype) after. One GEMM computes y and h (no shrink launch);
+                    well; the GEMM may take only some of them at a token count, as the GPU's table says);
+                    stacked_bias [N + L*S*R + P] (zeros past N) or None; out [M, N + L*S*R + P]: the layer's
+                    output in columns :N, every slot's unscaled h (in x's dtype) in N:N+L*S*R, and in the
+                    padding's columns unspecified values (never read). One GEMM computes y and h (no shrink launch);
                     inference only (no autograd).
 
 Autograd (lora_ops.autograd registers the kernels and the backward formula):

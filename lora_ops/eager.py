@@ -32,7 +32,7 @@ from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pr
                                      _global_forward_pre_hooks)
 
 from lora_ops import autograd, configs, ops, plan, triton_launch
-from lora_ops.precision import stacked_gemm
+from lora_ops.precision import stack_prefix_gemm, stacked_prefix_rows
 
 MAX_SIGNATURES = 64     # per layer: input signatures seen (token counts, mostly); cleared when full
 _enabled = [True]
@@ -83,12 +83,14 @@ class _Bound:
     """One input signature's call: the path ("add", "write", "stacked" or "delta"), its plan, what it was bound
     to, and for a call autograd needs, the delta's signature for its backward (autograd.delta_signature: a
     function of what the guards hold, taken once)."""
-    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature", "base_shapes")
+    __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature", "base_shapes",
+                 "stack_rows")
 
-    def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None, base_shapes=None):
+    def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None, base_shapes=None,
+                 stack_rows=None):
         self.path, self.plan, self.objects, self.shapes = path, bound_plan, objects, shapes
         self.out_shape, self.state, self.device, self.signature = out_shape, _state(), device, signature
-        self.base_shapes = base_shapes
+        self.base_shapes, self.stack_rows = base_shapes, stack_rows   # stack_rows: precision.stacked_prefix_rows
 
 
 class EagerCalls:
@@ -135,8 +137,8 @@ class EagerCalls:
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
             stacked, stacked_bias = layer._stacked
-            L, S, R, _ = lora_a.shape
-            out = stacked_gemm(x, stacked, stacked_bias, weight.shape[0], L * S * R)
+            rows = bound.stack_rows
+            out = F.linear(x, stacked, stacked_bias) if rows is None else stack_prefix_gemm(x, stacked, rows)
             if (out.shape, out.stride(), out.dtype) != bound.out_shape:
                 return None
             bound.plan.run((out, lora_b, rank, scale, *meta))
@@ -220,8 +222,13 @@ class EagerCalls:
             return
         meta = layer.context.meta_on(x)
         widths = layer.slice_widths
+        stack_rows = None
         if stacked:
             path, key = "stacked", launch.stacked_plan_key(out, lora_b, scale, rank, widths, *meta)
+            L, S, R, _ = lora_a.shape
+            # The rows the GEMM takes at this count (the stack is checked by _stack_intact, the table's answer
+            # by the bound state's configs.generation()): resolved once, off the replay's path.
+            stack_rows = stacked_prefix_rows(x.shape[0], *layer._stacked, weight.shape[0], L * S * R)
         elif launch.writes_first(x, out.shape[1], bias):
             path, key = "write", launch.write_plan_key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         else:
@@ -235,7 +242,7 @@ class EagerCalls:
             self._keep((*_shaped(x), grad), _Bound(
                 path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
                 _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x), signature,
-                _base_shapes(weight, bias)))
+                _base_shapes(weight, bias), stack_rows))
 
 
 def _adapters(layer):

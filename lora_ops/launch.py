@@ -568,9 +568,10 @@ def stacked_uses_pdl(x):
 
 def lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                         slot_starts, slot_counts):
-    """F.linear(x, [W; A], [bias; 0]) gives the layer's output and every slot's h in one cuBLAS launch
-    (schemas.py); the expand then adds each token's slot's scaled h @ B^T into the output's first N
-    columns. Returns [M, N + L·S·R]; the layer's output is its first N columns."""
+    """F.linear(x, [W; A; pad], [bias; 0]) gives the layer's output and every slot's h in one cuBLAS launch
+    (schemas.py; precision.stacked_gemm, over the prefix of the padding this token count takes); the expand
+    then adds each token's slot's scaled h @ B^T into the output's first N columns. Returns
+    [M, N + L·S·R + P]; the layer's output is its first N columns."""
     checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
                                      sorted_token_ids, slot_starts, slot_counts)
     L, N, R = lora_b.shape

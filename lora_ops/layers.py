@@ -805,7 +805,7 @@ class LoRALinear(nn.Module):
     runs. h is then rounded to the weights' dtype once, as PEFT rounds it. The base layer's parameters keep
     their identity, their data becoming the views (an optimizer over them, hooks on them and a module a weight
     is tied to keep them); ``.to()`` and the other conversions that move or cast them re-stack. The output
-    at those sizes is a column view of the wider GEMM result (row stride N + L·S·R).
+    at those sizes is a column view of the wider GEMM result (row stride N + L·S·R + P, P the padding rows).
     """
 
     @torch.inference_mode(False)

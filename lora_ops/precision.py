@@ -49,24 +49,40 @@ def base_addmm_(y, x, weight):
 
 
 def stacked_gemm(x, stacked_weight, stacked_bias, out_features, stack_rows):
-    """F.linear(x, [W; A; pad], bias): lora_linear_stacked's GEMM (both backends), [M, rows of the stack]: W's
-    ``out_features`` rows, ``stack_rows`` (L·S·R) of A, then zero padding, there for cuBLAS's kernel choice,
-    which changes with the token count. Where the table pads this count less than the stack holds
-    (configs.stack_pad_at), a prefix of the stack is multiplied into the output's first columns (cuBLAS
-    takes the output's row stride as its leading dimension) and the padding's other columns are left
-    unwritten: nothing reads them (the layer takes the first N columns, the expand the next L·S·R). Without
-    a table entry, or with a bias (an addmm into a column view would first copy the bias there), the whole
-    stack."""
+    """F.linear(x, [W; A; pad], bias): lora_linear_stacked's GEMM (both backends and the eager replay),
+    [M, rows of the stack]: W's ``out_features`` rows, ``stack_rows`` (L·S·R) of A, then zero padding, there
+    for cuBLAS's kernel choice, which changes with the token count. Where the table pads this count less than
+    the stack holds (:func:`stacked_prefix_rows`), only that prefix of the stack is multiplied, into the
+    output's first columns (:func:`stack_prefix_gemm`); the padding's other columns are left unwritten and
+    nothing reads them (the layer takes the first N columns, the expand the next L·S·R)."""
+    rows = stacked_prefix_rows(x.shape[0], stacked_weight, stacked_bias, out_features, stack_rows)
+    if rows is None:
+        return base_linear(x, stacked_weight, stacked_bias)
+    return stack_prefix_gemm(x, stacked_weight, rows)
+
+
+def stacked_prefix_rows(num_tokens, stacked_weight, stacked_bias, out_features, stack_rows):
+    """The rows of the stack the GEMM multiplies at ``num_tokens`` tokens where that is fewer than all of them
+    (W, A and the padding configs.stack_pad_at gives this count), else None: the whole stack. None too without
+    a table entry, and with a bias (an addmm into a column view would first copy the bias there)."""
     total, K = stacked_weight.shape
     end = out_features + stack_rows
-    if total > end and stacked_bias is None:
-        pad = configs.stack_pad_at(x.shape[0], out_features, K, stack_rows, x.device, x.dtype)
-        if pad is not None and end + pad < total:
-            out = x.new_empty(x.shape[0], total)
-            with no_autocast(x.device.type):
-                torch.mm(x, stacked_weight[:end + pad].t(), out=out[:, :end + pad])
-            return out
-    return base_linear(x, stacked_weight, stacked_bias)
+    if total <= end or stacked_bias is not None:
+        return None
+    pad = configs.stack_pad_at(num_tokens, out_features, K, stack_rows, stacked_weight.device, stacked_weight.dtype)
+    return None if pad is None or end + pad >= total else end + pad
+
+
+def stack_prefix_gemm(x, stacked_weight, rows):
+    """[M, rows of the stack] whose first ``rows`` columns are x @ stacked_weight[:rows]^T (cuBLAS takes the
+    output's row stride as its leading dimension: one kernel, no copy) and the rest unwritten."""
+    out = x.new_empty(x.shape[0], stacked_weight.shape[0])
+    if autocast_on(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            torch.mm(x, stacked_weight[:rows].t(), out=out[:, :rows])
+    else:
+        torch.mm(x, stacked_weight[:rows].t(), out=out[:, :rows])
+    return out
 
 
 def autocast_dtype(x):

@@ -11,7 +11,8 @@ beats the best shrink + expand, else null (two launches). The "stacked" entry is
 the stacked path (launch.lora_linear_stacked), timed as that whole layer: the GEMM over [W; A], then the
 expand (``--kinds stacked`` tunes only these). The "store" entry is the expand's config in its store mode,
 where lora_linear writes the delta first (launch.writes_first_at), timed after add_lora_'s shrink. Once per
-layer and rank, "stack_pad" holds the zero rows that make cuBLAS's GEMM over [W; A] fastest, and
+layer and rank, "stack_pad" holds the zero rows that make cuBLAS's GEMM over [W; A] fastest at each token
+bucket (``bucket_pads``; the stack holds the most of them, configs.stack_pad_rows), and
 "stack_limit" the token count up to which stack_a takes the stacked path, from both layer paths timed at
 the buckets up to 1024 with the table this run writes. With --merge --min-gain, a retuned shape keeps its
 new entries only where their path beats the one the table gives it, timed in turn. Lookups take the
@@ -77,7 +78,7 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                     help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
                          "expand; store: the expand's store mode, where lora_linear writes the delta first; "
-                         "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank); "
+                         "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank, a pad per token bucket); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
                          "timed last, with the table this run writes)")
     ap.add_argument("--max-candidates", type=positive_int, default=None,

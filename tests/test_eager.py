@@ -82,7 +82,7 @@ def op_output(layer, x):
 
 
 PATHS = {"accumulate": dict(), "accumulate_bias": dict(bias=True), "write_first": dict(write_first=True),
-         "stack_a": dict(stack_a=True)}
+         "stack_a": dict(stack_a=True), "stack_a_prefix": dict(stack_a=True, prefix=True)}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -91,7 +91,14 @@ def test_bound_calls_give_the_ops_output(triton_kernels, monkeypatch, path):
     if opts.pop("write_first", False):
         monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
         monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    prefix = opts.pop("prefix", False)
+    if prefix:   # a stack of 5 padding rows of which these counts' GEMM takes 2 (configs.stack_pad_at)
+        from lora_ops import configs
+        monkeypatch.setattr(configs, "stack_pad_rows", lambda *args, **kw: 5)
+        monkeypatch.setattr(configs, "stack_pad_at", lambda *args, **kw: 2)
     layer = make_layer(1, **opts)
+    if prefix:
+        assert layer._stacked[0].shape[0] == N + L * len(WIDTHS) * R + 5
     for M in (10, 7):
         set_slots(layer, M, M)
         call(layer, fresh_input(M, 0))                  # binds this signature
@@ -103,6 +110,8 @@ def test_bound_calls_give_the_ops_output(triton_kernels, monkeypatch, path):
             assert torch.equal(out, op_output(layer, x)), (M, seed)
             assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32], (M, seed)
     assert len(layer._eager._calls) == 2      # one per input signature
+    if prefix:   # the replays' GEMM took the prefix the table gives these counts, resolved when bound
+        assert {b.stack_rows for b in layer._eager._calls.values()} == {N + L * len(WIDTHS) * R + 2}
 
 
 def test_the_torch_cpu_kernels_bind_nothing():

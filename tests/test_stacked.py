@@ -69,11 +69,14 @@ def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monke
     case, stacked, _, before, ref = stacked_problem(M, 16, dtype, backend.device, seed=11, with_bias=False, pad=5)
     E = N + L * S * 16
     stacked[E:E + 2] = 0.0   # the two padding rows this count takes; the other three stay NaN
-    asked = []
+    from lora_ops import precision
+    asked, whole = [], precision.base_linear
     monkeypatch.setattr(configs, "stack_pad_at", lambda *a: asked.append(a) or 2)
+    monkeypatch.setattr(precision, "base_linear", lambda *a: pytest.fail("the whole stack was multiplied"))
     out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
                                                  case.slice_widths, *case.meta)
     assert asked and asked[0][:4] == (M, N, K, L * S * 16) and out.shape == (M, E + 5)
+    monkeypatch.setattr(precision, "base_linear", whole)
     full = F.linear(case.x, stacked[:E + 2])
     check_output(out[:, :E + 2], full, case, ref, dtype)
     assert torch.equal(out[:, E:E + 2], full.new_zeros(M, 2))
@@ -515,6 +518,10 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
     entries = [dict(kind="stack_pad", pad=128, **shape),
                dict(kind="stack_pad", pad=96, buckets=[1, 16, 64, 256], bucket_pads=[32, 0, 96, 64],
                     **dict(shape, features=6144)),
+               dict(kind="stack_pad", pad=160, buckets=[16, 64, 256, 1024], bucket_pads=[64, 0, 32, 160],
+                    **dict(shape, layer="down", in_features=14336, rows=128)),
+               dict(kind="stack_limit", max_tokens=256, buckets=[16, 64, 256, 1024],
+                    **dict(shape, layer="down", in_features=14336, rows=128)),
                dict(kind="stack_limit", max_tokens=1024, buckets=buckets, **shape),              # won to 1024
                dict(kind="stack_limit", max_tokens=64, buckets=buckets, **dict(shape, rows=512))]  # lost past 64
     pretend_gpu_table(entries)
@@ -528,6 +535,11 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
         assert configs.stack_pad_rows(6144, 4096, 256, cuda, torch.bfloat16) == 96
         assert [configs.stack_pad_at(M, 6144, 4096, 256, cuda, torch.bfloat16)
                 for M in (1, 2, 16, 17, 64, 200, 256, 1024, 8192)] == [32, 0, 0, 96, 96, 64, 64, 64, 64]
+        # A first bucket above the count: its pad. A stack limit the layer lost past: the stack holds only
+        # the rows of the buckets it serves, and no count takes more.
+        assert configs.stack_pad_at(1, 4096, 14336, 128, cuda, torch.bfloat16) == 64
+        assert configs.stack_pad_rows(4096, 14336, 128, cuda, torch.bfloat16) == 64
+        assert configs.stack_pad_at(1024, 4096, 14336, 128, cuda, torch.bfloat16) == 64
         assert configs.stack_pad_at(64, 6144, 4096, 512, cuda, torch.bfloat16) is None   # no entry: all of it
         assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == (1024, 1024)
         # Won at every bucket measured: the rule beyond (2^32 / (4096 * 256)); lost past 64: 64, not the rule's.

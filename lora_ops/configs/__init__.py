@@ -428,37 +428,51 @@ def _stack_entry(kind, out_features, in_features, stack_rows, device, dtype):
 
 def stack_pad_rows(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):
     """Zero rows to put after stack_a's [W; A] (lora_ops.layers; L·S·R = ``stack_rows``): the table's
-    "stack_pad" entry for exactly this shape on this GPU, else 0. cuBLAS picks its kernel by shape, and some
+    "stack_pad" entry for exactly this shape on this GPU (the most its buckets take, of those the stacked path
+    serves), else 0. cuBLAS picks its kernel by shape, and some
     row counts get a slower one (H200: Llama o, 4096 + 256 rows at 64 tokens, 16.3 µs; + 384 rows, 13.0).
     Tuned by ``python -m lora_ops.tune --kinds stack_pad``."""
     e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
-    return 0 if e is None else int(e["pad"])
+    if e is None:
+        return 0
+    served = _stacked_up_to(out_features, in_features, stack_rows, device, dtype)
+    if not e.get("bucket_pads") or served is None:
+        return int(e["pad"])
+    # Only the buckets the stacked path serves (its "stack_limit" entry) need their rows in the stack.
+    return max((p for b, p in zip(e["buckets"], e["bucket_pads"]) if b <= token_bucket(served)), default=0)
+
+
+def _stacked_up_to(out_features, in_features, stack_rows, device, dtype):
+    """The most tokens the table's "stack_limit" entry stacks this shape at, where it lost past them (None
+    where it has none, or won to its last bucket: then layers.stacked_token_limit's rule decides beyond)."""
+    e = _stack_entry("stack_limit", out_features, in_features, stack_rows, device, dtype)
+    return None if e is None or e["max_tokens"] >= max(e["buckets"]) else int(e["max_tokens"])
 
 
 def stack_pad_at(num_tokens, out_features, in_features, stack_rows, device=torch.device("cpu"),
                  dtype=torch.bfloat16):
     """The zero rows of the stack's padding that the GEMM over [W; A; pad] takes at ``num_tokens`` tokens
     (precision.stacked_gemm multiplies a prefix of the stack), or None without a table entry (the whole
-    stack): the entry's pad for the timed token bucket nearest below this count's (the first bucket's below
-    it), at most :func:`stack_pad_rows`. cuBLAS's kernel
-    choice for a row count changes with the token count (H100, session 42: Llama gate_up r64, 64 tokens, 3.1 µs
-    over the base GEMM with the one pad the H200 tuned for every count, 1.8 with 352 rows; at 256 tokens 160
-    rows best), so the tuner keeps a pad per bucket (``bucket_pads``); an entry without them pads every count
-    alike. Resolved once per (bucket, shape) and remembered."""
+    stack): the entry's pad for the timed token bucket at or below this count's (the first bucket's pad where
+    none is), at most :func:`stack_pad_rows`. cuBLAS's kernel choice for a row count changes with the token
+    count (DESIGN §4, "A pad per token bucket"), so the tuner keeps a pad per bucket (``bucket_pads``); an entry
+    without them pads every count alike. Resolved once per (bucket, shape) and remembered."""
     key = ("stack_pad_at", token_bucket(num_tokens), out_features, in_features, stack_rows, device, dtype)
     if key not in _resolved:
         e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
-        _resolved[key] = None if e is None else _bucket_pad(e, key[1])
+        _resolved[key] = None if e is None else min(
+            _bucket_pad(e, key[1]), stack_pad_rows(out_features, in_features, stack_rows, device, dtype))
     return _resolved[key]
 
 
 def _bucket_pad(entry, bucket):
-    """``entry``'s (a "stack_pad" entry) pad at token bucket ``bucket``."""
+    """``entry``'s (a "stack_pad" entry) pad at token bucket ``bucket``: its pad for the last bucket at or below
+    it, the first bucket's where none is."""
     pads = entry.get("bucket_pads")
     if not pads:
         return int(entry["pad"])
     below = [p for b, p in zip(entry["buckets"], pads) if b <= bucket]
-    return int(min(below[-1] if below else pads[0], entry["pad"]))
+    return int(below[-1] if below else pads[0])
 
 
 def stack_limit_tokens(out_features, in_features, stack_rows, device=torch.device("cpu"), dtype=torch.bfloat16):

@@ -388,18 +388,19 @@ def fused_runner(p, cfg, expand_cfg=None):
 
 def stacked_runner(p, cfg, expand_cfg=None):
     """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A] (and the padding rows
-    LoRALinear would add: configs.stack_pad_rows), then the expand with ``cfg`` (its PDL as there). The
+    LoRALinear would add: configs.stack_pad_rows; precision.stacked_gemm takes this count's), then the expand with ``cfg`` (its PDL as there). The
     GEMM's time is the same for every candidate."""
     from lora_ops import launch
     from lora_ops.layers import stacked_weight
-    N = p["B"].shape[1]
+    from lora_ops.precision import stacked_gemm
+    N, rows = p["B"].shape[1], p["A"].numel() // p["x"].shape[1]
     if "Wst" not in p:
         x = p["x"]
         p["Wst"] = stacked_weight(base_weight(N, x.shape[1], x.device, x.dtype, seed=7), p["A"])
     pdl = launch.stacked_uses_pdl(p["x"])
 
     def run():
-        out = p["stacked_out"] = torch.nn.functional.linear(p["x"], p["Wst"])
+        out = p["stacked_out"] = stacked_gemm(p["x"], p["Wst"], None, N, rows)
         launch.launch_expand_stacked(out, N, p["B"], p["widths"], p["rank"], p["scale"], *p["meta"], cfg, pdl=pdl)
     return run
 
