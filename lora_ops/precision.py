@@ -3,7 +3,8 @@
 The ops compute in their inputs' dtype whatever an ambient autocast says, as their fake kernels state; so
 their base GEMM (and the write-first path's addmm_) runs with autocast off, and so does every CPU kernel
 (lora_ops.cpu: its float32 products would be recast too). LoRALinear, under autocast, casts its floating
-inputs as autocast casts an nn.Linear's, then calls the ops in that dtype (DESIGN §5).
+inputs as autocast casts an nn.Linear's, then calls the ops in that dtype (DESIGN §5). The ops' base GEMMs
+live here for that reason, stack_a's too (over the prefix of its stack a token count takes: DESIGN §4).
 """
 import contextlib
 
@@ -49,7 +50,8 @@ def base_addmm_(y, x, weight):
 
 
 def stacked_gemm(x, stacked_weight, stacked_bias, out_features, stack_rows):
-    """F.linear(x, [W; A; pad], bias): lora_linear_stacked's GEMM (both backends and the eager replay),
+    """F.linear(x, [W; A; pad], bias): lora_linear_stacked's GEMM (both backends; the eager replay runs the same
+    from the rows it resolved when it bound the call),
     [M, rows of the stack]: W's ``out_features`` rows, ``stack_rows`` (L·S·R) of A, then zero padding, there
     for cuBLAS's kernel choice, which changes with the token count. Where the table pads this count less than
     the stack holds (:func:`stacked_prefix_rows`), only that prefix of the stack is multiplied, into the
