@@ -37,6 +37,11 @@ def use_tables(folder):
     configs.reset()
 
 
+def padding_rows(layer):
+    """The zero rows after [W; A] in a stacked LoRALinear's buffer."""
+    return layer._stacked[0].shape[0] - layer.out_features - layer.lora_a.numel() // layer.in_features
+
+
 def capture(fn):
     """A replay of STEPS calls of ``fn``: a CUDA graph on the GPU, a loop on the CPU."""
     for _ in range(3):
@@ -96,8 +101,8 @@ def main(path):
             bench_decode.fill_adapters(ctx, rank, 4, torch.Generator(device=device).manual_seed(rank))
             with torch.no_grad():
                 replays[name] = capture(lambda m=model: m(x))
-            pads = sorted({(n.split(".")[-1], m._stacked[0].shape[0] - m.out_features - m.lora_a.numel() // m.in_features)
-                           for n, m in model.named_modules() if getattr(m, "_stacked", None) is not None})
+            pads = sorted({(n.split(".")[-1], padding_rows(m)) for n, m in model.named_modules()
+                           if getattr(m, "_stacked", None) is not None})
             print(f"r{rank} {name}: stack pads {pads}, table {configs.table_source()}", flush=True)
         with torch.no_grad():
             outs = [models[n](x).float() for n in TABLES]

@@ -77,6 +77,9 @@ def main(path):
         cfg = configs.stacked_config(M, p.N, p.S, p.R, p.L, p.K, p.device, p.dtype)
         sink = torch.empty(triton.cdiv(p.L * p.N * p.R, PREFETCH_BLOCK), device=p.device, dtype=torch.float32)
 
+        def gemm(x, ws):   # the stacked GEMM as the op runs it
+            return stacked_gemm(x, ws, None, p.N, p.L * p.S * p.R)
+
         def fork(run_side, run_main):
             if side is None:
                 run_side()
@@ -94,14 +97,14 @@ def main(path):
             if name in ("base", "gemm", "layer"):
                 return call(name, k)
             if name == "gemm_pf":
-                return lambda: fork(lambda: prefetch(i.lora_b, sink), lambda: stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R))
+                return lambda: fork(lambda: prefetch(i.lora_b, sink), lambda: gemm(i.x, ws))
 
             def layer(pf, pdl):
                 def run():
                     if pf:
-                        out = fork(lambda: prefetch(i.lora_b, sink, pf == "last"), lambda: stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R))
+                        out = fork(lambda: prefetch(i.lora_b, sink, pf == "last"), lambda: gemm(i.x, ws))
                     else:
-                        out = stacked_gemm(i.x, ws, None, p.N, p.L * p.S * p.R)
+                        out = gemm(i.x, ws)
                     launch.launch_expand_stacked(out, p.N, i.lora_b, p.widths, p.rank, p.scale, *p.meta, cfg,
                                                  pdl=pdl)
                     return out

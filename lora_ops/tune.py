@@ -78,7 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                     help="pair: add_lora_'s shrink, expand and one-launch entries; stacked: the stacked path's "
                          "expand; store: the expand's store mode, where lora_linear writes the delta first; "
-                         "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank, a pad per token bucket); "
+                         "stack_pad: zero rows after stack_a's [W; A] (once per layer and rank, a pad per token "
+                         "bucket); "
                          "stack_limit: the token count up to which stack_a stacks (once per layer and rank, "
                          "timed last, with the table this run writes)")
     ap.add_argument("--max-candidates", type=positive_int, default=None,

@@ -64,12 +64,11 @@ def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monke
     """Where the table pads this token count less than the stack holds (configs.stack_pad_at), the GEMM
     multiplies only W, A and that many padding rows: y and h as with the whole stack, the padding rows past
     it never read (NaN here)."""
-    from lora_ops import configs
+    from lora_ops import configs, precision
     dtype = torch.float32
     case, stacked, _, before, ref = stacked_problem(M, 16, dtype, backend.device, seed=11, with_bias=False, pad=5)
     E = N + L * S * 16
     stacked[E:E + 2] = 0.0   # the two padding rows this count takes; the other three stay NaN
-    from lora_ops import precision
     asked, whole = [], precision.base_linear
     monkeypatch.setattr(configs, "stack_pad_at", lambda *a: asked.append(a) or 2)
     monkeypatch.setattr(precision, "base_linear", lambda *a: pytest.fail("the whole stack was multiplied"))

@@ -433,20 +433,19 @@ def stack_pad_rows(out_features, in_features, stack_rows, device=torch.device("c
     row counts get a slower one (H200: Llama o, 4096 + 256 rows at 64 tokens, 16.3 µs; + 384 rows, 13.0).
     Tuned by ``python -m lora_ops.tune --kinds stack_pad``."""
     e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
-    if e is None:
-        return 0
-    served = _stacked_up_to(out_features, in_features, stack_rows, device, dtype)
-    if not e.get("bucket_pads") or served is None:
-        return int(e["pad"])
-    # Only the buckets the stacked path serves (its "stack_limit" entry) need their rows in the stack.
-    return max((p for b, p in zip(e["buckets"], e["bucket_pads"]) if b <= token_bucket(served)), default=0)
+    return 0 if e is None else _rows_held(e, out_features, in_features, stack_rows, device, dtype)
 
 
-def _stacked_up_to(out_features, in_features, stack_rows, device, dtype):
-    """The most tokens the table's "stack_limit" entry stacks this shape at, where it lost past them (None
-    where it has none, or won to its last bucket: then layers.stacked_token_limit's rule decides beyond)."""
-    e = _stack_entry("stack_limit", out_features, in_features, stack_rows, device, dtype)
-    return None if e is None or e["max_tokens"] >= max(e["buckets"]) else int(e["max_tokens"])
+def _rows_held(entry, out_features, in_features, stack_rows, device, dtype):
+    """The padding rows the stack holds for its "stack_pad" ``entry``: the most its buckets take, of those the
+    stacked path serves. Where the "stack_limit" entry lost past a count (:func:`stack_limit_tokens`: limit
+    under the buckets measured), the buckets above it need no rows; where it won to its last bucket,
+    layers.stacked_token_limit's rule decides beyond, and every bucket counts."""
+    limit = stack_limit_tokens(out_features, in_features, stack_rows, device, dtype)
+    if not entry.get("bucket_pads") or limit is None or limit[0] >= limit[1]:
+        return int(entry["pad"])
+    served = token_bucket(limit[0])
+    return max((p for b, p in zip(entry["buckets"], entry["bucket_pads"]) if b <= served), default=0)
 
 
 def stack_pad_at(num_tokens, out_features, in_features, stack_rows, device=torch.device("cpu"),
@@ -461,7 +460,7 @@ def stack_pad_at(num_tokens, out_features, in_features, stack_rows, device=torch
     if key not in _resolved:
         e = _stack_entry("stack_pad", out_features, in_features, stack_rows, device, dtype)
         _resolved[key] = None if e is None else min(
-            _bucket_pad(e, key[1]), stack_pad_rows(out_features, in_features, stack_rows, device, dtype))
+            _bucket_pad(e, key[1]), _rows_held(e, out_features, in_features, stack_rows, device, dtype))
     return _resolved[key]
 
 

@@ -388,8 +388,8 @@ def fused_runner(p, cfg, expand_cfg=None):
 
 def stacked_runner(p, cfg, expand_cfg=None):
     """The stacked layer as launch.lora_linear_stacked runs it: the GEMM over [W; A] (and the padding rows
-    LoRALinear would add: configs.stack_pad_rows; precision.stacked_gemm takes this count's), then the expand with ``cfg`` (its PDL as there). The
-    GEMM's time is the same for every candidate."""
+    LoRALinear would add: configs.stack_pad_rows; precision.stacked_gemm takes this count's), then the expand
+    with ``cfg`` (its PDL as there). The GEMM's time is the same for every candidate."""
     from lora_ops import launch
     from lora_ops.layers import stacked_weight
     from lora_ops.precision import stacked_gemm
