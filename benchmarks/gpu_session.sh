@@ -63,6 +63,11 @@
 #                                              # LoRABatch.update by either path, metadata compared), then the
 #                                              # decode step's synced column by either fill with FILL_DECODE=1
 #                                              # (~9 min; ~7 without)
+#     bash benchmarks/gpu_session.sh pads      # stack_a's pads per token bucket and its stack limits retuned
+#                                              # on this GPU (--kinds stack_pad, then stack_limit, --merge;
+#                                              # Llama r16/r64), then the stacked layer at 256 / 1024 tokens
+#                                              # under the table before and after, in turn; both tables come
+#                                              # back under $OUT (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -212,6 +217,16 @@ elif [ "$MODE" = tunehere ]; then
         ${TUNE_ARGS:---model llama3-8b --ranks 16 64 --tokens 1 16 64 256 --kinds pair}
     cp lora_ops/configs/tuned/*.json "$R/"
     tail -30 "$R/tune.log"
+elif [ "$MODE" = pads ]; then
+    mkdir -p "$R/before" "$R/after"
+    cp lora_ops/configs/tuned/*.json "$R/before/"
+    step tune_pad 300 python -m lora_ops.tune --kinds stack_pad --merge --ranks 16 64 --time-budget 270
+    step tune_limit 130 python -m lora_ops.tune --kinds stack_limit --merge --ranks 16 64 --time-budget 110
+    cp lora_ops/configs/tuned/*.json "$R/after/"
+    for table in before after; do
+        step "ab_$table" 70 env LORA_OPS_TUNED_DIR="$R/$table" python benchmarks/bench_lora.py --grid core \
+            --variants stacked --ms 256,1024 --peers '' --time-budget 55 --out "$R/ab_$table"
+    done
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
@@ -228,7 +243,8 @@ else
 fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
-        profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on; do
+        profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on \
+        tune_pad tune_limit ab_before ab_after; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
