@@ -416,25 +416,53 @@ def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
     assert rel_err(out, segment_outer_reference(u, v, case)) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("n_loop", [1, 2], ids=["one_column_block", "two_column_blocks"])
-def test_lora_grad_x_kernel_writes_only_adapted_rows(triton_kernels, n_loop):
-    """Poisoned dx: the rows of adapted tokens are written, the others (zeros in the op) never touched. Also
-    with a program walking two 16-wide column blocks of K = 40 (the last program's second past K)."""
+@pytest.mark.parametrize("write_all", [False, True], ids=["adapted_rows", "write_all"])
+@pytest.mark.parametrize("one_rank_block", [False, True], ids=["rank_blocks", "one_rank_block"])
+@pytest.mark.parametrize("n_loop", [1, 3], ids=["one_column_block", "three_column_blocks"])
+def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block, write_all):
+    """Poisoned dx: the rows of adapted tokens are written; the others are never touched, or with write_all
+    (the op's launch) get zeros, slot -1 and the rank-0 slot alike; both of dx's paths (rank blocks, the whole
+    rank in one block). Also with a program walking three 16-wide column blocks of K = 24 (the third past K)."""
     backend = triton_kernels
-    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=23)
     M, K, _, L, S, R = case.shape
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.full((M, K), float("nan"), device=case.x.device)
     cfg = launch_grad.grad_x_config(M, K, R, S)
+    if one_rank_block:
+        cfg = cfg._replace(block_r=32, one_rank_block=True)
     if n_loop > 1:
         cfg = cfg._replace(block_n=16, n_loop=n_loop)
         assert launch_grad.cdiv(K, 16) % n_loop
-    launch_grad.launch_lora_grad_x(dx, dh, case.lora_a, case.rank, *case.meta, cfg)
+    launch_grad.launch_lora_grad_x(dx, dh, case.lora_a, case.rank, *case.meta, cfg, write_all=write_all)
     untouched = case.untouched_rows().to(dx.device)
-    assert dx[untouched].isnan().all()
+    assert untouched.any() and (case.rank == 0).any()   # both kinds of token without a delta are in the case
+    if write_all:
+        assert (dx[untouched] == 0).all()
+    else:
+        assert dx[untouched].isnan().all()
     assert not dx[~untouched].isnan().any()
     want = grad_x_reference(dh, case)
     assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
+
+
+def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
+    """The op allocates dx unzeroed (the kernel writes every row): with every unzeroed scratch buffer poisoned
+    with NaN, rows of tokens without a delta still come back zero and the others match float64."""
+    real_alloc = launch.Scratch.alloc
+
+    def poisoned(spec, device):
+        buf = real_alloc(spec, device)
+        return buf if spec.zero else buf.fill_(float("nan"))
+    monkeypatch.setattr(launch.Scratch, "alloc", poisoned)
+    case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=triton_kernels.device, seed=29)
+    M, K, _, L, S, R = case.shape
+    dh = signed((M, S, R), case, torch.float32)
+    for _ in range(2):   # the call that keeps the plan, then its replay
+        dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
+        untouched = case.untouched_rows().to(dx.device)
+        assert (dx[untouched] == 0).all() and not dx.isnan().any()
+        assert rel_err(dx[~untouched], grad_x_reference(dh, case)[~untouched.cpu()]) <= TOLERANCE[torch.float32]
 
 
 ONE_RANK_BLOCK_CASES = {**GRAD_CASES, "three_slices_rank_64": dict(M=23, K=40, N=48, num_slots=2, num_slices=3,

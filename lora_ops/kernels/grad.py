@@ -17,14 +17,14 @@ def lora_grad_x_kernel(
     stride_rank, stride_ids, stride_starts, stride_counts,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SLOTS_POW2: tl.constexpr, RANK_ALIGN: tl.constexpr, H_PRECISION: tl.constexpr, N_LOOP: tl.constexpr = 1,
-    ONE_RANK_BLOCK: tl.constexpr = False, SLICES_POW2: tl.constexpr = 1,
+    ONE_RANK_BLOCK: tl.constexpr = False, SLICES_POW2: tl.constexpr = 1, WRITE_ALL: tl.constexpr = False,
 ):
     """dx[t, n-blocks] = sum_i dh[t, i, :rank] @ A[s_t, i, :rank, n-block], one token tile of one slot, for
     N_LOOP column blocks in turn.
 
     Pointers: dh [M, S, R] float32 (gradient of the shrink output, scale already in it); A [L, S, R, K]
     (fp16/bf16/fp32); dx [M, K] (A's dtype), written (not added) at the tile's valid tokens only, so rows
-    of tokens without an adapter keep what the caller put there (zeros); rank [L] int32; sorted_ids
+    of tokens without an adapter keep what the caller put there, unless WRITE_ALL; rank [L] int32; sorted_ids
     [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), K features, num_slots L, max_rank R, capacity of sorted_ids.
     Strides: every dimension of dh, A and dx, and of the 1-D rank, sorted_ids, slot_starts and slot_counts
@@ -43,13 +43,23 @@ def lora_grad_x_kernel(
     (wait_group 0) before the next block: nothing in flight reads registers a later step rewrites, which is
     what raced (kernels.work.dot_t; tests/test_codegen.py holds the waits). Otherwise each column block
     reloads and splits dh, slice by slice and rank block by rank block, on the MMA's right (dot_t).
+    WRITE_ALL: the token tiles also cover the tokens without a delta (slot -1, slots of rank 0: group L of
+    the metadata; SLOTS_POW2 >= L + 1), whose rows get zeros, so every row the metadata names is written and
+    dx needs no zero fill first (the metadata must partition the M tokens, as lora_ops.batch builds it).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, WRITE_ALL, stride_counts,
                                                   stride_starts, stride_rank)
     if rank == 0:
+        if WRITE_ALL:   # tokens without a delta: their rows of dx are zero
+            tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
+            for nb in tl.static_range(N_LOOP):
+                offs_n = (pid_n * N_LOOP + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk,
+                         tl.zeros((BLOCK_M, BLOCK_N), dtype=dx_ptr.dtype.element_ty),
+                         mask=valid[:, None] & (offs_n < K)[None, :])
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
