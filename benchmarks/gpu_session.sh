@@ -68,6 +68,10 @@
 #                                              # Llama r16/r64), then the stacked layer at 256 / 1024 tokens
 #                                              # under the table before and after, in turn; both tables come
 #                                              # back under $OUT (~9 min)
+#     bash benchmarks/gpu_session.sh gradx     # lora_grad_x writing every row (session 43): the gradient and
+#                                              # training tests on the GPU, then lab_train_ops with the op on a
+#                                              # zero-filled dx beside it (AB_GRAD_X_FILL=1; Llama r16/r64 at
+#                                              # 1024 / 4096 tokens, no sweep) (~5 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -227,6 +231,11 @@ elif [ "$MODE" = pads ]; then
         step "ab_$table" 70 env LORA_OPS_TUNED_DIR="$R/$table" python benchmarks/bench_lora.py --grid core \
             --variants stacked --ms 256,1024 --peers '' --time-budget 55 --out "$R/ab_$table"
     done
+elif [ "$MODE" = gradx ]; then
+    step tests 200 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_autograd.py tests/test_training.py
+    step lab_gradx 200 env AB_GRAD_X_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=180 OUT="$R" \
+        python benchmarks/lab_train_ops.py
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
@@ -244,7 +253,7 @@ fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
         profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on \
-        tune_pad tune_limit ab_before ab_after; do
+        tune_pad tune_limit ab_before ab_after lab_gradx; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

@@ -13,7 +13,8 @@ is timed (alone, input sets rotated: cold L2; before 2026-12-06's second run one
 candidate's time over the heuristic's.
 
     python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG,
-                                                         # GRAD_X_ONE_BLOCK, AB_GRAD_X, AB_GRAD_H: session 41)
+                                                         # GRAD_X_ONE_BLOCK, AB_GRAD_X, AB_GRAD_H: session 41;
+                                                         # AB_GRAD_X_FILL: 43)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
 """
 import contextlib
@@ -66,6 +67,9 @@ ONE_BLOCK_TILES = ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 8, 3))
 AB_GRAD_X = os.environ.get("AB_GRAD_X", "0") == "1"
 # AB_GRAD_H=1: also lora_grad_h with B^T copied by torch (before session 41's transpose kernel), as "grad_h_before".
 AB_GRAD_H = os.environ.get("AB_GRAD_H", "0") == "1"
+# AB_GRAD_X_FILL=1 (session 43): also lora_grad_x with dx zero-filled first and the adapted rows written
+# (launch_grad.GRAD_X_WRITES_ALL off), as "grad_x_fill".
+AB_GRAD_X_FILL = os.environ.get("AB_GRAD_X_FILL", "0") == "1"
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -183,7 +187,7 @@ def step_sets(p):
         def make_call(k):
             if k not in steps:
                 steps[k] = Step(p, k)
-            return steps[k].calls[name.removesuffix("_before")]   # (a "before" variant: the op, patched by BEFORE)
+            return steps[k].calls[VARIANTS[name][0] if name in VARIANTS else name]   # (a variant: the op, patched)
         return make_call
     return steps, make
 
@@ -202,18 +206,21 @@ def launch_grad_as(attr, value):
     plan.clear()
 
 
-# The profile's "before" variants (AB_GRAD_X, AB_GRAD_H): lora_grad_x without its ONE_RANK_BLOCK path,
-# lora_grad_h with B^T copied by torch, both as before session 41.
-BEFORE = {"grad_x_before": lambda: launch_grad_as("GRAD_X_HOLDS_DH", False),
-          "grad_h_before": lambda: launch_grad_as("b_as_shrink_a", _torch_b_t)}
+# The profile's "before" variants, {name: (the op, on, its patch)}: lora_grad_x without its ONE_RANK_BLOCK path
+# and lora_grad_h with B^T copied by torch (AB_GRAD_X, AB_GRAD_H: as before session 41), lora_grad_x on a
+# zero-filled dx (AB_GRAD_X_FILL: as before session 43).
+VARIANTS = {"grad_x_before": ("grad_x", AB_GRAD_X, lambda: launch_grad_as("GRAD_X_HOLDS_DH", False)),
+            "grad_h_before": ("grad_h", AB_GRAD_H, lambda: launch_grad_as("b_as_shrink_a", _torch_b_t)),
+            "grad_x_fill": ("grad_x", AB_GRAD_X_FILL, lambda: launch_grad_as("GRAD_X_WRITES_ALL", False))}
+AB = [name for name, (_, on, _) in VARIANTS.items() if on]
 
 
 def profile(timer, p):
     steps, make = step_sets(p)
-    names = (("base", "base_dx", *OPS) + (("grad_x_before",) if AB_GRAD_X else ())
-             + (("grad_h_before",) if AB_GRAD_H else ()))
+    names = ("base", "base_dx", *OPS, *AB)
     set_bytes = p.set_bytes() * 2
-    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes), BEFORE)
+    times, _ = timer.measure_paired({n: make(n) for n in names}, dict.fromkeys(names, set_bytes),
+                                    {n: VARIANTS[n][2] for n in AB})
     return times, steps, make
 
 
@@ -267,10 +274,8 @@ def main():
                 print(f"| {layer.model[:5]} {layer.name} | {rank} | {M} | {times['base']:.1f} | "
                       + f"{times['base_dx']:.1f} | " + " | ".join(f"{times[o]:.1f}" for o in OPS)
                       + f" | {lora / base:.2f} | {worst} {times[worst] / fl[worst][0]:.1f}x |"
-                      + (f" grad_x before {times['grad_x_before']:.1f} ({times['grad_x'] / times['grad_x_before']:.2f})"
-                         if AB_GRAD_X else "")
-                      + (f" grad_h before {times['grad_h_before']:.1f} ({times['grad_h'] / times['grad_h_before']:.2f})"
-                         if AB_GRAD_H else ""), flush=True)
+                      + "".join(f" {n} {times[n]:.1f} ({times[VARIANTS[n][0]] / times[n]:.2f})" for n in AB),
+                      flush=True)
                 if SWEEP:
                     row["sweep"] = {}
                     for name in SWEPT:

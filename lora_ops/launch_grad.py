@@ -59,6 +59,11 @@ GRAD_X_MAX_N_LOOP = 8
 GRAD_X_MAX_HELD_COLUMNS = 128
 # Whether the heuristic takes that path (a switch for the lab's A/B, benchmarks/lab_train_ops.py).
 GRAD_X_HOLDS_DH = True
+# The op's dx: every row written by the kernel, zeros where a token has no delta (launch_lora_grad_x's write_all),
+# not zero-filled first with the kernel writing the adapted rows only; the fill cost as much as the kernel's own
+# stores (H100, session 41: 37 of down r64's 110 µs at 4096 tokens). False: as before (benchmarks/lab_train_ops.py
+# AB_GRAD_X_FILL=1 times both).
+GRAD_X_WRITES_ALL = True
 
 
 def grad_x_n_loop(bucket, column_blocks, block_m):
@@ -252,16 +257,14 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, ch
         checks.check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts)
     M = dh.shape[0]
     K = lora_a.shape[3]
-    # The kernel writes every row, zeros where a token has no delta (write_all): no fill of dx first, which cost
-    # as much as the kernel's own stores (H100, session 41: 37 of down r64's 110 µs at 4096 tokens).
-    dx_spec = Scratch((M, K), lora_a.dtype)
+    dx_spec = Scratch((M, K), lora_a.dtype, zero=not GRAD_X_WRITES_ALL)
     if not (M and K):
         return dx_spec.alloc(dh.device)
     meta = (rank, sorted_token_ids, slot_starts, slot_counts)
     _, S, R, _ = lora_a.shape
     return _planned("lora_grad_x", dx_spec, (dh, lora_a), (), meta, lambda dx: launch_lora_grad_x(
         dx, dh, lora_a, *meta, grad_x_config(M, K, R, S, takes_float32_tiles(lora_a), float16_on_gpu(lora_a)),
-        run=False, write_all=True))
+        run=False, write_all=GRAD_X_WRITES_ALL))
 
 
 def segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
