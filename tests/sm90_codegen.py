@@ -255,12 +255,13 @@ def cases():
 
     def grad_x(p=p):
         launch_grad.launch_lora_grad_x(p["x"].new_zeros(256, 256), dh, p["A"], p["rank"], *p["meta"],
-                                       launch_grad.grad_x_config(256, 256, 64, 3))
+                                       launch_grad.grad_x_config(256, 256, 64, 3), write_all=True)
     yield "grad_x_r64", launch_grad.GRAD_X, grad_x
 
     def grad_x_loop(p=p):   # a program walking 4 column blocks (N_LOOP)
         launch_grad.launch_lora_grad_x(p["x"].new_zeros(256, 256), dh, p["A"], p["rank"], *p["meta"],
-                                       launch_grad.grad_x_config(256, 256, 64, 3)._replace(block_n=64, n_loop=4))
+                                       launch_grad.grad_x_config(256, 256, 64, 3)._replace(block_n=64, n_loop=4),
+                                       write_all=True)
     yield "grad_x_r64_n_loop4", launch_grad.GRAD_X, grad_x_loop
 
     # The tile's dh of both slices split once (ONE_RANK_BLOCK, the heuristic's from the 1024-token bucket: 2 x 64
@@ -272,7 +273,7 @@ def cases():
         cfg = launch_grad.grad_x_config(4096, 256, 64, 2)
         assert cfg.one_rank_block
         launch_grad.launch_lora_grad_x(p["x"].new_zeros(256, 256), dh_two, p["A"], p["rank"], *p["meta"],
-                                       cfg._replace(n_loop=4))
+                                       cfg._replace(n_loop=4), write_all=True)
     yield "grad_x_one_block_r64_two_slices", launch_grad.GRAD_X, grad_x_one_block
 
     def transpose_b(p=p):   # lora_grad_h's B^T (launch_grad.b_as_shrink_a)
@@ -356,7 +357,8 @@ def float32_launches():
                 yield label + " fused", launch.FUSED, lambda p=p, c=fcfg: launch.launch_fused(
                     p["y"], p["x"], p["A"], p["B"], p["scale"], p["rank"], widths, *p["meta"], c)
         yield f"r{R} grad_x", launch_grad.GRAD_X, lambda p=p, dh=dh: launch_grad.launch_lora_grad_x(
-            torch.zeros(64, K), dh, p["A"], p["rank"], *p["meta"], launch_grad.grad_x_config(4096, K, R, S, True))
+            torch.zeros(64, K), dh, p["A"], p["rank"], *p["meta"], launch_grad.grad_x_config(4096, K, R, S, True),
+            write_all=True)
         yield f"r{R} grad_a", launch_grad.SEGMENT_OUTER, lambda p=p, dh=dh: launch_grad.launch_lora_grad_a(
             torch.empty(4, S, R, K), dh, p["x"], p["rank"], *p["meta"],
             launch_grad.segment_outer_config(R, K, 4 * S, True))

@@ -144,7 +144,7 @@ def grad_launches(dtypes, problems):
             M = p["x"].shape[0]
             dh = torch.randn(M, 3, R)
             launch_grad.launch_lora_grad_x(torch.zeros(M, 4096, dtype=dtype), dh, p["A"], p["rank"], *p["meta"],
-                                           launch_grad.grad_x_config(M, 4096, R, 3))
+                                           launch_grad.grad_x_config(M, 4096, R, 3), write_all=True)
             launch_grad.launch_segment_outer(torch.empty(4, R, 4096, dtype=dtype), dh[:, 0], p["x"], p["rank"],
                                              *p["meta"], launch_grad.segment_outer_config(R, 4096, 4))
             # The backward's slice ops as the autograd formula calls them (their configs, their scratch), with

@@ -55,7 +55,7 @@ def lora_grad_x_kernel(
     if rank == 0:
         if WRITE_ALL:   # tokens without a delta: their rows of dx are zero
             tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
-            for nb in tl.static_range(N_LOOP):
+            for nb in range(N_LOOP):
                 offs_n = (pid_n * N_LOOP + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
                 tl.store(dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk,
                          tl.zeros((BLOCK_M, BLOCK_N), dtype=dx_ptr.dtype.element_ty),
