@@ -170,7 +170,7 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
         (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride(),
          *plan.strides_1d(rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(NUM_SLICES=S, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-             SLOTS_POW2=next_power_of_2(groups), RANK_ALIGN=rank_align(R),
+             SLOTS_POW2=next_power_of_2(L), RANK_ALIGN=rank_align(R),
              H_PRECISION=f32_operand_precision(lora_a.dtype), N_LOOP=cfg.n_loop,
              ONE_RANK_BLOCK=cfg.one_rank_block, SLICES_POW2=next_power_of_2(S), WRITE_ALL=write_all,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages),

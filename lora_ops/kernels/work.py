@@ -56,6 +56,36 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
 
 
 @triton.jit
+def find_tile_then_none(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
+                        BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr, stride_counts=1, stride_starts=1,
+                        stride_rank=1):
+    """find_slot_tile's WITH_NONE work list on a slot vector of SLOTS_POW2 >= L lanes (not L + 1): the tiles of
+    every slot's tokens, rank-0 slots too, then those of group L (no adapter), found from two more scalar loads
+    in the same round trip. Tokens without a delta get rank 0. (lora_grad_x: eight lanes where four do made
+    Triton 3.9 spill float32's tiles at their 128 registers.)"""
+    ls = tl.arange(0, SLOTS_POW2)
+    in_range = ls < num_slots
+    cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=in_range, other=0)
+    rk = tl.load(rank_ptr + ls * stride_rank, mask=in_range, other=0)
+    starts = tl.load(slot_starts_ptr + ls * stride_starts, mask=in_range, other=0)
+    none_count = tl.load(slot_counts_ptr + num_slots * stride_counts)
+    none_start = tl.load(slot_starts_ptr + num_slots * stride_starts)
+    cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
+    rk = tl.minimum(tl.maximum(rk, 0), max_rank)
+    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    slot = tl.sum((ends <= pid).to(tl.int32), 0)
+    mine = ls == slot
+    none = slot >= num_slots   # past every slot's tiles: group L's
+    tile = tl.where(none, pid - tl.sum(tiles, 0), pid - tl.sum(tl.where(mine, ends - tiles, 0), 0))
+    count = tl.where(none, tl.minimum(tl.maximum(none_count, 0), capacity), tl.sum(tl.where(mine, cnt, 0), 0))
+    rank = tl.where(none, 0, tl.sum(tl.where(mine, rk, 0), 0))
+    start = tl.where(none, none_start, tl.sum(tl.where(mine, starts, 0), 0))
+    start = tl.minimum(tl.maximum(start, 0), capacity)
+    return slot, start + tile * BLOCK_M, count - tile * BLOCK_M, rank
+
+
+@triton.jit
 def find_slice_chunk(pid_n, SLICE_COLS: tl.constexpr, SLICE_CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
     """Map column-chunk program ``pid_n`` to (slice, its chunk's first column, the slice's column end).
 
