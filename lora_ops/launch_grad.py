@@ -60,9 +60,9 @@ GRAD_X_MAX_HELD_COLUMNS = 128
 # Whether the heuristic takes that path (a switch for the lab's A/B, benchmarks/lab_train_ops.py).
 GRAD_X_HOLDS_DH = True
 # The op's dx: every row written by the kernel, zeros where a token has no delta (launch_lora_grad_x's write_all),
-# not zero-filled first with the kernel writing the adapted rows only; the fill cost as much as the kernel's own
-# stores (H100, session 41: 37 of down r64's 110 µs at 4096 tokens). False: as before (benchmarks/lab_train_ops.py
-# AB_GRAD_X_FILL=1 times both).
+# not zero-filled first (an M x K write as large as the kernel's own stores) with the kernel writing the adapted
+# rows only (DESIGN §4, "dx written whole"). False: as before (benchmarks/lab_train_ops.py AB_GRAD_X_FILL=1 times
+# both).
 GRAD_X_WRITES_ALL = True
 
 

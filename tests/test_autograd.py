@@ -436,7 +436,8 @@ def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block,
         assert launch_grad.cdiv(K, 16) % n_loop
     launch_grad.launch_lora_grad_x(dx, dh, case.lora_a, case.rank, *case.meta, cfg, write_all=write_all)
     untouched = case.untouched_rows().to(dx.device)
-    assert untouched.any() and (case.rank == 0).any()   # both kinds of token without a delta are in the case
+    slots = case.token_slots.cpu()
+    assert (slots < 0).any() and (case.rank.cpu()[slots.clamp(min=0)][slots >= 0] == 0).any()   # both kinds
     if write_all:
         assert (dx[untouched] == 0).all()
     else:
@@ -446,15 +447,24 @@ def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block,
     assert rel_err(dx[~untouched], want[~untouched.cpu()]) <= TOLERANCE[torch.float32]
 
 
-def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
-    """The op allocates dx unzeroed (the kernel writes every row): with every unzeroed scratch buffer poisoned
-    with NaN, rows of tokens without a delta still come back zero and the others match float64."""
+def poison_unzeroed_scratch(monkeypatch):
+    """Every scratch buffer allocated unzeroed (Scratch.alloc) comes back filled with NaN; returns the list
+    of the zero flags of the buffers allocated since."""
     real_alloc = launch.Scratch.alloc
+    seen = []
 
     def poisoned(spec, device):
         buf = real_alloc(spec, device)
+        seen.append(spec.zero)
         return buf if spec.zero else buf.fill_(float("nan"))
     monkeypatch.setattr(launch.Scratch, "alloc", poisoned)
+    return seen
+
+
+def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
+    """The op allocates dx unzeroed (the kernel writes every row): with every unzeroed scratch buffer poisoned
+    with NaN, rows of tokens without a delta still come back zero and the others match float64."""
+    seen = poison_unzeroed_scratch(monkeypatch)
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=triton_kernels.device, seed=29)
     M, K, _, L, S, R = case.shape
     dh = signed((M, S, R), case, torch.float32)
@@ -463,6 +473,28 @@ def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
         untouched = case.untouched_rows().to(dx.device)
         assert (dx[untouched] == 0).all() and not dx.isnan().any()
         assert rel_err(dx[~untouched], grad_x_reference(dh, case)[~untouched.cpu()]) <= TOLERANCE[torch.float32]
+    assert False in seen   # dx was allocated unzeroed, so poisoned
+
+
+@pytest.mark.parametrize("capacity", [None, 400], ids=["exact_capacity", "stale_ids_past_M"])
+@pytest.mark.parametrize("block_m", [16, 64], ids=["16_token_tiles", "64_token_tiles"])
+def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch, block_m, capacity):
+    """The write-all work list past its first tile of a group: three slots (not a power of two), a rank-0 slot
+    of 90 tokens and 170 tokens without an adapter (several tiles each), a slot without tokens, metadata
+    longer than M; dx poisoned, against float64 (zeros where a token has no delta)."""
+    seen = poison_unzeroed_scratch(monkeypatch)
+    M = 300
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
+    case = make_case(M=M, K=24, N=16, num_slots=3, num_slices=2, max_rank=8, ranks=[8, 0, 5], token_slots=slots,
+                     capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
+    cfg = launch_grad.grad_x_config(M, 24, 8, 2)._replace(block_m=block_m)
+    monkeypatch.setattr(launch_grad, "grad_x_config", lambda *a, **k: cfg)
+    dh = signed((M, 2, 8), case, torch.float32)
+    dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
+    assert False in seen and not dx.isnan().any()
+    assert (dx[case.untouched_rows().to(dx.device)] == 0).all()
+    assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
 
 
 ONE_RANK_BLOCK_CASES = {**GRAD_CASES, "three_slices_rank_64": dict(M=23, K=40, N=48, num_slots=2, num_slices=3,

@@ -2,7 +2,9 @@
 
 The grid's token axis has a fixed size computed from shapes (see lora_ops.launch); each program finds
 its (slot, token tile) here, from the per-slot counts on the device. Slots with rank 0 get no tiles,
-so no program is spent on them; programs past the last tile find rank 0 and return.
+so no program is spent on them; programs past the last tile find rank 0 and return. The work lists of
+kernels that write every row (find_slot_tile's WITH_NONE, find_tile_then_none) also give tiles to rank-0
+slots and to group L, with rank 0; past the last tile their programs get no rows (rows left <= 0).
 """
 import triton
 import triton.language as tl
@@ -61,8 +63,9 @@ def find_tile_then_none(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slo
                         stride_rank=1):
     """find_slot_tile's WITH_NONE work list on a slot vector of SLOTS_POW2 >= L lanes (not L + 1): the tiles of
     every slot's tokens, rank-0 slots too, then those of group L (no adapter), found from two more scalar loads
-    in the same round trip. Tokens without a delta get rank 0. (lora_grad_x: eight lanes where four do made
-    Triton 3.9 spill float32's tiles at their 128 registers.)"""
+    in the same round trip. Tokens without a delta get rank 0; group L's tiles return a slot >= L (not L, as
+    WITH_NONE returns). (lora_grad_x: eight lanes where four do made Triton 3.9 spill float32's tiles at their
+    128 registers.)"""
     ls = tl.arange(0, SLOTS_POW2)
     in_range = ls < num_slots
     cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=in_range, other=0)
