@@ -25,8 +25,7 @@ def lora_grad_x_kernel(
     Pointers: dh [M, S, R] float32 (gradient of the shrink output, scale already in it); A [L, S, R, K]
     (fp16/bf16/fp32); dx [M, K] (A's dtype), written (not added) at the tile's valid tokens only, so rows
     of tokens without a delta (slot -1, a slot of rank 0) keep what the caller put there, unless WRITE_ALL;
-    rank [L] int32; sorted_ids
-    [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
+    rank [L] int32; sorted_ids [capacity] int32, slot_starts / slot_counts [L + 1] int32 (lora_ops.batch).
     Sizes: M tokens (not specialised), K features, num_slots L, max_rank R, capacity of sorted_ids.
     Strides: every dimension of dh, A and dx, and of the 1-D rank, sorted_ids, slot_starts and slot_counts
     (stride_rank .. stride_counts), in elements.
