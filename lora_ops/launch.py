@@ -229,7 +229,7 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
          *plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),
         dict(SLICE_COLS=cols, SLICE_CHUNKS=chunks,
              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, N_LOOP=cfg.n_loop,
-             ONE_RANK_BLOCK=one_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(groups),
+             ONE_RANK_BLOCK=one_block, PART_CHUNK=part_chunk(cfg), SLOTS_POW2=next_power_of_2(L),
              RANK_ALIGN=rank_align(R), H_PRECISION=h_precision, M_LOOP=cfg.m_loop,
              num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra),
     ).run_if(run)

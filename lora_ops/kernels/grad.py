@@ -3,7 +3,7 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import (dot_split, dot_t, find_slice_block, find_slot_tile, find_tile_then_none,
+from lora_ops.kernels.work import (dot_split, dot_t, find_slice_block, find_slot_tile,
                                    load_tile_tokens, rank_ceil, split_f32)
 
 
@@ -44,20 +44,15 @@ def lora_grad_x_kernel(
     what raced (kernels.work.dot_t; tests/test_codegen.py holds the waits). Otherwise each column block
     reloads and splits dh, slice by slice and rank block by rank block, on the MMA's right (dot_t).
     WRITE_ALL: the token tiles also cover the tokens without a delta (slot -1, slots of rank 0; group L's tiles
-    after every slot's: kernels.work.find_tile_then_none), whose rows get zeros, so every row the metadata
+    after every slot's: kernels.work.find_slot_tile's WITH_NONE), whose rows get zeros, so every row the metadata
     names is written and dx needs no zero fill first (the metadata must partition the M tokens, as
     lora_ops.batch builds it).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    if WRITE_ALL:
-        slot, row0, rows_left, rank = find_tile_then_none(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr,
-                                                          num_slots, max_rank, capacity, BLOCK_M, SLOTS_POW2,
-                                                          stride_counts, stride_starts, stride_rank)
-    else:
-        slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                      max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
-                                                      stride_starts, stride_rank)
+    slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank,
+                                                  capacity, BLOCK_M, SLOTS_POW2, WRITE_ALL, stride_counts, stride_starts,
+                                                  stride_rank)
     if rank == 0:
         if WRITE_ALL:   # tokens without a delta: their rows of dx are zero
             tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)

@@ -3,7 +3,7 @@
 The grid's token axis has a fixed size computed from shapes (see lora_ops.launch); each program finds
 its (slot, token tile) here, from the per-slot counts on the device. Slots with rank 0 get no tiles,
 so no program is spent on them; programs past the last tile find rank 0 and return. The work lists of
-kernels that write every row (find_slot_tile's WITH_NONE, find_tile_then_none) also give tiles to rank-0
+kernels that write every row (find_slot_tile's WITH_NONE) also give tiles to rank-0
 slots and to group L, with rank 0; past the last tile their programs get no rows (rows left <= 0).
 """
 import triton
@@ -26,26 +26,27 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
     the checks keep every offset within int32).
     num_slots: L; max_rank: R (ranks are clamped to [0, R]); capacity: length of sorted_token_ids
     (counts and starts are clamped to it, so corrupt metadata cannot send a read out of bounds).
-    BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L (>= L + 1 with WITH_NONE).
+    BLOCK_M: tokens per tile; SLOTS_POW2: next power of two >= L.
     Returns rank 0 when ``pid`` is past the last tile.
-    WITH_NONE: tiles also cover the tokens without a delta, with rank 0: those of slots of rank 0 and
-    group L (no adapter), so the tiles cover every token (a kernel that writes all of y, not adds to it).
+    WITH_NONE: tiles also cover the tokens without a delta, with rank 0: every slot's tokens, rank-0 slots
+    too, then those of group L (no adapter), so the tiles cover every token (a kernel that writes all of its
+    output, not adds to it). Group L's count and start are two scalar loads beside the slots' vector loads,
+    in the same round trip, and its tiles return a slot >= L. (A vector of L + 1 lanes, eight where four
+    do, made Triton 3.9 spill lora_grad_x's float32 tiles at their 128 registers.)
     """
     ls = tl.arange(0, SLOTS_POW2)
     in_range = ls < num_slots
-    groups = in_range
-    if WITH_NONE:
-        groups = ls <= num_slots
     # Counts, ranks and starts in one round trip: at decode sizes a kernel is a chain of dependent memory
     # round trips (metadata, token ids, operands), and the start loaded after the slot was known was one more.
-    cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=groups, other=0)
+    cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=in_range, other=0)
     rk = tl.load(rank_ptr + ls * stride_rank, mask=in_range, other=0)
-    starts = tl.load(slot_starts_ptr + ls * stride_starts, mask=groups, other=0)
+    starts = tl.load(slot_starts_ptr + ls * stride_starts, mask=in_range, other=0)
     cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
     rk = tl.minimum(tl.maximum(rk, 0), max_rank)
-    tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
     if WITH_NONE:
-        tiles = tl.where(groups, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
+        tiles = (cnt + BLOCK_M - 1) // BLOCK_M
+    else:
+        tiles = tl.where(rk > 0, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     slot = tl.sum((ends <= pid).to(tl.int32), 0)
     mine = ls == slot
@@ -53,37 +54,13 @@ def find_slot_tile(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, m
     count = tl.sum(tl.where(mine, cnt, 0), 0)
     rank = tl.sum(tl.where(mine, rk, 0), 0)
     start = tl.sum(tl.where(mine, starts, 0), 0)
-    start = tl.minimum(tl.maximum(start, 0), capacity)
-    return slot, start + tile * BLOCK_M, count - tile * BLOCK_M, rank
-
-
-@triton.jit
-def find_tile_then_none(pid, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank, capacity,
-                        BLOCK_M: tl.constexpr, SLOTS_POW2: tl.constexpr, stride_counts=1, stride_starts=1,
-                        stride_rank=1):
-    """find_slot_tile's WITH_NONE work list on a slot vector of SLOTS_POW2 >= L lanes (not L + 1): the tiles of
-    every slot's tokens, rank-0 slots too, then those of group L (no adapter), found from two more scalar loads
-    in the same round trip. Tokens without a delta get rank 0; group L's tiles return a slot >= L (not L, as
-    WITH_NONE returns). (lora_grad_x: eight lanes where four do made Triton 3.9 spill float32's tiles at their
-    128 registers.)"""
-    ls = tl.arange(0, SLOTS_POW2)
-    in_range = ls < num_slots
-    cnt = tl.load(slot_counts_ptr + ls * stride_counts, mask=in_range, other=0)
-    rk = tl.load(rank_ptr + ls * stride_rank, mask=in_range, other=0)
-    starts = tl.load(slot_starts_ptr + ls * stride_starts, mask=in_range, other=0)
-    none_count = tl.load(slot_counts_ptr + num_slots * stride_counts)
-    none_start = tl.load(slot_starts_ptr + num_slots * stride_starts)
-    cnt = tl.minimum(tl.maximum(cnt, 0), capacity)
-    rk = tl.minimum(tl.maximum(rk, 0), max_rank)
-    tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, 0)
-    slot = tl.sum((ends <= pid).to(tl.int32), 0)
-    mine = ls == slot
-    none = slot >= num_slots   # past every slot's tiles: group L's
-    tile = tl.where(none, pid - tl.sum(tiles, 0), pid - tl.sum(tl.where(mine, ends - tiles, 0), 0))
-    count = tl.where(none, tl.minimum(tl.maximum(none_count, 0), capacity), tl.sum(tl.where(mine, cnt, 0), 0))
-    rank = tl.where(none, 0, tl.sum(tl.where(mine, rk, 0), 0))
-    start = tl.where(none, none_start, tl.sum(tl.where(mine, starts, 0), 0))
+    if WITH_NONE:
+        none = slot >= num_slots   # past every slot's tiles: group L's
+        none_count = tl.load(slot_counts_ptr + num_slots * stride_counts)
+        none_start = tl.load(slot_starts_ptr + num_slots * stride_starts)
+        tile = tl.where(none, pid - tl.sum(tiles, 0), tile)
+        count = tl.where(none, tl.minimum(tl.maximum(none_count, 0), capacity), count)
+        start = tl.where(none, none_start, start)
     start = tl.minimum(tl.maximum(start, 0), capacity)
     return slot, start + tile * BLOCK_M, count - tile * BLOCK_M, rank
 
