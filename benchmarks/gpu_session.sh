@@ -72,11 +72,13 @@
 #                                              # training tests on the GPU, then lab_train_ops with the op on a
 #                                              # zero-filled dx beside it (AB_GRAD_X_FILL=1; Llama r16/r64 at
 #                                              # 1024 / 4096 tokens, no sweep) (~5 min)
-#     BASE=DIR bash benchmarks/gpu_session.sh worklist   # the write-all work list (session 44: the write-first
-#                                              # expand's WITH_NONE on the slots' own lanes): the write-first,
-#                                              # config, gradient and training tests on the GPU, then lora_linear's
-#                                              # write-first rows (core grid, 1024-8192 tokens, in_order) for
-#                                              # the tree in DIR and this one (~7 min)
+#     BASE=DIR bash benchmarks/gpu_session.sh writeall   # session 44: the write-first expand's work list on the
+#                                              # slots' own lanes, and the shrink op and lora_grad_h writing all
+#                                              # of h: the write-first, gradient and training tests on the GPU,
+#                                              # lora_linear's write-first rows (core grid, 1024 / 4096 tokens,
+#                                              # in_order) for the tree in DIR and this one, then lab_train_ops
+#                                              # with the ops on a zero-filled h beside them (AB_SHRINK_FILL=1;
+#                                              # Llama r16/r64 at 1024 / 4096 tokens, no sweep) (~9 min)
 #     bash benchmarks/gpu_session.sh configs   # what the runtime autotune and the heuristic give against
 #                                              # the table (core subset), and the high-rank shapes the table
 #                                              # lacks tuned into a copy of it under $OUT (~9 min)
@@ -241,11 +243,13 @@ elif [ "$MODE" = gradx ]; then
         tests/test_autograd.py tests/test_training.py
     step lab_gradx 200 env AB_GRAD_X_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=180 OUT="$R" \
         python benchmarks/lab_train_ops.py
-elif [ "$MODE" = worklist ]; then
-    step tests 280 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_write_first.py tests/test_configs.py tests/test_autograd.py tests/test_training.py
-    in_trees large 100 python @TREE@/benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 --variants in_order \
-        --peers '' --time-budget 85 --out "$R"/large_@TAG@
+elif [ "$MODE" = writeall ]; then
+    step tests 230 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_write_first.py tests/test_autograd.py tests/test_training.py
+    in_trees large 80 python @TREE@/benchmarks/bench_lora.py --grid core --ms 1024,4096 --variants in_order \
+        --peers '' --time-budget 65 --out "$R"/large_@TAG@
+    step lab_fill 170 env AB_SHRINK_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=150 OUT="$R" \
+        python benchmarks/lab_train_ops.py
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \
         --peers '' --time-budget 225 --out "$R"
@@ -263,7 +267,7 @@ fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
         profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on \
-        tune_pad tune_limit ab_before ab_after lab_gradx large_base large_new; do
+        tune_pad tune_limit ab_before ab_after lab_gradx large_base large_new lab_fill; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done

@@ -14,7 +14,7 @@ candidate's time over the heuristic's.
 
     python benchmarks/lab_train_ops.py                   # GPU (MODELS, LAYERS, RANKS, MS, SWEEP, SWEPT, BUDGET, TAG,
                                                          # GRAD_X_ONE_BLOCK, AB_GRAD_X, AB_GRAD_H: session 41;
-                                                         # AB_GRAD_X_FILL: 43)
+                                                         # AB_GRAD_X_FILL: 43; AB_SHRINK_FILL: 44)
     DEV=cpu TRITON_INTERPRET=1 python benchmarks/lab_train_ops.py   # logic check, tiny, float16
 """
 import contextlib
@@ -30,7 +30,7 @@ import repo_path  # noqa: F401,E402
 import problems  # noqa: E402
 import shapes  # noqa: E402
 from lab_env import DEV, DTYPE, TINY, ints, run_env  # noqa: E402
-from lora_ops import configs, cpu, cpu_grad, launch_grad, plan  # noqa: E402
+from lora_ops import configs, cpu, cpu_grad, launch, launch_grad, plan  # noqa: E402
 from lora_ops.ops import set_cpu_backend  # noqa: E402
 from timing import Timer  # noqa: E402
 
@@ -70,6 +70,9 @@ AB_GRAD_H = os.environ.get("AB_GRAD_H", "0") == "1"
 # AB_GRAD_X_FILL=1 (session 43): also lora_grad_x with dx zero-filled first and the adapted rows written
 # (launch_grad.GRAD_X_WRITES_ALL off), as "grad_x_fill".
 AB_GRAD_X_FILL = os.environ.get("AB_GRAD_X_FILL", "0") == "1"
+# AB_SHRINK_FILL=1 (session 44): also the shrink op and lora_grad_h with the h they return zero-filled first and
+# the adapted entries written (launch.SHRINK_WRITES_ALL off), as "shrink_fill" and "grad_h_fill".
+AB_SHRINK_FILL = os.environ.get("AB_SHRINK_FILL", "0") == "1"
 SEGMENT = ((64, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3))
 
 
@@ -198,20 +201,23 @@ def _torch_b_t(lora_b, num_slices):
 
 
 @contextlib.contextmanager
-def launch_grad_as(attr, value):
-    """launch_grad's ``attr`` as ``value`` inside, plans built afresh inside and after: an op as it was."""
+def launch_grad_as(attr, value, module=launch_grad):
+    """``module``'s ``attr`` as ``value`` inside, plans built afresh inside and after: an op as it was."""
     plan.clear()
-    with mock.patch.object(launch_grad, attr, value):
+    with mock.patch.object(module, attr, value):
         yield
     plan.clear()
 
 
 # The profile's "before" variants, {name: (the op, on, its patch)}: lora_grad_x without its ONE_RANK_BLOCK path
 # and lora_grad_h with B^T copied by torch (AB_GRAD_X, AB_GRAD_H: as before session 41), lora_grad_x on a
-# zero-filled dx (AB_GRAD_X_FILL: as before session 43).
+# zero-filled dx (AB_GRAD_X_FILL: as before session 43), the shrink op and lora_grad_h on a zero-filled h
+# (AB_SHRINK_FILL: as before session 44).
 VARIANTS = {"grad_x_before": ("grad_x", AB_GRAD_X, lambda: launch_grad_as("GRAD_X_HOLDS_DH", False)),
             "grad_h_before": ("grad_h", AB_GRAD_H, lambda: launch_grad_as("b_as_shrink_a", _torch_b_t)),
-            "grad_x_fill": ("grad_x", AB_GRAD_X_FILL, lambda: launch_grad_as("GRAD_X_WRITES_ALL", False))}
+            "grad_x_fill": ("grad_x", AB_GRAD_X_FILL, lambda: launch_grad_as("GRAD_X_WRITES_ALL", False)),
+            "shrink_fill": ("shrink", AB_SHRINK_FILL, lambda: launch_grad_as("SHRINK_WRITES_ALL", False, launch)),
+            "grad_h_fill": ("grad_h", AB_SHRINK_FILL, lambda: launch_grad_as("SHRINK_WRITES_ALL", False, launch))}
 AB = [name for name, (_, on, _) in VARIANTS.items() if on]
 
 

@@ -7,8 +7,8 @@ T >= M metadata capacity):
     sorted_token_ids [T] int32, slot_starts [L+1] int32, slot_counts [L+1] int32
                         (lora_ops.batch builds these; entry L counts the tokens with no adapter)
     The metadata partitions the M tokens: sorted_token_ids names each of 0..M-1 once, in the run of its
-    slot (or in run L). lora_linear's write-first path and lora_grad_x write the rows it names into a fresh
-    output (zeros where a token has no delta); a row it does not name would be left unwritten.
+    slot (or in run L). lora_linear's write-first path, lora_grad_x, shrink and lora_grad_h write the rows it
+    names into a fresh output (zeros where a token has no delta); a row it does not name would be left unwritten.
 
 shrink     h[t, i, r] = scale[s_t] * x[t] . lora_a[s_t, i, r]      (r < rank[s_t]; else 0; 0 for s_t = -1)
 expand_    y[t, slice i] += h[t, i, :rank] @ lora_b[s_t, slice i, :rank]^T             (in place)

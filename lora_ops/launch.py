@@ -113,12 +113,14 @@ def shrink_sum_scratch(M, S, R, grid, cfg):
     return Scratch((cfg.split_k, M, S, R), torch.float32), Scratch((grid[0] * grid[1],), torch.int32, zero=True)
 
 
-def shrink_grid(M, S, R, L, cfg):
-    return (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
+def shrink_grid(M, S, R, L, cfg, write_all=False):
+    """``write_all``: the token axis also covers group L, the tokens without an adapter (kernel's WRITE_ALL)."""
+    return (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L + 1 if write_all else L, cfg.block_m),
+            cfg.split_k)
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
-                  sum_scratch=None, run=True, pdl=False, slice_k=None):
+                  sum_scratch=None, run=True, pdl=False, slice_k=None, write_all=False):
     """h [M, S, R] float32 gets scale * x A^T at valid entries (deterministically, also with split-K).
     h may be [1, M, S, R] (add_lora_'s buffer, :func:`shrink_buffer`), or [planes, M, S, R] in x's 16-bit
     dtype: h as bf16 terms (:func:`h_planes`: hi, then lo = h - hi), for the expand's rank loop.
@@ -129,14 +131,19 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     names; allocated here when not given). Returns the :class:`Launch`, run unless ``run`` is False.
 
     ``slice_k`` (with cfg.slice_group 1): S + 1 feature offsets, slice i reading x's and A's features
-    [slice_k[i], slice_k[i + 1]) only (kernels.shrink's SLICE_K: the backward's dh, launch_grad.lora_grad_h)."""
+    [slice_k[i], slice_k[i + 1]) only (kernels.shrink's SLICE_K: the backward's dh, launch_grad.lora_grad_h).
+
+    ``write_all`` (float32 h, not ``partials_out``): every entry of h a token the metadata names has is written,
+    zeros where it has no delta, so h need not start zeroed (kernels.shrink's WRITE_ALL; ``sum_scratch`` for
+    this grid: ``shrink_grid(..., write_all=True)``)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     assert slice_k is None or cfg.slice_group == 1, "slice_k: each program reads one slice's features"
     x = _features_addressable(x)
-    grid = shrink_grid(M, S, R, L, cfg)
     partials_out = partials_out and cfg.split_k > 1
     planes = planes_in(h)
+    assert not write_all or not (partials_out or planes), "write_all: h itself, float32"
+    grid = shrink_grid(M, S, R, L, cfg, write_all)
     # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
     h_strides = (*h.stride()[-3:], h.stride(0) if planes else 0)
     if partials_out:
@@ -156,7 +163,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
         dict(BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, SLICE_GROUP=cfg.slice_group, BLOCK_K=cfg.block_k,
              SPLIT_K=cfg.split_k > 1, PARTIALS_OUT=partials_out, SLOTS_POW2=next_power_of_2(L),
              DOT_PRECISION=_DOT_PRECISION[x.dtype], H_PLANES=planes, RANK_ALIGN=rank_align(R), SLICE_K=slice_k,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
+             WRITE_ALL=write_all, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl)),
     ).run_if(run)
 
 
@@ -332,6 +339,12 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     ).run_if(run)
 
 
+# The h the shrink op and lora_grad_h return: every entry written by the kernel, zeros where a token has no delta
+# (launch_shrink's write_all), not zero-filled first (a launch of its own, ~2.4 µs on the H100 beside the split
+# counters' fill; DESIGN §4). False: as before (benchmarks/lab_train_ops.py AB_SHRINK_FILL=1 times both).
+SHRINK_WRITES_ALL = True
+
+
 def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, checked=True):
     if checked:    # (False: ops.call_trusted, the backward formula's call)
         checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
@@ -346,14 +359,13 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, c
 
 
 def shrink_launches(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
-    """The shrink op's launch, not run, and its scratch (specs, buffers): first the zeroed h it returns,
-    then the buffers a split-K shrink sums its splits in."""
+    """The shrink op's launch, not run, and its scratch (specs, buffers): first the h it returns
+    (:func:`returned_h_spec`), then the buffers a split-K shrink sums its splits in."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     cfg = configs.shrink_config(M, K, S, R, L, x.device, x.dtype)
-    # Zeroed: entries of invalid tokens and of ranks past a slot's stay 0 (the op's contract).
     launch, scratch, buffers = shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts,
-                                                   Scratch((M, S, R), torch.float32, zero=True), cfg)
+                                                   returned_h_spec(M, S, R), cfg, write_all=SHRINK_WRITES_ALL)
     return [launch], scratch, buffers
 
 
@@ -430,20 +442,27 @@ def add_lora_launches(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_to
 
 
 def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h_spec, cfg,
-                        partials_out=False, pdl=False, slice_k=None):
+                        partials_out=False, pdl=False, slice_k=None, write_all=False):
     """The shrink's launch (not run) into an h allocated from ``h_spec``, with the scratch it takes as specs
-    and as buffers: h first, then what a split-K shrink that sums its own splits needs (``slice_k``: as
-    :func:`launch_shrink` takes it)."""
+    and as buffers: h first, then what a split-K shrink that sums its own splits needs (``slice_k``,
+    ``write_all``: as :func:`launch_shrink` takes them)."""
     M = x.shape[0]
     L, S, R, _ = lora_a.shape
     partials_out = partials_out and cfg.split_k > 1
-    sums = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg), cfg)
+    sums = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg, write_all), cfg)
     scratch = (h_spec, *sums)
     buffers = tuple(spec.alloc(x.device) for spec in scratch)
     launch = launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,
                            partials_out=partials_out, sum_scratch=buffers[1:] or None, run=False, pdl=pdl,
-                           slice_k=slice_k)
+                           slice_k=slice_k, write_all=write_all)
     return launch, scratch, buffers
+
+
+def returned_h_spec(M, S, R):
+    """The h [M, S, R] float32 the shrink op and lora_grad_h return: unzeroed where the kernel writes every entry
+    (:data:`SHRINK_WRITES_ALL`), else zeroed first (entries of tokens without a delta, and of ranks past a slot's,
+    are 0: the ops' contract)."""
+    return Scratch((M, S, R), torch.float32, zero=not SHRINK_WRITES_ALL)
 
 
 def launch_shrink_expand(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,

@@ -294,8 +294,7 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
     L, _, R = lora_b.shape
     widths = tuple(slice_widths)
     S = len(widths)
-    # Zeroed: entries of invalid tokens and of ranks past a slot's stay 0 (the op's contract).
-    dh_spec = Scratch((M, S, R), torch.float32, zero=True)
+    dh_spec = launch.returned_h_spec(M, S, R)
     if M == 0:
         return dh_spec.alloc(grad_out.device)
     a = b_as_shrink_a(lora_b, S)
@@ -304,7 +303,8 @@ def lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, s
         cfg = configs.shrink_config(M, max(widths), S, R, L, grad_out.device, grad_out.dtype)._replace(slice_group=1)
         shrink, scratch, buffers = launch.shrink_with_scratch(grad_out, a, scale, rank, sorted_token_ids,
                                                               slot_starts, slot_counts, dh_spec, cfg,
-                                                              slice_k=launch.slice_layout(widths, 1)[0])
+                                                              slice_k=launch.slice_layout(widths, 1)[0],
+                                                              write_all=launch.SHRINK_WRITES_ALL)
         return [shrink], scratch, buffers
     return plan.run(plan.op_key("lora_grad_h", (grad_out, a), widths, sorted_token_ids.shape[0],
                                 plan.strides_1d(scale, rank, sorted_token_ids, slot_starts, slot_counts)),

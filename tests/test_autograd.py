@@ -13,6 +13,7 @@ How the gradients are checked (our ops take fp16 / bf16 / fp32 only, so gradchec
 Both CPU backends run everything: the torch CPU kernels and the real Triton kernels under the interpreter
 (bf16 values there through the test patch of its bf16 arithmetic, conftest.bf16_interpreter).
 """
+import itertools
 import warnings
 
 import pytest
@@ -449,13 +450,13 @@ def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block,
 
 def poison_unzeroed_scratch(monkeypatch):
     """Every scratch buffer allocated unzeroed (Scratch.alloc) comes back filled with NaN; returns the list
-    of the zero flags of the buffers allocated since."""
+    of the specs (shape, dtype, zero) of the buffers allocated since."""
     real_alloc = launch.Scratch.alloc
     seen = []
 
     def poisoned(spec, device):
         buf = real_alloc(spec, device)
-        seen.append(spec.zero)
+        seen.append(spec)
         return buf if spec.zero else buf.fill_(float("nan"))
     monkeypatch.setattr(launch.Scratch, "alloc", poisoned)
     return seen
@@ -473,7 +474,7 @@ def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
         untouched = case.untouched_rows().to(dx.device)
         assert (dx[untouched] == 0).all() and not dx.isnan().any()
         assert rel_err(dx[~untouched], grad_x_reference(dh, case)[~untouched.cpu()]) <= TOLERANCE[torch.float32]
-    assert False in seen   # dx was allocated unzeroed, so poisoned
+    assert launch.Scratch((M, K), dh.dtype, zero=False) in seen   # dx was allocated unzeroed, so poisoned
 
 
 @pytest.mark.parametrize("capacity", [None, 400], ids=["exact_capacity", "stale_ids_past_M"])
@@ -492,9 +493,51 @@ def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch,
     monkeypatch.setattr(launch_grad, "grad_x_config", lambda *a, **k: cfg)
     dh = signed((M, 2, 8), case, torch.float32)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
-    assert False in seen and not dx.isnan().any()
+    assert launch.Scratch((M, 24), torch.float32, zero=False) in seen and not dx.isnan().any()
     assert (dx[case.untouched_rows().to(dx.device)] == 0).all()
     assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one_split", "three_splits_summed_by_the_last"])
+@pytest.mark.parametrize("capacity", [None, 400], ids=["exact_capacity", "stale_ids_past_M"])
+@pytest.mark.parametrize("op", ["shrink", "lora_grad_h"])
+def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, capacity, split_k):
+    """The shrink op and lora_grad_h allocate the h they return unzeroed (the kernel writes every entry): poisoned
+    with NaN, past a group's first tile (three slots, a rank-0 slot of 90 tokens and 170 tokens without an
+    adapter, a slot without tokens, 16-token tiles, two 8-rank blocks), with and without split-K, metadata
+    longer than M: against float64 everywhere, zeros past each token's rank. A token of x holding inf gives
+    inf / NaN within its slot's rank only (0 * inf never reaches an entry past it)."""
+    seen = poison_unzeroed_scratch(monkeypatch)
+    M, K, N = 300, 40, 24
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
+    case = make_case(M=M, K=K, N=N, num_slots=3, num_slices=2, max_rank=16, ranks=[13, 0, 5], token_slots=slots,
+                     capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
+    cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 8, 8, split_k, 4, 2, 1)
+    monkeypatch.setattr(lora_ops.configs, "shrink_config", lambda *a, **k: cfg)
+    untouched = case.untouched_rows()
+    if op == "shrink":
+        x = case.x.clone()
+        inf_token = int((slots == 0).nonzero()[0])
+        x[inf_token, 3] = float("inf")
+        h = torch.ops.lora_ops.shrink(x, case.lora_a, case.scale, case.rank, *case.meta)
+        want = (torch.stack([torch.zeros(2, 16, dtype=torch.float64) if s < 0 else
+                             case.scale[s].item() * (case.lora_a[s].double().cpu() @ x[t].double().cpu())
+                             for t, s in enumerate(slots.tolist())]))
+        for t, s in enumerate(slots.tolist()):
+            want[t, :, case.rank[s].item() if s >= 0 else 0:] = 0
+        assert not h[inf_token, :, :13].isfinite().all() and (h[inf_token, :, 13:] == 0).all()
+        keep = torch.arange(M) != inf_token
+        h, want, untouched = h[keep.to(h.device)], want[keep], untouched[keep]
+    else:
+        grad_out = signed((M, N), case)
+        h = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths,
+                                           *case.meta)
+        want = grad_h_reference(grad_out, case)
+    assert launch.Scratch((M, 2, 16), torch.float32, zero=False) in seen and not h.isnan().any()
+    assert untouched.sum() == 260 and (h[untouched.to(h.device)] == 0).all()
+    assert (h.cpu()[want == 0] == 0).all()
+    assert rel_err(h, want) <= TOLERANCE[torch.float32]
 
 
 ONE_RANK_BLOCK_CASES = {**GRAD_CASES, "three_slices_rank_64": dict(M=23, K=40, N=48, num_slots=2, num_slices=3,
@@ -654,8 +697,8 @@ def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
 def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     """dA's and dB's launchers write all of their output (the ops never zero-fill it): poisoned with NaN,
     every element comes back a number and right; dh's launch (the shrink over each slice's own columns,
-    launch_shrink's slice_k) writes every entry of an adapted token up to its slot's rank (the op zero-fills
-    dh for the rest)."""
+    launch_shrink's slice_k) writes every entry of an adapted token up to its slot's rank and leaves the rest,
+    or with write_all (the op's launch) writes zeros there: past the slot's rank, slot -1, the rank-0 slot."""
     backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=43)
     M, K, N, L, S, R = case.shape
@@ -670,19 +713,25 @@ def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     dh = torch.full((M, S, R), float("nan"), device=x.device)
     a = case.lora_b.transpose(1, 2).contiguous().unsqueeze(1).expand(L, S, R, N)   # B^T, every slice's A
     cols = launch.slice_layout(case.slice_widths, 1)[0]
-    for split_k in (1, 3):    # split-K: each slice's columns cut in three, the last split adding them
+    want = grad_h_reference(grad_out, case)
+    ranks = case.rank.tolist()
+    assert 0 in ranks and (case.token_slots < 0).any() and min(r for r in ranks if r) < R
+    for split_k, write_all in itertools.product((1, 3), (False, True)):
+        # split-K: each slice's columns cut in three, the last split adding them
         cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, 1)
-        sums = [spec.alloc(x.device) for spec in launch.shrink_sum_scratch(M, S, R, launch.shrink_grid(M, S, R, L, cfg),
-                                                                           cfg)]
+        grid = launch.shrink_grid(M, S, R, L, cfg, write_all)
+        sums = [spec.alloc(x.device) for spec in launch.shrink_sum_scratch(M, S, R, grid, cfg)]
         dh.fill_(float("nan"))
-        launch.launch_shrink(grad_out, a, case.scale, case.rank, *case.meta, dh, cfg, sum_scratch=sums, slice_k=cols)
-        want = grad_h_reference(grad_out, case)
-        ranks = case.rank.tolist()
+        launch.launch_shrink(grad_out, a, case.scale, case.rank, *case.meta, dh, cfg, sum_scratch=sums, slice_k=cols,
+                             write_all=write_all)
         for t, s in enumerate(case.token_slots.tolist()):
-            if s >= 0 and ranks[s] > 0:
-                assert not dh[t, :, :ranks[s]].isnan().any(), (split_k, t)
-                torch.testing.assert_close(dh[t, :, :ranks[s]].double().cpu(), want[t, :, :ranks[s]], rtol=1e-5,
-                                           atol=1e-5)
+            r = ranks[s] if s >= 0 else 0
+            assert not dh[t, :, :r].isnan().any(), (split_k, t)
+            torch.testing.assert_close(dh[t, :, :r].double().cpu(), want[t, :, :r], rtol=1e-5, atol=1e-5)
+            if write_all:
+                assert (dh[t, :, r:] == 0).all(), (split_k, t)
+            else:
+                assert dh[t, :, r:].isnan().all(), (split_k, t)
 
 
 # -- opcheck and the compiler --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PARTIALS_OUT: tl.constexpr, SLOTS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, H_PLANES: tl.constexpr = 0, RANK_ALIGN: tl.constexpr = 1,
-    SLICE_K: tl.constexpr = None,
+    SLICE_K: tl.constexpr = None, WRITE_ALL: tl.constexpr = False,
 ):
     """One program: one token tile of one slot, BLOCK_R rank rows of SLICE_GROUP slices, one K split.
 
@@ -35,7 +35,8 @@ def shrink_kernel(
     slot_counts (stride_scale .. stride_counts), in elements.
     Grid: (cdiv(S, SLICE_GROUP) * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block
     starts at or past the slot's rank return at once: padded rank blocks are never multiplied.
-    Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were.
+    Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were (but
+    with WRITE_ALL, below).
     SPLIT_K: split_k > 1. Each split stores its partial sums, then counts its arrival; the last split to
     arrive adds the partials in split order and writes h. Sums are therefore deterministic (no float
     atomics): a CUDA-graph replay, a compiled model and eager mode give bit-identical results.
@@ -54,6 +55,11 @@ def shrink_kernel(
     A's features [SLICE_K[i], SLICE_K[i + 1]) only, its splits cutting that range. The backward's dh
     (launch_grad.lora_grad_h): x = the output gradient [M, N], A = B^T [L, R, N] for every slice (stride_as
     = 0), each slice over its own output columns, one launch for all of them.
+    WRITE_ALL (h float32, not PARTIALS_OUT): every entry of h that a token the metadata names has is written, zeros
+    where the token has no delta there (slot -1, a rank-0 slot, ranks past its slot's up to R), so h needs no zero
+    fill first: the token tiles also cover the tokens without a delta (kernels.work.find_slot_tile's WITH_NONE;
+    the grid's token axis holds L + 1 groups), and their programs, and those of rank blocks past the slot's rank,
+    store zeros from split 0. (The shrink op and lora_grad_h return such an h.)
     """
     if PDL:
         gdc_wait()
@@ -66,9 +72,17 @@ def shrink_kernel(
     r0 = (pid_sr % r_blocks) * BLOCK_R
 
     slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
-                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, False, stride_counts,
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, WRITE_ALL, stride_counts,
                                                   stride_starts, stride_rank)
     if r0 >= rank:
+        if WRITE_ALL and pid_k == 0:   # no delta in this block: zeros
+            tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
+            cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
+            col_slice = g0 + cols // BLOCK_R
+            col_r = r0 + cols % BLOCK_R
+            tl.store(h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr,
+                     tl.zeros((BLOCK_M, SLICE_GROUP * BLOCK_R), dtype=h_ptr.dtype.element_ty),
+                     mask=valid[:, None] & ((col_slice < num_slices) & (col_r < max_rank))[None, :])
         return
     # Issued now, not after the K loop: there it was one more dependent round trip before the store.
     slot_scale = tl.load(scale_ptr + slot * stride_scale)
@@ -117,7 +131,10 @@ def shrink_kernel(
         for k_split in range(0, split_k):
             acc += tl.load(part_ptr + k_split * stride_pk + part_off, mask=mask, other=0.0, cache_modifier=".cg")
     h_ptrs = h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr
-    if H_PLANES == 0:
+    if WRITE_ALL:   # the block's ranks past the slot's too, as zeros (0 * an inf of x would be NaN: not stored)
+        tl.store(h_ptrs, tl.where(col_ok[None, :], acc, 0.0),
+                 mask=valid[:, None] & ((col_slice < num_slices) & (col_r < max_rank))[None, :])
+    elif H_PLANES == 0:
         tl.store(h_ptrs, acc, mask=mask)
     else:
         plane_mask = valid[:, None] & ((col_slice < num_slices) & (col_r < rank_ceil(rank, RANK_ALIGN)))[None, :]
