@@ -231,8 +231,11 @@ elif [ "$MODE" = tunehere ]; then
 elif [ "$MODE" = pads ]; then
     mkdir -p "$R/before" "$R/after"
     cp lora_ops/configs/tuned/*.json "$R/before/"
-    step tune_pad 300 python -m lora_ops.tune --kinds stack_pad --merge --ranks 16 64 --time-budget 270
-    step tune_limit 130 python -m lora_ops.tune --kinds stack_limit --merge --ranks 16 64 --time-budget 110
+    # PAD_S / LIMIT_S: the two tunes' time budgets (a call with less device time left)
+    step tune_pad $(( ${PAD_S:-270} + 30 )) python -m lora_ops.tune --kinds stack_pad --merge --ranks 16 64 \
+        --time-budget "${PAD_S:-270}"
+    step tune_limit $(( ${LIMIT_S:-110} + 20 )) python -m lora_ops.tune --kinds stack_limit --merge --ranks 16 64 \
+        --time-budget "${LIMIT_S:-110}"
     cp lora_ops/configs/tuned/*.json "$R/after/"
     for table in before after; do
         step "ab_$table" 70 env LORA_OPS_TUNED_DIR="$R/$table" python benchmarks/bench_lora.py --grid core \
@@ -244,10 +247,11 @@ elif [ "$MODE" = gradx ]; then
     step lab_gradx 200 env AB_GRAD_X_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=180 OUT="$R" \
         python benchmarks/lab_train_ops.py
 elif [ "$MODE" = writeall ]; then
+    # SKIP_LARGE=1: without the write-first rows (a call with less device time left)
     step tests 230 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_write_first.py tests/test_autograd.py tests/test_training.py
-    in_trees large 80 python @TREE@/benchmarks/bench_lora.py --grid core --ms 1024,4096 --variants in_order \
-        --peers '' --time-budget 65 --out "$R"/large_@TAG@
+    [ -n "${SKIP_LARGE:-}" ] || in_trees large 80 python @TREE@/benchmarks/bench_lora.py --grid core --ms 1024,4096 \
+        --variants in_order --peers '' --time-budget 65 --out "$R"/large_@TAG@
     step lab_fill 170 env AB_SHRINK_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=150 OUT="$R" \
         python benchmarks/lab_train_ops.py
 elif [ "$MODE" = configs ]; then
