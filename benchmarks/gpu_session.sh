@@ -247,12 +247,12 @@ elif [ "$MODE" = gradx ]; then
     step lab_gradx 200 env AB_GRAD_X_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=180 OUT="$R" \
         python benchmarks/lab_train_ops.py
 elif [ "$MODE" = writeall ]; then
-    # SKIP_LARGE=1: without the write-first rows (a call with less device time left)
+    # SKIP_LARGE=1 / SKIP_LAB=1: without the write-first rows / the lab (a call with less device time left)
     step tests 230 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_write_first.py tests/test_autograd.py tests/test_training.py
     [ -n "${SKIP_LARGE:-}" ] || in_trees large 80 python @TREE@/benchmarks/bench_lora.py --grid core --ms 1024,4096 \
         --variants in_order --peers '' --time-budget 65 --out "$R"/large_@TAG@
-    step lab_fill 170 env AB_SHRINK_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=150 OUT="$R" \
+    [ -n "${SKIP_LAB:-}" ] || step lab_fill 170 env AB_SHRINK_FILL=1 SWEEP=0 MODELS=llama3-8b RANKS=16,64 MS=1024,4096 BUDGET=150 OUT="$R" \
         python benchmarks/lab_train_ops.py
 elif [ "$MODE" = configs ]; then
     step variants 245 python benchmarks/bench_lora.py --grid core --subset --variants autotune,heuristic \

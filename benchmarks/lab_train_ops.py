@@ -201,7 +201,7 @@ def _torch_b_t(lora_b, num_slices):
 
 
 @contextlib.contextmanager
-def launch_grad_as(attr, value, module=launch_grad):
+def patched_attr(attr, value, module=launch_grad):
     """``module``'s ``attr`` as ``value`` inside, plans built afresh inside and after: an op as it was."""
     plan.clear()
     with mock.patch.object(module, attr, value):
@@ -213,11 +213,11 @@ def launch_grad_as(attr, value, module=launch_grad):
 # and lora_grad_h with B^T copied by torch (AB_GRAD_X, AB_GRAD_H: as before session 41), lora_grad_x on a
 # zero-filled dx (AB_GRAD_X_FILL: as before session 43), the shrink op and lora_grad_h on a zero-filled h
 # (AB_SHRINK_FILL: as before session 44).
-VARIANTS = {"grad_x_before": ("grad_x", AB_GRAD_X, lambda: launch_grad_as("GRAD_X_HOLDS_DH", False)),
-            "grad_h_before": ("grad_h", AB_GRAD_H, lambda: launch_grad_as("b_as_shrink_a", _torch_b_t)),
-            "grad_x_fill": ("grad_x", AB_GRAD_X_FILL, lambda: launch_grad_as("GRAD_X_WRITES_ALL", False)),
-            "shrink_fill": ("shrink", AB_SHRINK_FILL, lambda: launch_grad_as("SHRINK_WRITES_ALL", False, launch)),
-            "grad_h_fill": ("grad_h", AB_SHRINK_FILL, lambda: launch_grad_as("SHRINK_WRITES_ALL", False, launch))}
+VARIANTS = {"grad_x_before": ("grad_x", AB_GRAD_X, lambda: patched_attr("GRAD_X_HOLDS_DH", False)),
+            "grad_h_before": ("grad_h", AB_GRAD_H, lambda: patched_attr("b_as_shrink_a", _torch_b_t)),
+            "grad_x_fill": ("grad_x", AB_GRAD_X_FILL, lambda: patched_attr("GRAD_X_WRITES_ALL", False)),
+            "shrink_fill": ("shrink", AB_SHRINK_FILL, lambda: patched_attr("SHRINK_WRITES_ALL", False, launch)),
+            "grad_h_fill": ("grad_h", AB_SHRINK_FILL, lambda: patched_attr("SHRINK_WRITES_ALL", False, launch))}
 AB = [name for name, (_, on, _) in VARIANTS.items() if on]
 
 

@@ -113,10 +113,10 @@ def shrink_sum_scratch(M, S, R, grid, cfg):
     return Scratch((cfg.split_k, M, S, R), torch.float32), Scratch((grid[0] * grid[1],), torch.int32, zero=True)
 
 
-def shrink_grid(M, S, R, L, cfg, write_all=False):
-    """``write_all``: the token axis also covers group L, the tokens without an adapter (kernel's WRITE_ALL)."""
-    return (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L + 1 if write_all else L, cfg.block_m),
-            cfg.split_k)
+def shrink_grid(M, S, R, L, cfg):
+    """(Its token axis also covers group L's tiles, the tokens without an adapter, where the kernel writes all of
+    h: heuristics.max_token_tiles.)"""
+    return (cdiv(S, cfg.slice_group) * cdiv(R, cfg.block_r), max_token_tiles(M, L, cfg.block_m), cfg.split_k)
 
 
 def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, h, cfg, partials_out=False,
@@ -134,8 +134,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     [slice_k[i], slice_k[i + 1]) only (kernels.shrink's SLICE_K: the backward's dh, launch_grad.lora_grad_h).
 
     ``write_all`` (float32 h, not ``partials_out``): every entry of h a token the metadata names has is written,
-    zeros where it has no delta, so h need not start zeroed (kernels.shrink's WRITE_ALL; ``sum_scratch`` for
-    this grid: ``shrink_grid(..., write_all=True)``)."""
+    zeros where it has no delta, so h need not start zeroed (kernels.shrink's WRITE_ALL)."""
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     assert slice_k is None or cfg.slice_group == 1, "slice_k: each program reads one slice's features"
@@ -143,7 +142,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     partials_out = partials_out and cfg.split_k > 1
     planes = planes_in(h)
     assert not write_all or not (partials_out or planes), "write_all: h itself, float32"
-    grid = shrink_grid(M, S, R, L, cfg, write_all)
+    grid = shrink_grid(M, S, R, L, cfg)
     # No views of h: a plan finds every tensor of a launch among the call's tensors and its scratch.
     h_strides = (*h.stride()[-3:], h.stride(0) if planes else 0)
     if partials_out:
@@ -153,6 +152,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
             sum_scratch = [s.alloc(x.device) for s in shrink_sum_scratch(M, S, R, grid, cfg)]
         part, arrivals = sum_scratch
         part_strides = part.stride()
+        assert arrivals.numel() >= grid[0] * grid[1], "sum_scratch: an arrival counter per (column block, tile)"
     else:  # one split: its partial sums are h itself (the part stride is never used)
         part, arrivals, part_strides = h, sorted_token_ids, (h_strides[0] * M, *h_strides[:3])
     return Launch(
@@ -220,13 +220,12 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     L, _, R = lora_b.shape
     h_offset, *h_strides = h_layout
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
-    groups = L if extra.get("ACCUMULATE", True) else L + 1   # writing all of y: the no-delta tokens too
     one_block = takes_partials(cfg, R)
     if cfg.m_loop > 1 and (cfg.n_loop > 1 or not one_block):
         raise ValueError(f"expand config {cfg}: m_loop > 1 needs n_loop 1 and the rank ({R}) within block_r")
     if cfg.planes_in_turn and extra.get("H_PLANES") == 2 and not one_block:
         extra = dict(extra, PLANES_IN_TURN=True)   # (elsewhere the flag changes nothing: no compile of its own)
-    grid = (chunks[-1], max_token_tiles(M, groups, cfg.block_m * cfg.m_loop))
+    grid = (chunks[-1], max_token_tiles(M, L, cfg.block_m * cfg.m_loop))
     if expand_tokens_first(one_block, sum(slice_widths), R, lora_b.element_size(), grid[0]):
         grid = grid[::-1]
         extra = dict(extra, TOKENS_FIRST=True)
@@ -449,7 +448,7 @@ def shrink_with_scratch(x, lora_a, scale, rank, sorted_token_ids, slot_starts, s
     M = x.shape[0]
     L, S, R, _ = lora_a.shape
     partials_out = partials_out and cfg.split_k > 1
-    sums = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg, write_all), cfg)
+    sums = () if partials_out else shrink_sum_scratch(M, S, R, shrink_grid(M, S, R, L, cfg), cfg)
     scratch = (h_spec, *sums)
     buffers = tuple(spec.alloc(x.device) for spec in scratch)
     launch = launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, buffers[0], cfg,

@@ -163,8 +163,7 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     if cfg.one_rank_block and R > cfg.block_r:   # (the held-column cap is the heuristic's choice, not a bound)
         raise ValueError(f"lora_grad_x: a one-rank-block config needs the rank ({R}) within block_r "
                          f"({cfg.block_r})")
-    groups = L + 1 if write_all else L   # group L: the tokens without an adapter
-    grid = (cdiv(cdiv(K, cfg.block_n), cfg.n_loop), max_token_tiles(M, groups, cfg.block_m))
+    grid = (cdiv(cdiv(K, cfg.block_n), cfg.n_loop), max_token_tiles(M, L, cfg.block_m))   # (group L's too)
     return Launch(
         GRAD_X, grid, (dh, lora_a, dx, rank, sorted_token_ids, slot_starts, slot_counts),
         (M, K, L, R, sorted_token_ids.shape[0], *dh.stride(), *lora_a.stride(), *dx.stride(),

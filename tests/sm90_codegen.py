@@ -314,7 +314,7 @@ def cases():
     def grad_h(p=p):
         a = p["B"].transpose(1, 2).contiguous().unsqueeze(1).expand(4, 3, 64, 768)   # B^T, every slice's A
         cfg = configs.heuristics.shrink_config(256, 512, 3, 64, 4)._replace(slice_group=1)
-        grid = launch.shrink_grid(256, 3, 64, 4, cfg, write_all=True)
+        grid = launch.shrink_grid(256, 3, 64, 4, cfg)
         sums = [s.alloc(cpu) for s in launch.shrink_sum_scratch(256, 3, 64, grid, cfg)]
         launch.launch_shrink(grad_out, a, p["scale"], p["rank"], *p["meta"], torch.empty(256, 3, 64), cfg,
                              sum_scratch=sums, slice_k=launch.slice_layout([512, 128, 128], 1)[0], write_all=True)

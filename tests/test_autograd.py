@@ -498,22 +498,25 @@ def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch,
     assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("split_k", [1, 3], ids=["one_split", "three_splits_summed_by_the_last"])
+@pytest.mark.parametrize("split_k", [1, 6], ids=["one_split", "six_splits_the_last_empty"])
 @pytest.mark.parametrize("capacity", [None, 400], ids=["exact_capacity", "stale_ids_past_M"])
-@pytest.mark.parametrize("op", ["shrink", "lora_grad_h"])
-def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, capacity, split_k):
+@pytest.mark.parametrize("op,slice_group", [("shrink", 1), ("shrink", 4), ("lora_grad_h", 1)],
+                         ids=["shrink", "shrink_slice_group_past_S", "lora_grad_h"])
+def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slice_group, capacity, split_k):
     """The shrink op and lora_grad_h allocate the h they return unzeroed (the kernel writes every entry): poisoned
     with NaN, past a group's first tile (three slots, a rank-0 slot of 90 tokens and 170 tokens without an
-    adapter, a slot without tokens, 16-token tiles, two 8-rank blocks), with and without split-K, metadata
-    longer than M: against float64 everywhere, zeros past each token's rank. A token of x holding inf gives
-    inf / NaN within its slot's rank only (0 * inf never reaches an entry past it)."""
+    adapter, a slot without tokens, 16-token tiles, two 8-rank blocks; four slices a program where there are
+    two), with and without split-K (8-feature steps: the last of six splits of 40 features gets none, and so do
+    lora_grad_h's past its slice's 13 or 11 columns), metadata longer than M: against float64 everywhere, zeros
+    past each token's rank. A token of x holding inf gives inf / NaN within its slot's rank only (0 * inf never
+    reaches an entry past it)."""
     seen = poison_unzeroed_scratch(monkeypatch)
     M, K, N = 300, 40, 24
     gen = torch.Generator().manual_seed(7)
     slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
     case = make_case(M=M, K=K, N=N, num_slots=3, num_slices=2, max_rank=16, ranks=[13, 0, 5], token_slots=slots,
                      capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
-    cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 8, 8, split_k, 4, 2, 1)
+    cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 8, 8, split_k, 4, 2, slice_group)
     monkeypatch.setattr(lora_ops.configs, "shrink_config", lambda *a, **k: cfg)
     untouched = case.untouched_rows()
     if op == "shrink":
@@ -719,7 +722,7 @@ def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     for split_k, write_all in itertools.product((1, 3), (False, True)):
         # split-K: each slice's columns cut in three, the last split adding them
         cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, 1)
-        grid = launch.shrink_grid(M, S, R, L, cfg, write_all)
+        grid = launch.shrink_grid(M, S, R, L, cfg)
         sums = [spec.alloc(x.device) for spec in launch.shrink_sum_scratch(M, S, R, grid, cfg)]
         dh.fill_(float("nan"))
         launch.launch_shrink(grad_out, a, case.scale, case.rank, *case.meta, dh, cfg, sum_scratch=sums, slice_k=cols,

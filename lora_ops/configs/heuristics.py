@@ -133,7 +133,10 @@ def expand_rank_loops(bucket, max_rank, out_features):
 
 def max_token_tiles(num_tokens, num_slots, block_m):
     """Upper bound on (slot, token tile) pairs: each slot adds at most one partial tile; each tile holds
-    at least one token. The grid's token axis has this size (programs past the real work return)."""
+    at least one token. The grid's token axis has this size (programs past the real work return).
+    It also bounds the tiles of the L + 1 groups a kernel that writes every row walks (group L: the tokens
+    without an adapter; kernels.work.find_slot_tile's WITH_NONE): G groups of M tokens in all make at most
+    sum ceil(c_g / B) <= (M + G (B - 1)) / B < cdiv(M, B) + G tiles, so cdiv(M, B) + G - 1 with G = L + 1."""
     return min(cdiv(num_tokens, block_m) + num_slots, num_tokens)
 
 

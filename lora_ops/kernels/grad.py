@@ -50,9 +50,9 @@ def lora_grad_x_kernel(
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots, max_rank,
-                                                  capacity, BLOCK_M, SLOTS_POW2, WRITE_ALL, stride_counts, stride_starts,
-                                                  stride_rank)
+    slot, row0, rows_left, rank = find_slot_tile(pid_m, slot_counts_ptr, slot_starts_ptr, rank_ptr, num_slots,
+                                                  max_rank, capacity, BLOCK_M, SLOTS_POW2, WRITE_ALL, stride_counts,
+                                                  stride_starts, stride_rank)
     if rank == 0:
         if WRITE_ALL:   # tokens without a delta: their rows of dx are zero
             tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)

@@ -34,7 +34,8 @@ def shrink_kernel(
     Strides: every dimension of x, A and h, and of the 1-D scale, rank, sorted_ids, slot_starts and
     slot_counts (stride_scale .. stride_counts), in elements.
     Grid: (cdiv(S, SLICE_GROUP) * cdiv(R, BLOCK_R), token-tile bound, split_k). Programs whose rank block
-    starts at or past the slot's rank return at once: padded rank blocks are never multiplied.
+    starts at or past the slot's rank return at once (with WRITE_ALL, split 0's after storing zeros): padded
+    rank blocks are never multiplied.
     Writes h only at valid tokens, existing slices and r < rank; other entries are left as they were (but
     with WRITE_ALL, below).
     SPLIT_K: split_k > 1. Each split stores its partial sums, then counts its arrival; the last split to
@@ -55,11 +56,12 @@ def shrink_kernel(
     A's features [SLICE_K[i], SLICE_K[i + 1]) only, its splits cutting that range. The backward's dh
     (launch_grad.lora_grad_h): x = the output gradient [M, N], A = B^T [L, R, N] for every slice (stride_as
     = 0), each slice over its own output columns, one launch for all of them.
-    WRITE_ALL (h float32, not PARTIALS_OUT): every entry of h that a token the metadata names has is written, zeros
-    where the token has no delta there (slot -1, a rank-0 slot, ranks past its slot's up to R), so h needs no zero
-    fill first: the token tiles also cover the tokens without a delta (kernels.work.find_slot_tile's WITH_NONE;
-    the grid's token axis holds L + 1 groups), and their programs, and those of rank blocks past the slot's rank,
-    store zeros from split 0. (The shrink op and lora_grad_h return such an h.)
+    WRITE_ALL (h float32, not PARTIALS_OUT): every entry of h that a token the metadata names has is written,
+    zeros where the token has no delta there (slot -1, a rank-0 slot, ranks past its slot's up to R), so h needs
+    no zero fill first: the token tiles also cover the tokens without a delta (kernels.work.find_slot_tile's
+    WITH_NONE; heuristics.max_token_tiles bounds their L + 1 groups' tiles too), and their programs, and those
+    of rank blocks past the slot's rank, store zeros from split 0. (The shrink op and lora_grad_h return such an
+    h.)
     """
     if PDL:
         gdc_wait()
