@@ -505,8 +505,8 @@ def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch,
 def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slice_group, capacity, split_k):
     """The shrink op and lora_grad_h allocate the h they return unzeroed (the kernel writes every entry): poisoned
     with NaN, past a group's first tile (three slots, a rank-0 slot of 90 tokens and 170 tokens without an
-    adapter, a slot without tokens, 16-token tiles, two 8-rank blocks; four slices a program where there are
-    two), with and without split-K (8-feature steps: the last of six splits of 40 features gets none, and so do
+    adapter, a slot without tokens, 16-token tiles, two 16-rank blocks; four slices a program where there are
+    two), with and without split-K (16-feature steps: the last three of six splits of 40 features get none, and
     lora_grad_h's past its slice's 13 or 11 columns), metadata longer than M: against float64 everywhere, zeros
     past each token's rank. A token of x holding inf gives inf / NaN within its slot's rank only (0 * inf never
     reaches an entry past it)."""
@@ -514,9 +514,9 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
     M, K, N = 300, 40, 24
     gen = torch.Generator().manual_seed(7)
     slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
-    case = make_case(M=M, K=K, N=N, num_slots=3, num_slices=2, max_rank=16, ranks=[13, 0, 5], token_slots=slots,
+    case = make_case(M=M, K=K, N=N, num_slots=3, num_slices=2, max_rank=32, ranks=[13, 0, 5], token_slots=slots,
                      capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
-    cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 8, 8, split_k, 4, 2, slice_group)
+    cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, slice_group)
     monkeypatch.setattr(lora_ops.configs, "shrink_config", lambda *a, **k: cfg)
     untouched = case.untouched_rows()
     if op == "shrink":
@@ -524,7 +524,7 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
         inf_token = int((slots == 0).nonzero()[0])
         x[inf_token, 3] = float("inf")
         h = torch.ops.lora_ops.shrink(x, case.lora_a, case.scale, case.rank, *case.meta)
-        want = (torch.stack([torch.zeros(2, 16, dtype=torch.float64) if s < 0 else
+        want = (torch.stack([torch.zeros(2, 32, dtype=torch.float64) if s < 0 else
                              case.scale[s].item() * (case.lora_a[s].double().cpu() @ x[t].double().cpu())
                              for t, s in enumerate(slots.tolist())]))
         for t, s in enumerate(slots.tolist()):
@@ -537,7 +537,7 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
         h = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths,
                                            *case.meta)
         want = grad_h_reference(grad_out, case)
-    assert launch.Scratch((M, 2, 16), torch.float32, zero=False) in seen and not h.isnan().any()
+    assert launch.Scratch((M, 2, 32), torch.float32, zero=False) in seen and not h.isnan().any()
     assert untouched.sum() == 260 and (h[untouched.to(h.device)] == 0).all()
     assert (h.cpu()[want == 0] == 0).all()
     assert rel_err(h, want) <= TOLERANCE[torch.float32]
