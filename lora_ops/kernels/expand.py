@@ -67,8 +67,8 @@ def expand_kernel(
     cover the tokens without a delta (slot -1 or a slot of rank 0), whose rows get zeros, so every row
     of y that the metadata names is written (heuristics.max_token_tiles bounds the L + 1 groups' tiles
     too). The mode compiles no y load (each sits under a constexpr ``if ACCUMULATE``, so the accumulating
-    path compiles to the same code as without the mode). Until session 23 they were masked off instead: loads that never fired
-    still cost the store mode 5-20% of its time (H200, ranks 16-320; DESIGN §4).
+    path compiles to the same code as without the mode). Until session 23 they were masked off instead:
+    loads that never fired still cost the store mode 5-20% of its time (H200, ranks 16-320; DESIGN §4).
     PDL (launched with programmatic dependent launch after a PDL shrink, which lets it launch once all its
     programs run): the metadata, y and B loads go first, then the program waits for the shrink to finish
     before it reads h. Everything earlier in the stream is complete by then (each shrink program waited
