@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from lora_ops.kernels.work import (dot_f32_lhs, dot_split, dot_t, expand_tile_rows, find_slice_chunk, find_slot_tile,
-                                   gdc_wait, load_h_parts, load_tile_tokens, rank_ceil)
+                                   gdc_wait, load_h_parts, load_tile_tokens, rank_ceil, store_zero_rows)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -98,10 +98,8 @@ def expand_kernel(
                                               M, BLOCK_M, stride_ids)
                 offs_n = col0 + tl.arange(0, BLOCK_N)
                 for j in range(N_LOOP):
-                    n_ok = offs_n < col_hi
-                    tl.store(y_ptr + tok[:, None] * stride_ym + offs_n[None, :].to(tl.int64) * stride_yn,
-                             tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
-                             mask=valid[:, None] & n_ok[None, :])
+                    store_zero_rows(y_ptr, tok, valid, offs_n.to(tl.int64) * stride_yn, offs_n < col_hi, stride_ym,
+                                    BLOCK_M, BLOCK_N)
                     offs_n += BLOCK_N
         return
     slot_scale = 1.0

@@ -3,8 +3,8 @@ weight gradients dA / dB (a segmented outer-product sum over each slot's tokens)
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import (dot_split, dot_t, find_slice_block, find_slot_tile,
-                                   load_tile_tokens, rank_ceil, split_f32)
+from lora_ops.kernels.work import (dot_split, dot_t, find_slice_block, find_slot_tile, load_tile_tokens, rank_ceil,
+                                   split_f32, store_zero_rows)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,9 +58,8 @@ def lora_grad_x_kernel(
             tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
             for nb in range(N_LOOP):
                 offs_n = (pid_n * N_LOOP + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-                tl.store(dx_ptr + tok[:, None] * stride_xm + offs_n[None, :].to(tl.int64) * stride_xk,
-                         tl.zeros((BLOCK_M, BLOCK_N), dtype=dx_ptr.dtype.element_ty),
-                         mask=valid[:, None] & (offs_n < K)[None, :])
+                store_zero_rows(dx_ptr, tok, valid, offs_n.to(tl.int64) * stride_xk, offs_n < K, stride_xm, BLOCK_M,
+                                BLOCK_N)
         return
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 

@@ -2,7 +2,8 @@
 import triton
 import triton.language as tl
 
-from lora_ops.kernels.work import find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens, rank_ceil
+from lora_ops.kernels.work import (find_slot_tile, gdc_launch_dependents, gdc_wait, load_tile_tokens, rank_ceil,
+                                   store_zero_rows)
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "stride_pk"])
@@ -79,20 +80,15 @@ def shrink_kernel(
     if r0 >= rank:
         if WRITE_ALL and pid_k == 0:   # no delta in this block: zeros
             tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
-            cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
-            col_slice = g0 + cols // BLOCK_R
-            col_r = r0 + cols % BLOCK_R
-            tl.store(h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr,
-                     tl.zeros((BLOCK_M, SLICE_GROUP * BLOCK_R), dtype=h_ptr.dtype.element_ty),
-                     mask=valid[:, None] & ((col_slice < num_slices) & (col_r < max_rank))[None, :])
+            col_slice, col_r, col_exists = block_columns(g0, r0, num_slices, max_rank, BLOCK_R, SLICE_GROUP)
+            store_zero_rows(h_ptr, tok, valid, col_slice.to(tl.int64) * stride_hs + col_r * stride_hr, col_exists,
+                            stride_hm, BLOCK_M, SLICE_GROUP * BLOCK_R)
         return
     # Issued now, not after the K loop: there it was one more dependent round trip before the store.
     slot_scale = tl.load(scale_ptr + slot * stride_scale)
     tok, valid = load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M, stride_ids)
 
-    cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
-    col_slice = g0 + cols // BLOCK_R
-    col_r = r0 + cols % BLOCK_R
+    col_slice, col_r, col_exists = block_columns(g0, r0, num_slices, max_rank, BLOCK_R, SLICE_GROUP)
     col_ok = (col_slice < num_slices) & (col_r < rank)
     offs_k = tl.arange(0, BLOCK_K)
     k_first = 0
@@ -134,8 +130,7 @@ def shrink_kernel(
             acc += tl.load(part_ptr + k_split * stride_pk + part_off, mask=mask, other=0.0, cache_modifier=".cg")
     h_ptrs = h_ptr + tok[:, None] * stride_hm + col_slice[None, :] * stride_hs + col_r[None, :] * stride_hr
     if WRITE_ALL:   # the block's ranks past the slot's too, as zeros (0 * an inf of x would be NaN: not stored)
-        tl.store(h_ptrs, tl.where(col_ok[None, :], acc, 0.0),
-                 mask=valid[:, None] & ((col_slice < num_slices) & (col_r < max_rank))[None, :])
+        tl.store(h_ptrs, tl.where(col_ok[None, :], acc, 0.0), mask=valid[:, None] & col_exists[None, :])
     elif H_PLANES == 0:
         tl.store(h_ptrs, acc, mask=mask)
     else:
@@ -144,3 +139,13 @@ def shrink_kernel(
         tl.store(h_ptrs, hi, mask=plane_mask)
         if H_PLANES == 2:
             tl.store(h_ptrs + stride_hp, (acc - hi.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=plane_mask)
+
+
+@triton.jit
+def block_columns(g0, r0, num_slices, max_rank, BLOCK_R: tl.constexpr, SLICE_GROUP: tl.constexpr):
+    """A shrink program's SLICE_GROUP * BLOCK_R columns (column j: slice g0 + j // BLOCK_R, rank row
+    r0 + j % BLOCK_R) as (slice, rank row, whether that entry of h exists: slice < S and rank row < R)."""
+    cols = tl.arange(0, SLICE_GROUP * BLOCK_R)
+    col_slice = g0 + cols // BLOCK_R
+    col_r = r0 + cols % BLOCK_R
+    return col_slice, col_r, (col_slice < num_slices) & (col_r < max_rank)

@@ -110,6 +110,16 @@ def load_tile_tokens(sorted_ids_ptr, row0, rows_left, capacity, M, BLOCK_M: tl.c
 
 
 @triton.jit
+def store_zero_rows(out_ptr, tok, valid, col_offsets, col_ok, stride_row, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Zeros into a token tile's rows of an output, where a kernel that writes every row meets tokens without a
+    delta: rows ``tok`` [BLOCK_M] (``stride_row`` apart) where ``valid``, columns at ``col_offsets`` [BLOCK_N]
+    (elements from a row's start) where ``col_ok``."""
+    tl.store(out_ptr + tok[:, None] * stride_row + col_offsets[None, :],
+             tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs, stride_hl, stride_ym,
                      SCALE_BY_SLOT: tl.constexpr):
     """The expand's row pointers for a token tile: (h rows of its slice, y rows).
