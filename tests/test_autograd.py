@@ -25,7 +25,7 @@ import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
 from lora_ops import autograd, launch, launch_grad
 from lora_ops.batch import BatchMeta
-from lora_ops.reference import lora_forward_reference
+from lora_ops.reference import lora_forward_reference, shrink_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
 
@@ -477,6 +477,18 @@ def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
     assert launch.Scratch((M, K), dh.dtype, zero=False) in seen   # dx was allocated unzeroed, so poisoned
 
 
+def many_tiles_case(device, capacity, shuffle_seed, **shape):
+    """300 tokens whose groups span several tiles: three slots (not a power of two), 40 tokens on slot 0, 90 on
+    slot 1 (give it rank 0), none on slot 2, 170 without an adapter, shuffled; float32, two slices; ``shape``:
+    K, N, max_rank, ranks. Returns the case and its slots."""
+    M = 300
+    gen = torch.Generator().manual_seed(shuffle_seed)
+    slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
+    case = make_case(M=M, num_slots=3, num_slices=2, token_slots=slots, capacity=capacity, dtype=torch.float32,
+                     device=device, seed=3, **shape)
+    return case, slots
+
+
 @pytest.mark.parametrize("capacity", [None, 400], ids=["exact_capacity", "stale_ids_past_M"])
 @pytest.mark.parametrize("block_m", [16, 64], ids=["16_token_tiles", "64_token_tiles"])
 def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch, block_m, capacity):
@@ -484,11 +496,8 @@ def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch,
     of 90 tokens and 170 tokens without an adapter (several tiles each), a slot without tokens, metadata
     longer than M; dx poisoned, against float64 (zeros where a token has no delta)."""
     seen = poison_unzeroed_scratch(monkeypatch)
-    M = 300
-    gen = torch.Generator().manual_seed(5)
-    slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
-    case = make_case(M=M, K=24, N=16, num_slots=3, num_slices=2, max_rank=8, ranks=[8, 0, 5], token_slots=slots,
-                     capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
+    case, _ = many_tiles_case(triton_kernels.device, capacity, 5, K=24, N=16, max_rank=8, ranks=[8, 0, 5])
+    M = case.shape[0]
     cfg = launch_grad.grad_x_config(M, 24, 8, 2)._replace(block_m=block_m)
     monkeypatch.setattr(launch_grad, "grad_x_config", lambda *a, **k: cfg)
     dh = signed((M, 2, 8), case, torch.float32)
@@ -511,11 +520,8 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
     past each token's rank. A token of x holding inf gives inf / NaN within its slot's rank only (0 * inf never
     reaches an entry past it)."""
     seen = poison_unzeroed_scratch(monkeypatch)
-    M, K, N = 300, 40, 24
-    gen = torch.Generator().manual_seed(7)
-    slots = torch.tensor([0] * 40 + [1] * 90 + [-1] * 170)[torch.randperm(M, generator=gen)]
-    case = make_case(M=M, K=K, N=N, num_slots=3, num_slices=2, max_rank=32, ranks=[13, 0, 5], token_slots=slots,
-                     capacity=capacity, dtype=torch.float32, device=triton_kernels.device, seed=3)
+    case, slots = many_tiles_case(triton_kernels.device, capacity, 7, K=40, N=24, max_rank=32, ranks=[13, 0, 5])
+    M, _, N = case.shape[:3]
     cfg = lora_ops.configs.heuristics.ShrinkConfig(16, 16, 16, split_k, 4, 2, slice_group)
     monkeypatch.setattr(lora_ops.configs, "shrink_config", lambda *a, **k: cfg)
     untouched = case.untouched_rows()
@@ -524,11 +530,7 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
         inf_token = int((slots == 0).nonzero()[0])
         x[inf_token, 3] = float("inf")
         h = torch.ops.lora_ops.shrink(x, case.lora_a, case.scale, case.rank, *case.meta)
-        want = (torch.stack([torch.zeros(2, 32, dtype=torch.float64) if s < 0 else
-                             case.scale[s].item() * (case.lora_a[s].double().cpu() @ x[t].double().cpu())
-                             for t, s in enumerate(slots.tolist())]))
-        for t, s in enumerate(slots.tolist()):
-            want[t, :, case.rank[s].item() if s >= 0 else 0:] = 0
+        want = shrink_reference(x, case.lora_a, case.scale, case.rank, slots)   # (NaN in inf_token's row)
         assert not h[inf_token, :, :13].isfinite().all() and (h[inf_token, :, 13:] == 0).all()
         keep = torch.arange(M) != inf_token
         h, want, untouched = h[keep.to(h.device)], want[keep], untouched[keep]
