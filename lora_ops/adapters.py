@@ -373,6 +373,9 @@ def _module_scale(config, path, rank, source):
         raise AdapterError(f"{source}: {path!r}: lora_A has rank 0")
     alpha = r_eff if alpha is None else float(alpha)
     scale = alpha / math.sqrt(r_eff) if config.get("use_rslora") else alpha / r_eff
+    if not abs(scale) <= torch.finfo(torch.float32).max:   # the slots' scales are float32 (checked before any write)
+        raise AdapterError(f"{source}: {path!r}: lora_alpha={alpha!r} over r={r_eff} gives the scale {scale:g}, "
+                           f"beyond float32's range (the layers keep each slot's scale in float32)")
     return r, scale
 
 

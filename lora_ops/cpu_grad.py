@@ -16,6 +16,8 @@ def lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts):
     dx = torch.zeros(M, K, dtype=lora_a.dtype, device=dh.device)
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
         r = min(r, R)
+        if S * r == 0:      # a stack of rank (or slices) 0: no rank row to contract, the zeros stand
+            continue
         # The slices are one product over the S * r stacked rank rows: their sum is the contraction.
         a = lora_a[slot, :, :r].float().reshape(S * r, K)
         dx[ids] = (dh[ids, :, :r].reshape(-1, S * r) @ a).to(dx.dtype)

@@ -287,6 +287,25 @@ def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter():
     assert_state_unchanged(before, ctx)
 
 
+
+@pytest.mark.parametrize("replace", [False, True], ids=["new_slot", "replace"])
+@pytest.mark.parametrize("config", [dict(lora_alpha=1e40), dict(lora_alpha=1e39, use_rslora=True)],
+                         ids=["alpha_over_r", "rslora"])
+def test_a_scale_past_float32_is_refused_before_any_write(replace, config):
+    """lora_alpha / r finite as a Python float but past float32's range (the slots' scales are float32): refused
+    naming lora_alpha, every slot as it was. Before (session 45's input audit) write_slot raised torch's
+    overflow error after it had rewritten the first layer's factors, so a replaced adapter served new factors
+    under its old scale."""
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("x", peft_tensors(shapes, 4, seed=1))
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        ctx.load_adapter_tensors("x" if replace else "y", peft_tensors(shapes, 4, seed=2), {"r": 4, **config},
+                                 replace=replace)
+    assert_state_unchanged(before, ctx)
+
+
 # ---- packed layers ---------------------------------------------------------------------------------------
 
 def test_per_projection_adapters_load_into_packed_slices():

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
 from lora_ops import autograd, launch, launch_grad
-from lora_ops.batch import BatchMeta
+from lora_ops.batch import BatchMeta, build_batch_meta
 from lora_ops.reference import lora_forward_reference, shrink_reference
 
 FP16_FP32 = [torch.float16, torch.float32]
@@ -460,6 +460,17 @@ def poison_unzeroed_scratch(monkeypatch):
         return buf if spec.zero else buf.fill_(float("nan"))
     monkeypatch.setattr(launch.Scratch, "alloc", poisoned)
     return seen
+
+
+def test_lora_grad_x_of_a_rank_zero_stack_is_zero(backend):
+    """dh [M, S, 0] against lora_a [L, S, 0, K]: no rank row to contract, dx is zero on every backend (the torch
+    CPU kernel raised torch's "cannot reshape tensor of 0 elements" there: session 45's input audit)."""
+    meta = build_batch_meta(torch.tensor([0, 1, -1, 1]), 2)
+    dx = torch.ops.lora_ops.lora_grad_x(torch.randn(4, 2, 0, device=backend.device),
+                                        torch.randn(2, 2, 0, 8, device=backend.device),
+                                        torch.tensor([3, 1], dtype=torch.int32, device=backend.device),
+                                        *[t.to(backend.device) for t in meta])
+    assert torch.equal(dx.cpu(), torch.zeros(4, 8))
 
 
 def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):

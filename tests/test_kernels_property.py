@@ -9,6 +9,7 @@ of its bf16 arithmetic (tests/interp_bf16.py; DESIGN.md §6).
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -605,6 +606,61 @@ def test_expand_into_the_memory_of_its_h(backend, monkeypatch):
     y = h.view(M, R)
     expected = h.double().cpu().view(M, R) + expand_reference(h, case.lora_b, case.rank, case.token_slots, [R])
     lora_ops.expand(y, h, case.lora_b, case.rank, batch=case.meta, slice_widths=[R])
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
+
+
+def _alias_of_y_tail(y_rows, y_cols, t, seed):
+    """(y [y_rows, y_cols], a copy of ``t``'s values laid from the middle of y's memory on)."""
+    n, start = t.numel(), y_rows * y_cols // 2
+    buffer = torch.randn(max(y_rows * y_cols, start + n), generator=torch.Generator().manual_seed(seed)).to(t.device)
+    alias = buffer[start:start + n].view(t.shape)
+    alias.copy_(t)
+    return buffer[:y_rows * y_cols].view(y_rows, y_cols), alias
+
+
+@pytest.mark.parametrize("stack", ["lora_a", "lora_b", "scale"])
+def test_a_weight_stack_viewing_y_is_read_as_it_was(backend, stack):
+    """lora_a, lora_b or scale a view of y's buffer (session 45's input audit: only x and h were copied where
+    they met y, and the delta came out up to ~2 off on both backends): every floating input of the in-place ops
+    is read as it was before the call."""
+    M, K, N = 9, 20, 12
+    case = make_case(M, K, N, num_slots=2, num_slices=2, max_rank=4, seed=12, ranks=[4, 3],
+                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
+    y, alias = _alias_of_y_tail(M, N, getattr(case, stack), seed=13)
+    stacks = {"lora_a": case.lora_a, "lora_b": case.lora_b, "scale": case.scale, stack: alias}
+    expected = y.double().cpu() + case.delta_reference()
+    lora_ops.add_lora(y, case.x, stacks["lora_a"], stacks["lora_b"], stacks["scale"], case.rank, batch=case.meta,
+                      slice_widths=case.slice_widths)
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
+
+
+def test_expand_reads_a_lora_b_viewing_y_as_it_was(backend):
+    M, N, R = 9, 12, 4
+    case = make_case(M, 20, N, num_slots=2, num_slices=1, max_rank=R, seed=14, ranks=[R, 3],
+                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
+    h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
+    y, lora_b = _alias_of_y_tail(M, N, case.lora_b, seed=15)
+    expected = y.double().cpu() + expand_reference(h, case.lora_b, case.rank, case.token_slots, [N])
+    lora_ops.expand(y, h, lora_b, case.rank, batch=case.meta, slice_widths=[N])
+    assert rel_err(y, expected) < TOLERANCE[torch.float32]
+
+
+def test_x_sharing_y_memory_through_another_storage_is_read_as_it_was(backend):
+    """x and y over one numpy array's memory through two storages (torch.from_numpy of overlapping slices): the
+    overlap test compared the storages' identity, so nothing was copied and the torch CPU kernels (which write
+    one slot's rows of y before they read the next slot's x) gave a delta ~3.9 off (session 45's audit)."""
+    if torch.device(backend.device).type != "cpu":
+        pytest.skip("numpy memory is the CPU's")
+    M, N = 6, 6
+    buffer = np.random.default_rng(0).standard_normal((M + 1) * N).astype(np.float32)
+    y, x = torch.from_numpy(buffer[:M * N]).view(M, N), torch.from_numpy(buffer[N:]).view(M, N)   # x[i]: y[i + 1]
+    case = make_case(M, N, N, num_slots=2, num_slices=1, max_rank=3, seed=16, ranks=[3, 3],
+                     token_slots=[0, 1, 0, 1, 0, 1])
+    delta = lora_delta_reference(x.clone(), case.lora_a, case.lora_b, case.scale, case.rank, case.token_slots,
+                                 case.slice_widths)
+    expected = y.double() + delta
+    lora_ops.add_lora(y, x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                      slice_widths=case.slice_widths)
     assert rel_err(y, expected) < TOLERANCE[torch.float32]
 
 
