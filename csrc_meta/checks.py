@@ -279,7 +279,9 @@ def check_rank_length(rank, L, stack_name):
         _fail(ValueError, f"rank: expected {L} entries (one per slot of {stack_name}), got {rank.shape[0]}")
 
 
-def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_tokens=None):
+def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_tokens=None, tokens_of="x"):
+    """The metadata of ``num_slots`` slots; with ``num_tokens``, room for that many tokens (the rows of the
+    argument named ``tokens_of``)."""
     check_index("sorted_token_ids", sorted_token_ids)
     check_index("slot_starts", slot_starts)
     check_index("slot_counts", slot_counts)
@@ -293,7 +295,7 @@ def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_
     # failing to guard; the real kernels run this check again on concrete sizes.
     if num_tokens is not None and not guard_or_true(sorted_token_ids.shape[0] >= num_tokens):
         _fail(ValueError, f"sorted_token_ids: holds {sorted_token_ids.shape[0]} entries, fewer than the "
-                          f"{num_tokens} tokens of x; build the batch metadata with max_tokens >= {num_tokens}")
+                          f"{num_tokens} tokens of {tokens_of}; build the batch metadata with max_tokens >= {num_tokens}")
 
 
 def check_lora_a(x, lora_a):
@@ -306,14 +308,15 @@ def check_lora_a(x, lora_a):
         _fail(ValueError, f"lora_a: expected shape [L, S, R, K] with L, S, R >= 1, got {tuple(lora_a.shape)}")
 
 
-def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank, y_name="y"):
-    """lora_b [L, N, R] in y's dtype and on its device, N = y's columns (``y_name``: what y is called)."""
+def check_lora_b(y, lora_b, slice_widths, num_slots, num_slices, max_rank, y_name="y", per="slice of lora_a"):
+    """lora_b [L, N, R] in y's dtype and on its device, N = y's columns (``y_name``: what y is called); ``per``:
+    what gives the slice count."""
     check_like("lora_b", lora_b, 3, y_name, y)
     N = y.shape[1]
     if tuple(lora_b.shape) != (num_slots, N, max_rank):
         _fail(ValueError, f"lora_b: expected shape [L, N, R] = [{num_slots}, {N}, {max_rank}], "
                           f"got {tuple(lora_b.shape)}")
-    check_slice_widths(slice_widths, num_slices, N, f"{y_name}'s columns")
+    check_slice_widths(slice_widths, num_slices, N, f"{y_name}'s columns", per)
 
 
 def check_slice_widths(slice_widths, num_slices, N, what, per="slice of lora_a"):
@@ -531,10 +534,10 @@ def check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts
     if h.shape[0] != y.shape[0]:
         _fail(ValueError, f"h: expected {y.shape[0]} rows (y's tokens), got shape {tuple(h.shape)}")
     L = lora_b.shape[0] if lora_b.dim() == 3 else -1
-    check_lora_b(y, lora_b, slice_widths, L, h.shape[1], h.shape[2])
+    check_lora_b(y, lora_b, slice_widths, L, h.shape[1], h.shape[2], per="slice of h")
     check_index("rank", rank)
     check_rank_length(rank, L, "lora_b")
-    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, y.shape[0])
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, y.shape[0], "y")
 
 
 def _check_fp32(name, t, dims, what):
@@ -557,7 +560,7 @@ def check_lora_grad_x(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_coun
     L = lora_a.shape[0]
     check_index("rank", rank)
     check_rank_length(rank, L, "lora_a")
-    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, dh.shape[0])
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, dh.shape[0], "dh")
 
 
 def check_segment_outer(u, v, rank, sorted_token_ids, slot_starts, slot_counts):
@@ -578,7 +581,7 @@ def _check_outer_factors(u_name, u, u_dims, u_what, v_name, v, rank, sorted_toke
     if v.shape[0] != u.shape[0]:
         _fail(ValueError, f"{v_name}: expected {u.shape[0]} rows ({u_name}'s tokens), got shape {tuple(v.shape)}")
     check_index("rank", rank)
-    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, u.shape[0])
+    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, u.shape[0], u_name)
 
 
 def check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
@@ -593,7 +596,7 @@ def check_lora_grad_h(grad_out, lora_b, scale, rank, slice_widths, sorted_token_
     L, _, R = lora_b.shape
     check_lora_b(grad_out, lora_b, slice_widths, L, len(slice_widths), R, y_name="grad_out")
     check_slot_params(lora_b, scale, rank, "lora_b")
-    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, grad_out.shape[0])
+    check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, grad_out.shape[0], "grad_out")
 
 
 def check_lora_grad_a(dh, x, rank, sorted_token_ids, slot_starts, slot_counts):
@@ -621,4 +624,4 @@ def check_lora_grad_b(grad_out, h, rank, slice_widths, sorted_token_ids, slot_st
         _fail(ValueError, f"h: expected shape [M, S, R] with R >= 1, got {tuple(h.shape)}")
     check_slice_widths(slice_widths, h.shape[1], grad_out.shape[1], "grad_out's columns", per="slice of h")
     check_index("rank", rank)
-    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, h.shape[0])
+    check_batch_meta(rank.shape[0], sorted_token_ids, slot_starts, slot_counts, h.shape[0], "h")
