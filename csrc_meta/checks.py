@@ -295,7 +295,8 @@ def check_batch_meta(num_slots, sorted_token_ids, slot_starts, slot_counts, num_
     # failing to guard; the real kernels run this check again on concrete sizes.
     if num_tokens is not None and not guard_or_true(sorted_token_ids.shape[0] >= num_tokens):
         _fail(ValueError, f"sorted_token_ids: holds {sorted_token_ids.shape[0]} entries, fewer than the "
-                          f"{num_tokens} tokens of {tokens_of}; build the batch metadata with max_tokens >= {num_tokens}")
+                          f"{num_tokens} tokens of {tokens_of}; build the batch metadata with max_tokens >= "
+                          f"{num_tokens}")
 
 
 def check_lora_a(x, lora_a):
@@ -405,10 +406,10 @@ def apart_from(t, y):
     """``t``, or a copy of it where its memory meets y's, which the op writes in place (``add_lora(x, x, ...)``:
     x += delta(x) on a square layer; x, h or a weight stack a view of y's buffer). The ops' contract: every
     floating input (x or h, lora_a, lora_b, scale) is read as it was before the call; the integer ones (rank,
-    the batch metadata) must not share y's memory. Each backend passes its inputs through this before it writes y: Triton programs of
-    the one-launch kernel read x rows while others write their y columns, an expand's column blocks each read
-    h rows, and the torch CPU kernels write one slot's rows of y before they read the next slot's x (on
-    memory they share, a later read saw an earlier write). Conservative (views interleaved in one buffer
+    the batch metadata) must not share y's memory. Each backend passes its inputs through this before it writes
+    y: Triton programs of the one-launch kernel read x rows while others write their y columns, an expand's
+    column blocks each read h rows, and the torch CPU kernels write one slot's rows of y before they read the
+    next slot's x (on memory they share, a later read saw an earlier write). Conservative (views interleaved in one buffer
     without a shared element are copied too); tensors of two storages apart (the usual case) cost two storage
     reads. Two storages can share memory (torch.from_numpy of overlapping views of one array): their address
     ranges are compared, not their identity."""
