@@ -1149,9 +1149,23 @@ class LoRALinear(nn.Module):
                 raise ValueError(message)
             error_msgs.append(message)
 
+    def __getstate__(self):
+        # A copy (copy.deepcopy, torch.save) taken while a trainer is open has none (LoRAContext.__getstate__):
+        # its stacks go back to frozen, as without a trainer, rather than taking gradients into every slot
+        # with no hook to mask them.
+        state = dict(self.__dict__)
+        if getattr(getattr(self, "context", None), "trainer", None) is not None:
+            state["_freeze_stacks"] = True
+        return state
+
     def __setstate__(self, state):
+        freeze = state.pop("_freeze_stacks", False)
         # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.
         super().__setstate__(state)
+        if freeze:
+            for stack in (self.lora_a, self.lora_b):
+                stack.requires_grad_(False)
+                stack.grad = None
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
         if LoRALinear._restack_after_load not in self._load_state_dict_post_hooks.values():   # (pickled before)

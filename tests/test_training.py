@@ -537,6 +537,11 @@ def test_a_copy_of_a_model_in_training_has_no_trainer():
     copied = copy.deepcopy(model)
     copy_ctx = next(m for m in copied.modules() if hasattr(m, "context")).context
     assert copy_ctx is not ctx and copy_ctx.trainer is None
+    # Its stacks frozen, as without a trainer (they kept requires_grad, taking gradients into every slot with no
+    # hook to mask them: session 45's audit); the original's stay trainable.
+    assert all(not s.requires_grad and s.grad is None for layer in copy_ctx.layers.values()
+               for s in (layer.lora_a, layer.lora_b))
+    assert all(s.requires_grad for layer in ctx.layers.values() for s in (layer.lora_a, layer.lora_b))
     with copy_ctx.train_slots(["b"]) as copy_trainer:
         copy_ctx.set_batch([("a", SEQ), ("b", SEQ)])
         loss_of(copied(torch.randint(0, VOCAB, (2, SEQ))), torch.randint(0, VOCAB, (2, SEQ))).backward()
