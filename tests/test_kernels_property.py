@@ -609,7 +609,7 @@ def test_expand_into_the_memory_of_its_h(backend, monkeypatch):
     assert rel_err(y, expected) < TOLERANCE[torch.float32]
 
 
-def _alias_of_y_tail(y_rows, y_cols, t, seed):
+def _laid_over_y(y_rows, y_cols, t, seed):
     """(y [y_rows, y_cols], a copy of ``t``'s values laid from the middle of y's memory on)."""
     n, start = t.numel(), y_rows * y_cols // 2
     buffer = torch.randn(max(y_rows * y_cols, start + n), generator=torch.Generator().manual_seed(seed)).to(t.device)
@@ -626,7 +626,7 @@ def test_a_weight_stack_viewing_y_is_read_as_it_was(backend, stack):
     M, K, N = 9, 20, 12
     case = make_case(M, K, N, num_slots=2, num_slices=2, max_rank=4, seed=12, ranks=[4, 3],
                      token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
-    y, alias = _alias_of_y_tail(M, N, getattr(case, stack), seed=13)
+    y, alias = _laid_over_y(M, N, getattr(case, stack), seed=13)
     stacks = {"lora_a": case.lora_a, "lora_b": case.lora_b, "scale": case.scale, stack: alias}
     expected = y.double().cpu() + case.delta_reference()
     lora_ops.add_lora(y, case.x, stacks["lora_a"], stacks["lora_b"], stacks["scale"], case.rank, batch=case.meta,
@@ -639,7 +639,7 @@ def test_expand_reads_a_lora_b_viewing_y_as_it_was(backend):
     case = make_case(M, 20, N, num_slots=2, num_slices=1, max_rank=R, seed=14, ranks=[R, 3],
                      token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
     h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
-    y, lora_b = _alias_of_y_tail(M, N, case.lora_b, seed=15)
+    y, lora_b = _laid_over_y(M, N, case.lora_b, seed=15)
     expected = y.double().cpu() + expand_reference(h, case.lora_b, case.rank, case.token_slots, [N])
     lora_ops.expand(y, h, lora_b, case.rank, batch=case.meta, slice_widths=[N])
     assert rel_err(y, expected) < TOLERANCE[torch.float32]
