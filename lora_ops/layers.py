@@ -1153,7 +1153,7 @@ class LoRALinear(nn.Module):
         # A copy (copy.deepcopy, torch.save) taken while a trainer is open has none (LoRAContext.__getstate__):
         # its stacks go back to frozen, as without a trainer, rather than taking gradients into every slot
         # with no hook to mask them.
-        state = dict(self.__dict__)
+        state = super().__getstate__()     # (nn.Module's: a copy of the dict, without an in-place compile's call)
         if getattr(getattr(self, "context", None), "trainer", None) is not None:
             state["_freeze_stacks"] = True
         return state
