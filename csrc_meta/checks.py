@@ -402,21 +402,30 @@ def check_written_in_place(name, t):
                           f"overlapping view); pass a tensor of its own, e.g. {name}.clone()")
 
 
-def apart_from(t, y):
-    """``t``, or a copy of it where its memory meets y's, which the op writes in place (``add_lora(x, x, ...)``:
-    x += delta(x) on a square layer; x, h or a weight stack a view of y's buffer). The ops' contract: every
-    floating input (x or h, lora_a, lora_b, scale) is read as it was before the call; the integer ones (rank,
-    the batch metadata) must not share y's memory. Each backend passes its inputs through this before it writes
-    y: Triton programs of the one-launch kernel read x rows while others write their y columns, an expand's
-    column blocks each read h rows, and the torch CPU kernels write one slot's rows of y before they read the
-    next slot's x (on memory they share, a later read saw an earlier write). Conservative (views interleaved in one buffer
-    without a shared element are copied too); tensors of two storages apart (the usual case) cost two storage
-    reads. Two storages can share memory (torch.from_numpy of overlapping views of one array): their address
-    ranges are compared, not their identity."""
-    t_store, y_store = t.untyped_storage(), y.untyped_storage()
-    t_at, y_at = t_store.data_ptr(), y_store.data_ptr()
-    if ((t_at != y_at and (t_at >= y_at + y_store.nbytes() or y_at >= t_at + t_store.nbytes()))
-            or t.numel() == 0 or y.numel() == 0):
+def apart_from(y, *inputs):
+    """``inputs``, each as it is, or a copy of it where its memory meets y's, which the op writes in place
+    (``add_lora(x, x, ...)``: x += delta(x) on a square layer; x, h or a weight stack a view of y's buffer). The
+    ops' contract: every floating input (x or h, lora_a, lora_b, scale) is read as it was before the call; the
+    integer ones (rank, the batch metadata) must not share y's memory. Each backend passes its inputs through
+    this before it writes y: Triton programs of the one-launch kernel read x rows while others write their y
+    columns, an expand's column blocks each read h rows, and the torch CPU kernels write one slot's rows of y
+    before they read the next slot's x (on memory they share, a later read saw an earlier write). Conservative
+    (views interleaved in one buffer without a shared element are copied too); y's storage is read once, and an
+    input of another storage apart from it (the usual case) costs one storage read. Two storages can share
+    memory (torch.from_numpy of overlapping views of one array): their address ranges are compared, not their
+    identity."""
+    if y.numel() == 0:
+        return inputs
+    y_store = y.untyped_storage()
+    y_at, y_end = y_store.data_ptr(), y_store.data_ptr() + y_store.nbytes()
+    return tuple(_apart(t, y, y_at, y_end) for t in inputs)
+
+
+def _apart(t, y, y_at, y_end):
+    """apart_from for one input ``t``, y's storage spanning bytes [y_at, y_end)."""
+    t_store = t.untyped_storage()
+    t_at = t_store.data_ptr()
+    if (t_at != y_at and (t_at >= y_end or y_at >= t_at + t_store.nbytes())) or t.numel() == 0:
         return t
     t0, y0 = t.data_ptr(), y.data_ptr()
     if t0 < y0 + _extent(y) and y0 < t0 + _extent(t):

@@ -57,7 +57,7 @@ def shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
 def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
     M = y.shape[0]
     L, N, R = lora_b.shape
-    h, lora_b = apart_from(h, y), apart_from(lora_b, y)
+    h, lora_b = apart_from(y, h, lora_b)
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
         r = min(r, R)
         y[ids] = _expanded(y[ids], h[ids, :, :r], lora_b[slot, :, :r], slice_widths)
@@ -67,7 +67,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     M = x.shape[0]
     L, S, R, K = lora_a.shape
-    x, lora_a, lora_b, scale = (apart_from(t, y) for t in (x, lora_a, lora_b, scale))
+    x, lora_a, lora_b, scale = apart_from(y, x, lora_a, lora_b, scale)
     for slot, ids, r in _slot_runs(L, rank, sorted_token_ids, slot_starts, slot_counts, M):
         r = min(r, R)
         a = lora_a[slot, :, :r].float().reshape(S * r, K)

@@ -373,7 +373,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
     M, N = y.shape
     if M == 0:
         return
-    h, lora_b = checks.apart_from(h, y), checks.apart_from(lora_b, y)
+    h, lora_b = checks.apart_from(y, h, lora_b)
 
     def build():
         cfg = configs.expand_config(M, N, len(slice_widths), lora_b.shape[2], lora_b.shape[0], y.device, y.dtype)
@@ -387,7 +387,7 @@ def expand_(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slo
 def add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
     checks.check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                            slot_counts)
-    x, lora_a, lora_b, scale = (checks.apart_from(t, y) for t in (x, lora_a, lora_b, scale))
+    x, lora_a, lora_b, scale = checks.apart_from(y, x, lora_a, lora_b, scale)
     _add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
 
 
