@@ -118,23 +118,29 @@ def _slot_keys(token_slots, max_loras):
     return torch.where((slots >= 0) & (slots < max_loras), slots, max_loras)
 
 
-def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_counts, ones):
+def fill_batch_meta(token_slots, max_loras, sorted_token_ids, slot_starts, slot_counts, ones, slots_out=None):
     """Refill the metadata buffers in place from ``token_slots`` [M] (on their device, no sync).
 
     ``ones`` is an int32 buffer of at least M ones (the scatter source), allocated once by the caller.
+    ``slots_out``: an int32 buffer of at least M entries on the buffers' device that also receives the slots,
+    each outside [0, L) as -1 (a LoRAContext's per-token slots: unlike a copy into int32, an int64 slot past
+    int32's range does not wrap into one in range). It may be ``token_slots`` itself.
     """
     M = token_slots.shape[0]
     one_launch = _launch_batch(slot_counts.device, M, max_loras)
     if one_launch is not None:
         slots = token_slots.to(device=slot_counts.device, non_blocking=True)
-        one_launch.fill_batch_meta(slots, max_loras, sorted_token_ids, slot_starts, slot_counts)
+        one_launch.fill_batch_meta(slots, max_loras, sorted_token_ids, slot_starts, slot_counts,
+                                   None if slots_out is None else slots_out[:M])
         # The torch ops below bump the buffers' version counters, and autograd refuses a backward whose
         # saved metadata was refilled since (lora_ops.autograd): a kernel's writes must say so too.
-        for t in (sorted_token_ids, slot_starts, slot_counts):
-            if not t.is_inference():    # (inference tensors have no version counter)
+        for t in (sorted_token_ids, slot_starts, slot_counts, slots_out):
+            if t is not None and not t.is_inference():    # (inference tensors have no version counter)
                 torch.autograd.graph.increment_version(t)
         return
     keys = _slot_keys(token_slots.to(device=slot_counts.device, dtype=torch.int64, non_blocking=True), max_loras)
+    if slots_out is not None:
+        slots_out[:M].copy_(torch.where(keys < max_loras, keys, -1))
     sorted_token_ids[:M].copy_(torch.argsort(keys, stable=True))
     slot_counts.zero_()
     slot_counts.scatter_add_(0, keys, ones[:M])
@@ -176,10 +182,10 @@ class LoRABatch:
         check_token_slots(token_slots, self.max_loras, self.max_tokens, self.device)
         return self._refill(token_slots)
 
-    def _refill(self, token_slots):
-        """:meth:`update` for slots already checked (a LoRAContext checks them as they arrive, then refills
-        from its own buffer: a second check would cost a server's host a few µs a step for nothing)."""
-        fill_batch_meta(token_slots, self.max_loras, *self.meta, self._ones)
+    def _refill(self, token_slots, slots_out=None):
+        """:meth:`update` for slots already checked (a LoRAContext checks them as they arrive: a second check
+        would cost a server's host a few µs a step for nothing); ``slots_out`` as :func:`fill_batch_meta`."""
+        fill_batch_meta(token_slots, self.max_loras, *self.meta, self._ones, slots_out)
         self.num_tokens = token_slots.shape[0]
         return self.meta
 

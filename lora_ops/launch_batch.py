@@ -42,14 +42,19 @@ def fits(num_tokens, num_slots, max_steps=MAX_STEPS):
             and cdiv(num_tokens, _block_t(num_tokens, num_slots)) <= max_steps)
 
 
-def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts):
+def fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts, slots_out=None):
     """The metadata of ``token_slots`` [M] (int32 / int64, on the buffers' device) into the buffers, in one
-    launch of one program (grid (1,), whatever the data), on the buffers' GPU. Where :func:`fits` holds."""
+    launch of one program (grid (1,), whatever the data), on the buffers' GPU. Where :func:`fits` holds.
+    ``slots_out``: an int32 [>= M] buffer there that also receives each token's slot, -1 where it lies
+    outside [0, L) (lora_ops.batch.fill_batch_meta)."""
     other = on_other_device(slot_counts)
     if other is not None:
         with torch.cuda.device(other):
-            return fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts)
-    BATCH_META((1,), (token_slots, sorted_token_ids, slot_starts, slot_counts),
+            return fill_batch_meta(token_slots, num_slots, sorted_token_ids, slot_starts, slot_counts, slots_out)
+    write_slots = slots_out is not None
+    out = slots_out if write_slots else slot_counts     # (not written without WRITE_SLOTS)
+    BATCH_META((1,), (token_slots, sorted_token_ids, slot_starts, slot_counts, out),
                (token_slots.shape[0], num_slots, token_slots.stride(0), sorted_token_ids.stride(0),
-                slot_starts.stride(0), slot_counts.stride(0)),
-               BLOCK_T=_block_t(token_slots.shape[0], num_slots), KEYS=_keys(num_slots), num_warps=4)
+                slot_starts.stride(0), slot_counts.stride(0), out.stride(0)),
+               BLOCK_T=_block_t(token_slots.shape[0], num_slots), KEYS=_keys(num_slots), WRITE_SLOTS=write_slots,
+               num_warps=4)

@@ -577,11 +577,16 @@ class LoRAContext:
 
     def _fill(self, token_slots):
         M = token_slots.shape[0]
+        # (Checked by the caller: set_token_slots, set_batch.)
         if self._staging is not None and token_slots.device.type == "cpu":
             self._staging.copy_to_device(token_slots, self.token_slots)
+            self.batch._refill(self.token_slots[:M])
         else:
-            self.token_slots[:M].copy_(token_slots)
-        self.batch._refill(self.token_slots[:M])     # (checked by the caller: set_token_slots, set_batch)
+            # Slots on this device (or a CPU context's): the fill writes the per-token buffer as it reads them
+            # (one launch, not a copy and then the fill), and a CUDA int64 slot past int32's range, which
+            # nothing checks there, is served no adapter like any other outside [0, L), where a copy would
+            # have wrapped it into one in range.
+            self.batch._refill(token_slots, slots_out=self.token_slots)
         self._set_batch_tokens(M)
         for mirror in self._mirrors.values():
             _copy_buffers(*mirror, self.meta, self.token_slots)

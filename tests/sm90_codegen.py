@@ -321,14 +321,16 @@ def cases():
     yield "grad_h_r64", launch.SHRINK, grad_h
 
     # The one-launch batch metadata fill (lora_ops.kernels.batch): a decode batch of 4 slots (int32 slots, one
-    # wide step) and a 64-slot one (int64 slots, narrow steps).
+    # wide step; a LoRAContext's fill from host slots) and a 64-slot one (int64 slots, narrow steps, writing
+    # the per-token slots too: a LoRAContext's fill from device slots).
     from lora_ops import launch_batch
     from lora_ops.batch import LoRABatch
     for name, M, L, dtype in (("batch_meta_l4", 64, 4, torch.int32), ("batch_meta_l64", 1000, 64, torch.int64)):
         b = LoRABatch(M, L)
+        out = torch.empty(M, dtype=torch.int32) if dtype == torch.int64 else None
 
-        def fill(M=M, L=L, dtype=dtype, b=b):
-            launch_batch.fill_batch_meta(torch.zeros(M, dtype=dtype), L, *b.meta)
+        def fill(M=M, L=L, dtype=dtype, b=b, out=out):
+            launch_batch.fill_batch_meta(torch.zeros(M, dtype=dtype), L, *b.meta, slots_out=out)
         yield name, launch_batch.BATCH_META, fill
 
 

@@ -123,6 +123,49 @@ def test_unchecked_device_path_sends_out_of_range_slots_to_no_adapter(slot_dtype
     assert batch.meta.slot_counts[4] == 4  # -1, 7, -9 and 1000
 
 
+# Slots no copy into int32 may see first: each wraps into one in range ([1, 0, 3, -1] for 4 slots).
+PAST_INT32 = [2 ** 32 + 1, 2 ** 32, 2 ** 33 + 3, -(2 ** 32) - 1]
+
+
+def served_slots(slots, num_slots):
+    """Each token's slot as the per-token buffer holds it: -1 for any outside [0, L)."""
+    return [s if 0 <= s < num_slots else -1 for s in slots]
+
+
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_path", "one_launch"])
+def test_the_fill_writes_the_served_slots_without_wrapping_int64(triton_kernels, one_launch):
+    """slots_out (a LoRAContext's int32 per-token buffer) gets each slot, -1 outside [0, L); an int64 slot past
+    int32's range is no adapter there and in the metadata, not the slot it would wrap to. Every entry written,
+    the rest left alone; slots_out may be the slots themselves."""
+    slots = [2, 7, -1, 0, -9, 3, *PAST_INT32, 1]
+    device = triton_kernels.device
+    batch = _poisoned_batch(len(slots) + 2, 4, device)
+    out = torch.full((len(slots) + 2,), -77, dtype=torch.int32, device=device)
+    with fill_setting(one_launch):
+        batch._refill(torch.tensor(slots, dtype=torch.int64, device=device), slots_out=out)
+    assert_meta_matches(type(batch.meta)(*[t.cpu() for t in batch.meta]), slots, 4)
+    assert out.tolist() == served_slots(slots, 4) + [-77, -77]
+    in_place = torch.tensor([3, 9, -1, 0, -5, 1], dtype=torch.int32, device=device)
+    with fill_setting(one_launch):
+        batch._refill(in_place, slots_out=in_place)
+    assert in_place.tolist() == [3, -1, -1, 0, -1, 1]
+    assert_meta_matches(type(batch.meta)(*[t.cpu() for t in batch.meta]), [3, 9, -1, 0, -5, 1], 4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_path", "one_launch"])
+def test_a_context_serves_cuda_int64_slots_past_int32_no_adapter(one_launch):
+    """A LoRAContext does not check CUDA slots (that would sync): any outside [0, L), an int64 one past int32's
+    range too, is served no adapter, and its per-token buffer says -1."""
+    import lora_ops
+    ctx = lora_ops.LoRAContext(4, 16, device="cuda")
+    slots = [1, *PAST_INT32, 3]
+    with fill_setting(one_launch):
+        ctx.set_token_slots(torch.tensor(slots, dtype=torch.int64, device="cuda"))
+    assert ctx.token_slots[:len(slots)].tolist() == served_slots(slots, 4)
+    assert ctx.meta.slot_counts.tolist() == [0, 1, 0, 1, len(PAST_INT32)]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda")
 def test_cuda_batch_from_cuda_or_cpu_slots():
     slots = [2, 7, -1, 0, -9, 2, 3, 1000, 0]
@@ -153,16 +196,19 @@ def _poisoned_batch(max_tokens, max_loras, device):
 @given(problem=slot_lists(), out_of_range=st.lists(st.integers(-1000, 1000), max_size=6))
 def test_one_launch_fill_groups_stably_and_completely(one_launch_fill, slot_dtype, problem, out_of_range):
     """The kernel's metadata is the plain count's, out-of-range slots in 'no adapter' (unchecked on the
-    device), every entry of counts and starts and the first M token ids written, the rest left alone."""
+    device), every entry of counts and starts and the first M token ids written, the rest left alone; the
+    per-token slots written alike where asked (an int64 slot past int32's range too)."""
     from lora_ops import launch_batch
     num_slots, slots = problem
-    slots = slots + out_of_range
+    slots = slots + out_of_range + (PAST_INT32 if slot_dtype == torch.int64 else [])
     batch = _poisoned_batch(len(slots) + 3, num_slots, one_launch_fill.device)
+    out = torch.full((len(slots) + 3,), -77, dtype=torch.int32, device=one_launch_fill.device)
     launch_batch.fill_batch_meta(torch.tensor(slots, dtype=slot_dtype, device=one_launch_fill.device), num_slots,
-                                 *batch.meta)
+                                 *batch.meta, slots_out=out)
     meta = type(batch.meta)(*[t.cpu() for t in batch.meta])
     assert_meta_matches(meta, slots, num_slots)
     assert (meta.sorted_token_ids[len(slots):] == -77).all()
+    assert out.tolist() == served_slots(slots, num_slots) + [-77] * 3
 
 
 @pytest.mark.parametrize("num_tokens, num_slots", [(1500, 4), (1000, 64), (300, 300), (0, 5), (1, 1)],
