@@ -8,7 +8,8 @@
 #
 #     bash tests/device_triton_codegen.sh            # TRITON_VERSION=3.6.0, venv in .venv-triton-device/
 #
-# A virtual environment with the CPU torch and that Triton is made once and kept (git-ignored).
+# A virtual environment with torch (whichever build pip picks; only its CPU side runs) and that Triton is made once and
+# kept (git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${TRITON_VERSION:-3.6.0}
