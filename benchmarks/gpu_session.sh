@@ -87,6 +87,11 @@
 #                                              # retuned shape only where it beats it in turn; TUNE_ARGS picks the
 #                                              # shapes (default: Llama r16/r64 at 1-256 tokens, add_lora_'s pair);
 #                                              # the table comes back under $OUT: commit it to keep it (~9 min)
+#     bash benchmarks/gpu_session.sh pending   # what sessions 44-46 changed and no GPU has run yet: the write-first,
+#                                              # aliasing and rank-0 GPU tests (session 44's work.store_zero_rows and
+#                                              # the shrink's block_columns; 45's apart_from), the batch fill's tests
+#                                              # (46: slots_out, int64 slots past int32), race_sweep's core grid
+#                                              # (values and bits, every path), the write-first rows (~9 min)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -228,6 +233,16 @@ elif [ "$MODE" = tunehere ]; then
         ${TUNE_ARGS:---model llama3-8b --ranks 16 64 --tokens 1 16 64 256 --kinds pair}
     cp lora_ops/configs/tuned/*.json "$R/"
     tail -30 "$R/tune.log"
+elif [ "$MODE" = pending ]; then
+    step tests 250 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_write_first.py tests/test_autograd.py tests/test_kernels_property.py -k "store_mode or layer_matches \
+        or cuda_graph or rows_written or needs_no_zeroed or many_tiles or written_whole or viewing_y or y_that_is_x \
+        or overlapping or expand_into or rank_zero_stack"
+    step fill 100 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_batch.py tests/test_model_compile.py -k "batch or fill or slots"
+    step sweep 120 env GRID=core REPEATS=3 BUDGET=105 python benchmarks/race_sweep.py
+    step large 100 python benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 --variants in_order --peers '' \
+        --time-budget 85 --out "$R"
 elif [ "$MODE" = pads ]; then
     mkdir -p "$R/before" "$R/after"
     cp lora_ops/configs/tuned/*.json "$R/before/"
@@ -271,7 +286,7 @@ fi
 tar czf "$OUT/results.tgz" -C "$OUT" r
 for log in tests core host decode decode_stacked highrank grad profile mixed variants sweep tune grad2_base grad2_new \
         profile_base profile_new f32_base f32_new f16_base f16_new turns tests_on fill decode_fill_off decode_fill_on \
-        tune_pad tune_limit ab_before ab_after lab_gradx large_base large_new lab_fill; do
+        tune_pad tune_limit ab_before ab_after lab_gradx large_base large_new lab_fill fill sweep large; do
     [ -f "$R/$log.log" ] || continue
     echo "== $log"; grep -A12 geometric "$R/$log.log" | head -8 || true; tail -3 "$R/$log.log"
 done
