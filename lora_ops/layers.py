@@ -1168,9 +1168,7 @@ class LoRALinear(nn.Module):
         # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.
         super().__setstate__(state)
         if freeze:
-            for stack in (self.lora_a, self.lora_b):
-                stack.requires_grad_(False)
-                stack.grad = None
+            training.freeze_stacks((self.lora_a, self.lora_b))
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
         if LoRALinear._restack_after_load not in self._load_state_dict_post_hooks.values():   # (pickled before)

@@ -234,9 +234,7 @@ class SlotTrainer:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for stack in self.parameters():
-            stack.requires_grad_(False)
-            stack.grad = None
+        freeze_stacks(self.parameters())
         self.ctx.dropout_p = None
         if getattr(self.ctx, "trainer", None) is self:
             self.ctx.trainer = None
@@ -323,6 +321,14 @@ def _freeze_base(ctx):
     for p in params:
         if id(p) not in stacks:
             p.requires_grad_(False)
+
+
+def freeze_stacks(stacks):
+    """LoRA stacks back as they are without a trainer: frozen, no gradient kept (a trainer's close, and a copy of
+    a layer taken while one was open)."""
+    for stack in stacks:
+        stack.requires_grad_(False)
+        stack.grad = None
 
 
 def _warn_folded_scales(ctx, names, slots, caller="train_slots"):

@@ -287,7 +287,6 @@ def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter():
     assert_state_unchanged(before, ctx)
 
 
-
 @pytest.mark.parametrize("replace", [False, True], ids=["new_slot", "replace"])
 @pytest.mark.parametrize("config", [dict(lora_alpha=1e40), dict(lora_alpha=1e39, use_rslora=True)],
                          ids=["alpha_over_r", "rslora"])
