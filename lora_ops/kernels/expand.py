@@ -132,17 +132,14 @@ def expand_kernel(
                 h_rows, y_rows = expand_tile_rows(h_ptr, y_ptr, tok, slot, slice_id, h_offset, stride_hm, stride_hs,
                                                   stride_hl, stride_ym, SCALE_BY_SLOT)
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
+            y_old = 0.0   # unread unless ACCUMULATE
             if ACCUMULATE:
                 y_old = tl.load(y_ptrs, mask=valid[:, None] & n_ok[None, :], other=0.0)
             h_hi, h_lo = load_h_parts(h_rows + offs_r[None, :] * stride_hr, valid[:, None] & r_in[None, :], r_ok,
                                       num_parts, tl.cast(stride_hp, tl.int64), PART_CHUNK, H_PRECISION)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
                             False)
-            if SCALE_BY_SLOT:
-                acc = acc * slot_scale
-            if ACCUMULATE:
-                acc = y_old.to(tl.float32) + acc
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+            store_tile(y_ptrs, acc, y_old, slot_scale, valid[:, None] & n_ok[None, :], SCALE_BY_SLOT, ACCUMULATE)
     elif ONE_RANK_BLOCK:
         if PDL and SCALE_BY_SLOT:
             gdc_wait()   # y and h are the stacked GEMM's
@@ -161,6 +158,7 @@ def expand_kernel(
                                   H_PRECISION)
         b_rows = b_slot + offs_r[:, None] * stride_br
         for j in range(N_LOOP):
+            y_old = 0.0   # unread unless ACCUMULATE
             if ACCUMULATE:
                 y_old = y_next
             mask = valid[:, None] & n_ok[None, :]
@@ -175,11 +173,7 @@ def expand_kernel(
                                  mask=valid[:, None] & next_ok[None, :], other=0.0)
             acc = dot_split(h_hi, h_lo, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), H_PRECISION,
                             False)
-            if SCALE_BY_SLOT:
-                acc = acc * slot_scale
-            if ACCUMULATE:
-                acc = y_old.to(tl.float32) + acc
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            store_tile(y_ptrs, acc, y_old, slot_scale, mask, SCALE_BY_SLOT, ACCUMULATE)
             offs_n = next_n
             n_ok = next_ok
     else:
@@ -194,14 +188,25 @@ def expand_kernel(
                             BLOCK_N, BLOCK_R, RANK_ALIGN, H_PRECISION, h_native, H_PLANES, PLANES_IN_TURN)
             # y after the rank loop: holding it through the loop cost the registers that larger tiles need
             # (H200: 128 x 256 tiles, 10-15% faster at ranks 128-320).
-            if SCALE_BY_SLOT:
-                acc = acc * slot_scale
             mask = valid[:, None] & n_ok[None, :]
             y_ptrs = y_rows + offs_n[None, :].to(tl.int64) * stride_yn
+            y_old = acc   # unread unless ACCUMULATE
             if ACCUMULATE:
-                acc = tl.load(y_ptrs, mask=valid[:, None] & n_ok[None, :], other=0.0).to(tl.float32) + acc
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+                y_old = tl.load(y_ptrs, mask=mask, other=0.0)
+            store_tile(y_ptrs, acc, y_old, slot_scale, mask, SCALE_BY_SLOT, ACCUMULATE)
             offs_n += BLOCK_N
+
+
+@triton.jit
+def store_tile(y_ptrs, acc, y_old, slot_scale, mask, SCALE_BY_SLOT: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """Store a tile's product: acc [BLOCK_M, BLOCK_N] float32, times the slot's scale (SCALE_BY_SLOT: the
+    stacked path, whose h is unscaled), plus y_old (ACCUMULATE: y's values, loaded by the caller, added in
+    float32) at y_ptrs, in y's dtype; mask: the tile's valid tokens and existing columns."""
+    if SCALE_BY_SLOT:
+        acc = acc * slot_scale
+    if ACCUMULATE:
+        acc = y_old.to(tl.float32) + acc
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
