@@ -10,6 +10,8 @@ shows as 2-byte and 4-byte loads where 16-byte ones should be (docs/DESIGN.md §
     PYTHONPATH=. python tests/sm90_codegen.py --table     # every kernel's loads, registers, spills
     PYTHONPATH=. python tests/sm90_codegen.py --float32-spills   # float32's GPU configs: registers, spills
     PYTHONPATH=. python tests/sm90_codegen.py --float16-spills   # float16's GPU expand configs: the same
+    PYTHONPATH=. python tests/sm90_codegen.py --ptx-hashes > a.json   # every case's PTX, hashed: a kernel
+                                             # refactor whose hashes match the tree before changed no kernel
 """
 import collections
 import inspect
@@ -415,6 +417,25 @@ def float32_spills():
     return _usage(float32_launches())
 
 
+def ptx_hashes():
+    """{label: hash of the PTX} of every case, float32 and float16 launch: a kernel change that leaves them all
+    equal compiles to the same instructions (no GPU needed to show a refactor changed nothing). Source
+    positions (.loc, .file, the debug sections and their labels) are left out: moving code changes them."""
+    import hashlib
+    out = {}
+    launches = [*cases(), *float32_launches(), *float16_launches()]
+    for label, launcher, run in launches:
+        with recorded(launcher) as calls:
+            run()
+        for i, call in enumerate(calls):
+            ptx = compile_sm90(launcher.kernel, *call[1:]).asm["ptx"]
+            ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+            kept = [line for line in ptx.splitlines()
+                    if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:$)", line)]
+            out[f"{label} {i}" if i else label] = hashlib.sha1("\n".join(kept).encode()).hexdigest()[:16]
+    return out
+
+
 def _usage(launches):
     out = {}
     for label, launcher, run in launches:
@@ -436,6 +457,9 @@ def main(argv):
         return
     if "--float16-spills" in argv:
         print(json.dumps(float16_spills()))
+        return
+    if "--ptx-hashes" in argv:
+        print(json.dumps(ptx_hashes(), indent=1))
         return
     results = {}
     for name, launcher, run in cases():
