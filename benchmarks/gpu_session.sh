@@ -91,7 +91,8 @@
 #                                              # aliasing and rank-0 GPU tests (session 44's work.store_zero_rows and
 #                                              # the shrink's block_columns; 45's apart_from), the batch fill's tests
 #                                              # (46: slots_out, int64 slots past int32), race_sweep's core grid
-#                                              # (values and bits, every path), the write-first rows (~9 min)
+#                                              # (values and bits, every path), the write-first rows (~9 min;
+#                                              # SKIP_SWEEP=1 SKIP_LARGE=1: the tests only, ~6)
 set -u
 MODE=${1:-quick}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LORA_PEERS=${LORA_PEERS:-$PWD/.peers}
@@ -240,9 +241,10 @@ elif [ "$MODE" = pending ]; then
         or overlapping or expand_into or rank_zero_stack"
     step fill 100 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
         tests/test_batch.py tests/test_model_compile.py -k "batch or fill or slots"
-    step sweep 120 env GRID=core REPEATS=3 BUDGET=105 python benchmarks/race_sweep.py
-    step large 100 python benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 --variants in_order --peers '' \
-        --time-budget 85 --out "$R"
+    # SKIP_SWEEP=1 / SKIP_LARGE=1: the tests only (~6 min; a call with less device time left)
+    [ -n "${SKIP_SWEEP:-}" ] || step sweep 120 env GRID=core REPEATS=3 BUDGET=105 python benchmarks/race_sweep.py
+    [ -n "${SKIP_LARGE:-}" ] || step large 100 python benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 \
+        --variants in_order --peers '' --time-budget 85 --out "$R"
 elif [ "$MODE" = pads ]; then
     mkdir -p "$R/before" "$R/after"
     cp lora_ops/configs/tuned/*.json "$R/before/"
