@@ -90,7 +90,8 @@
 #     bash benchmarks/gpu_session.sh pending   # what sessions 44-46 changed and no GPU has run yet: the write-first,
 #                                              # aliasing and rank-0 GPU tests (session 44's work.store_zero_rows and
 #                                              # the shrink's block_columns; 45's apart_from), the batch fill's tests
-#                                              # (46: slots_out, int64 slots past int32), race_sweep's core grid
+#                                              # (46: slots_out, int64 slots past int32), 47's FLOP formulas on
+#                                              # CUDA tensors and under capture, race_sweep's core grid
 #                                              # (values and bits, every path), the write-first rows (~9 min;
 #                                              # SKIP_SWEEP=1 SKIP_LARGE=1: the tests only, ~6)
 set -u
@@ -240,7 +241,7 @@ elif [ "$MODE" = pending ]; then
         or cuda_graph or rows_written or needs_no_zeroed or many_tiles or written_whole or viewing_y or y_that_is_x \
         or overlapping or expand_into or rank_zero_stack"
     step fill 100 env LORA_OPS_TEST_DEVICE=cuda HYPOTHESIS_PROFILE=gpu python -m pytest -q -p no:cacheprovider -rf \
-        tests/test_batch.py tests/test_model_compile.py -k "batch or fill or slots"
+        tests/test_batch.py tests/test_model_compile.py tests/test_flops.py -k "batch or fill or slots or flops"
     # SKIP_SWEEP=1 / SKIP_LARGE=1: the tests only (~6 min; a call with less device time left)
     [ -n "${SKIP_SWEEP:-}" ] || step sweep 120 env GRID=core REPEATS=3 BUDGET=105 python benchmarks/race_sweep.py
     [ -n "${SKIP_LARGE:-}" ] || step large 100 python benchmarks/bench_lora.py --grid core --ms 1024,4096,8192 \

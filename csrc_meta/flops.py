@@ -1,0 +1,125 @@
+"""FLOP formulas of the ops, for torch.utils.flop_counter.FlopCounterMode (which counts an op it has no formula
+for as zero: without these a LoRA model's count held the base layers only).
+
+A multiply-add counts 2, as torch's own formulas count a matmul. Each slot's tokens are counted at the slot's
+rank (clamped to [0, R], as the kernels clamp it) and tokens with no adapter not at all: the count reads
+`rank` and `slot_counts`, a device sync, which FlopCounterMode (a debugging and accounting tool, not a hot
+path) can afford. Where the values cannot be read (fake or meta tensors, a CUDA graph being captured) every
+token counts at the max rank R: an upper bound. Bias additions are not counted (torch's addmm formula does
+not count them either).
+"""
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from csrc_meta.schemas import OPS
+
+
+def _readable(*tensors):
+    """Whether the tensors' values can be read here (not fake or meta, no CUDA graph capture under way)."""
+    from torch._subclasses.fake_tensor import is_fake
+    if any(t.device.type == "meta" or is_fake(t) for t in tensors):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def token_ranks(M, R, rank, slot_counts):
+    """Sum over the adapted tokens of each one's rank: sum over slots l of slot_counts[l] * clamp(rank[l], 0, R)
+    (the last entry of slot_counts counts the tokens with no adapter); M * R where the values cannot be read."""
+    if not _readable(rank, slot_counts):
+        return M * R
+    L = rank.shape[0]
+    counts = slot_counts[:L].to(device="cpu", dtype=torch.int64)
+    return int((counts * rank.to(device="cpu", dtype=torch.int64).clamp(0, R)).sum())
+
+
+FORMULAS = {}   # op name -> its formula
+
+
+def _formula(name):
+    def register(fn):
+        FORMULAS[name] = fn
+        return register_flop_formula(getattr(torch.ops.lora_ops, name), get_raw=True)(fn)
+    return register
+
+
+@_formula("shrink")
+def shrink_flops(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts, *, out_val=None, **kwargs):
+    _, S, R, K = lora_a.shape
+    return 2 * token_ranks(x.shape[0], R, rank, slot_counts) * S * K
+
+
+@_formula("expand_")
+def expand_flops(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts, *, out_val=None,
+                 **kwargs):
+    _, N, R = lora_b.shape
+    return 2 * token_ranks(y.shape[0], R, rank, slot_counts) * N
+
+
+def delta_flops(M, lora_a, lora_b, rank, slot_counts):
+    """The add_lora_ delta's: the shrink (S slices of K features) and the expand (N outputs), per token-rank."""
+    _, S, R, K = lora_a.shape
+    return 2 * token_ranks(M, R, rank, slot_counts) * (S * K + lora_b.shape[1])
+
+
+@_formula("add_lora_")
+def add_lora_inplace_flops(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                           slot_counts, *, out_val=None, **kwargs):
+    return delta_flops(x.shape[0], lora_a, lora_b, rank, slot_counts)
+
+
+@_formula("add_lora")
+def add_lora_flops(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, *,
+                   out_val=None, **kwargs):
+    return delta_flops(x.shape[0], lora_a, lora_b, rank, slot_counts)
+
+
+@_formula("lora_linear")
+def lora_linear_flops(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
+                      slot_counts, *, out_val=None, **kwargs):
+    M, K = x.shape
+    return 2 * M * weight.shape[0] * K + delta_flops(M, lora_a, lora_b, rank, slot_counts)
+
+
+@_formula("lora_linear_stacked")
+def lora_linear_stacked_flops(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
+                              slot_starts, slot_counts, *, out_val=None, **kwargs):
+    # One GEMM over the base weight's N rows and every slot's L * S * R rows of A (each token's h for every
+    # slot: the work this path does; its padding rows are not counted), then the expand at each slot's rank.
+    M, K = x.shape
+    L, N, R = lora_b.shape
+    gemm_rows = N + L * len(slice_widths) * R
+    return 2 * M * gemm_rows * K + 2 * token_ranks(M, R, rank, slot_counts) * N
+
+
+@_formula("lora_grad_x")
+def lora_grad_x_flops(dh, lora_a, rank, sorted_token_ids, slot_starts, slot_counts, *, out_val=None, **kwargs):
+    _, S, R, K = lora_a.shape
+    return 2 * token_ranks(dh.shape[0], R, rank, slot_counts) * S * K
+
+
+@_formula("segment_outer")
+def segment_outer_flops(u, v, rank, sorted_token_ids, slot_starts, slot_counts, *, out_val=None, **kwargs):
+    return 2 * token_ranks(u.shape[0], u.shape[1], rank, slot_counts) * v.shape[1]
+
+
+@_formula("lora_grad_h")
+def lora_grad_h_flops(grad_out, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, *,
+                      out_val=None, **kwargs):
+    _, N, R = lora_b.shape
+    return 2 * token_ranks(grad_out.shape[0], R, rank, slot_counts) * N
+
+
+@_formula("lora_grad_a")
+def lora_grad_a_flops(dh, x, rank, sorted_token_ids, slot_starts, slot_counts, *, out_val=None, **kwargs):
+    M, S, R = dh.shape
+    return 2 * token_ranks(M, R, rank, slot_counts) * S * x.shape[1]
+
+
+@_formula("lora_grad_b")
+def lora_grad_b_flops(grad_out, h, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, *, out_val=None,
+                      **kwargs):
+    M, N = grad_out.shape
+    return 2 * token_ranks(M, h.shape[2], rank, slot_counts) * N
+
+
+assert set(FORMULAS) == set(OPS), "every op has a FLOP formula"
