@@ -7,11 +7,22 @@ rank (clamped to [0, R], as the kernels clamp it) and tokens with no adapter not
 path) can afford. Where the values cannot be read (fake or meta tensors, a CUDA graph being captured) every
 token counts at the max rank R: an upper bound. Bias additions are not counted (torch's addmm formula does
 not count them either).
+
+The formulas are registered when torch.utils.flop_counter is imported, not before: that module imports
+Triton, and Triton imported before TRITON_INTERPRET is set cannot run the interpreter (its own @jit helpers,
+tl.sum and kin, are compiled-mode functions then), so importing lora_ops must not import it.
 """
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
 from csrc_meta.schemas import OPS
+
+FLOP_COUNTER = "torch.utils.flop_counter"
+FORMULAS = {}   # op name -> its formula, registered by register()
 
 
 def _readable(*tensors):
@@ -32,14 +43,11 @@ def token_ranks(M, R, rank, slot_counts):
     return int((counts * rank.to(device="cpu", dtype=torch.int64).clamp(0, R)).sum())
 
 
-FORMULAS = {}   # op name -> its formula
-
-
 def _formula(name):
-    def register(fn):
+    def add(fn):
         FORMULAS[name] = fn
-        return register_flop_formula(getattr(torch.ops.lora_ops, name), get_raw=True)(fn)
-    return register
+        return fn
+    return add
 
 
 @_formula("shrink")
@@ -123,3 +131,41 @@ def lora_grad_b_flops(grad_out, h, rank, slice_widths, sorted_token_ids, slot_st
 
 
 assert set(FORMULAS) == set(OPS), "every op has a FLOP formula"
+
+
+def register(flop_counter):
+    """Register every formula with ``flop_counter`` (the torch.utils.flop_counter module), once."""
+    for name, fn in FORMULAS.items():
+        if getattr(torch.ops.lora_ops, name) not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(getattr(torch.ops.lora_ops, name), get_raw=True)(fn)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds torch.utils.flop_counter as the finders after it would, and registers the formulas once the
+    module has run (a post-import hook)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != FLOP_COUNTER:
+            return None
+        sys.meta_path.remove(self)           # one import; and find_spec below must not find this finder
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader    # as the real loader would have left them
+        self.loader.exec_module(module)
+        try:
+            register(module)
+        except Exception as e:   # (FlopCounterMode must stay importable whatever happens here)
+            warnings.warn(f"lora_ops: FLOP formulas not registered with FlopCounterMode: {e!r}")
+
+
+if FLOP_COUNTER in sys.modules:
+    register(sys.modules[FLOP_COUNTER])
+else:
+    sys.meta_path.insert(0, _RegisterOnImport())

@@ -1,6 +1,8 @@
 """FlopCounterMode counts the LoRA ops (csrc_meta/flops.py): each adapted token at its slot's rank, tokens with
 no adapter and empty slots not at all, the max rank for every token where the values cannot be read (fake
 tensors); a LoRA model's forward and backward add up."""
+import os
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -125,6 +127,23 @@ def test_a_lora_model_counts_base_and_delta_forward_and_backward():
         "shrink": sum(2 * tr * k for k, n, tr in layers),            # h again, for dB
         "lora_grad_b": sum(2 * tr * n for k, n, tr in layers),       # dB = dy^T h
     }, by_op
+
+
+def test_importing_lora_ops_leaves_the_flop_counter_and_triton_unimported():
+    """torch.utils.flop_counter imports Triton, and Triton imported before TRITON_INTERPRET is set cannot
+    interpret (the tuner's --dry-run sets it after importing lora_ops): the formulas register when the flop
+    counter is imported, whichever comes first."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, lora_ops, csrc_meta\n"
+        "assert 'triton' not in sys.modules and 'torch.utils.flop_counter' not in sys.modules\n"
+        "from torch.utils.flop_counter import flop_registry\n"
+        "assert all(getattr(torch.ops.lora_ops, n) in flop_registry for n in csrc_meta.OPS), 'not registered'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs LORA_OPS_TEST_DEVICE=cuda")
