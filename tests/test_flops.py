@@ -73,7 +73,7 @@ def test_each_op_counts_its_tokens_at_their_slots_ranks(name, shape):
     total, by_op = counted(lambda: getattr(torch.ops.lora_ops, name)(*args))
     expected = dense_flops(name, case) + 2 * per_token_rank * token_ranks(case)
     assert total == expected
-    assert by_op == ({getattr(torch.ops.lora_ops, name): expected} if shape[0] else by_op)
+    assert {op: n for op, n in by_op.items() if n} == ({getattr(torch.ops.lora_ops, name): expected} if expected else {})
 
 
 def test_tokens_without_an_adapter_and_empty_slots_count_nothing():
