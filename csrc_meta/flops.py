@@ -13,7 +13,7 @@ Triton, and Triton imported before TRITON_INTERPRET is set cannot run the interp
 tl.sum and kin, are compiled-mode functions then), so importing lora_ops must not import it.
 """
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import sys
 import warnings
 
@@ -26,11 +26,20 @@ FORMULAS = {}   # op name -> its formula, registered by register()
 
 
 def _readable(*tensors):
-    """Whether the tensors' values can be read here (not fake or meta, no CUDA graph capture under way)."""
+    """Whether the tensors' values can be read here: not fake or meta, no fake mode active (a real tensor read
+    under one comes back fake: FlopCounterMode inside FakeTensorMode over a real model), and no CUDA graph
+    capture on their devices (a sync would end it)."""
     from torch._subclasses.fake_tensor import is_fake
     if any(t.device.type == "meta" or is_fake(t) for t in tensors):
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return False
+    for t in tensors:
+        if t.is_cuda:
+            with torch.cuda.device(t.device):
+                if torch.cuda.is_current_stream_capturing():
+                    return False
+    return True
 
 
 def token_ranks(M, R, rank, slot_counts):
@@ -140,18 +149,12 @@ def register(flop_counter):
             flop_counter.register_flop_formula(getattr(torch.ops.lora_ops, name), get_raw=True)(fn)
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds torch.utils.flop_counter as the finders after it would, and registers the formulas once the
-    module has run (a post-import hook)."""
+class _Loader(importlib.abc.Loader):
+    """torch.utils.flop_counter's own loader, then the formulas registered (on every load: a reload rebuilds
+    the module's registry)."""
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != FLOP_COUNTER:
-            return None
-        sys.meta_path.remove(self)           # one import; and find_spec below must not find this finder
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            self.loader, spec.loader = spec.loader, self
-        return spec
+    def __init__(self, loader):
+        self.loader = loader
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -165,7 +168,21 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             warnings.warn(f"lora_ops: FLOP formulas not registered with FlopCounterMode: {e!r}")
 
 
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """A post-import hook: finds torch.utils.flop_counter as the path finder does (a fresh spec each time, so
+    a find_spec that loads nothing uses nothing up) and gives it a loader that registers the formulas. It
+    stays in sys.meta_path: one string comparison per import not yet cached."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != FLOP_COUNTER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
 if FLOP_COUNTER in sys.modules:
     register(sys.modules[FLOP_COUNTER])
-else:
+if not any(type(f).__name__ == _RegisterOnImport.__name__ for f in sys.meta_path):   # (once, reloads too)
     sys.meta_path.insert(0, _RegisterOnImport())

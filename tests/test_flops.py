@@ -18,8 +18,10 @@ SHAPE_IDS = ["M37-S3", "M9-S1", "M0"]
 
 
 def token_ranks(case):
-    """Sum over tokens of their slot's rank (0 for slot -1): counted token by token."""
-    ranks = case.rank.tolist()
+    """Sum over tokens of their slot's rank (0 for slot -1; a rank outside [0, R] as the kernels clamp it):
+    counted token by token."""
+    R = case.shape[5]
+    ranks = [min(max(r, 0), R) for r in case.rank.tolist()]
     return sum(ranks[s] for s in case.token_slots.tolist() if s >= 0)
 
 
@@ -85,6 +87,17 @@ def test_tokens_without_an_adapter_and_empty_slots_count_nothing():
     assert total == 2 * per_token_rank * (2 * 8 + 3 * 3)
 
 
+@pytest.mark.parametrize("name", ["shrink", "add_lora_", "lora_grad_h"])
+def test_ranks_outside_the_stack_count_as_the_kernels_clamp_them(name):
+    """torch.ops does not check rank values (that would sync): the kernels clamp them to [0, R], and so does
+    the count."""
+    case = make_case(37, 24, 40, 4, 3, 8, ranks=[9, -1, 3, 100], seed=5)
+    args, per_token_rank = op_call(name, case)
+    total, _ = counted(lambda: getattr(torch.ops.lora_ops, name)(*args))
+    assert 0 < token_ranks(case) < 37 * 8
+    assert total == 2 * per_token_rank * token_ranks(case)
+
+
 @pytest.mark.parametrize("name", ["add_lora", "lora_linear", "lora_grad_b"])
 def test_fake_tensors_count_every_token_at_the_max_rank(name):
     """No values to read: the count is the bound M * R token-ranks (plus lora_linear's base GEMM)."""
@@ -98,11 +111,8 @@ def test_fake_tensors_count_every_token_at_the_max_rank(name):
     assert token_ranks(case) < M * R      # the real count is below the bound
 
 
-def test_a_lora_model_counts_base_and_delta_forward_and_backward():
-    """apply_lora on two Linears (ranks 4 and 3, 7 of 10 tokens adapted): the forward counts each base GEMM and
-    each delta; training the adapter, the backward counts each delta op at its tokens' ranks."""
-    torch.manual_seed(0)
-    K, H, N, M, adapted = 16, 24, 8, 10, 7
+def lora_model(K=16, H=24, N=8, adapted=7, M=10):
+    """Two Linears with LoRA (ranks 4 and 3), `adapted` of M tokens on the adapter; returns (model, ctx)."""
     model = torch.nn.Sequential(torch.nn.Linear(K, H), torch.nn.Linear(H, N))
     ctx = lora_ops.apply_lora(model, ["0", "1"], max_loras=2, max_rank=4, max_tokens=32)
     ctx.load_adapter_tensors("a", {
@@ -110,6 +120,25 @@ def test_a_lora_model_counts_base_and_delta_forward_and_backward():
         "base_model.model.1.lora_A.weight": torch.randn(3, H), "base_model.model.1.lora_B.weight": torch.randn(N, 3)},
         {"r": 4, "lora_alpha": 8, "rank_pattern": {"1": 3}})
     ctx.set_batch([("a", adapted), (None, M - adapted)])
+    return model, ctx
+
+
+def test_a_real_model_under_a_fake_mode_counts_the_bound():
+    """FlopCounterMode inside FakeTensorMode over a real model (its batch real, x fake): a read of the real
+    counts would come back fake, so the count takes the bound, as for fake metadata."""
+    torch.manual_seed(0)
+    model, _ = lora_model()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        total, _ = counted(lambda: model(torch.randn(10, 16)))
+    assert total == 2 * 10 * (16 * 24 + 24 * 8) + 2 * 10 * 4 * ((16 + 24) + (24 + 8))   # both stacks' R: 4
+
+
+def test_a_lora_model_counts_base_and_delta_forward_and_backward():
+    """apply_lora on two Linears (ranks 4 and 3, 7 of 10 tokens adapted): the forward counts each base GEMM and
+    each delta; training the adapter, the backward counts each delta op at its tokens' ranks."""
+    torch.manual_seed(0)
+    K, H, N, M, adapted = 16, 24, 8, 10, 7
+    model, ctx = lora_model(K, H, N, adapted, M)
     x = torch.randn(M, K)
     layers = [(K, H, adapted * 4), (H, N, adapted * 3)]     # (in, out, token-ranks)
     total, _ = counted(lambda: model(x))
@@ -129,18 +158,27 @@ def test_a_lora_model_counts_base_and_delta_forward_and_backward():
     }, by_op
 
 
-def test_importing_lora_ops_leaves_the_flop_counter_and_triton_unimported():
-    """torch.utils.flop_counter imports Triton, and Triton imported before TRITON_INTERPRET is set cannot
-    interpret (the tuner's --dry-run sets it after importing lora_ops): the formulas register when the flop
-    counter is imported, whichever comes first."""
+REGISTERED = ("assert all(getattr(torch.ops.lora_ops, n) in sys.modules['torch.utils.flop_counter'].flop_registry "
+              "for n in csrc_meta.OPS), 'not registered'\n")
+IMPORT_ORDERS = {
+    # torch.utils.flop_counter imports Triton, and Triton imported before TRITON_INTERPRET is set cannot
+    # interpret (the tuner's --dry-run sets it after importing lora_ops): importing lora_ops imports neither.
+    "lora_ops_first": "import lora_ops, csrc_meta\n"
+                      "assert 'triton' not in sys.modules and 'torch.utils.flop_counter' not in sys.modules\n"
+                      "import torch.utils.flop_counter\n",
+    "flop_counter_first": "import torch.utils.flop_counter, lora_ops, csrc_meta\n",
+    # a find_spec that loads nothing, then the import; a reload (which rebuilds the module's registry)
+    "find_spec_first": "import importlib.util, lora_ops, csrc_meta\n"
+                       "importlib.util.find_spec('torch.utils.flop_counter')\nimport torch.utils.flop_counter\n",
+    "reloaded": "import importlib, lora_ops, csrc_meta, torch.utils.flop_counter as fc\nimportlib.reload(fc)\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_the_formulas_register_whichever_is_imported_first(order):
     import subprocess
     import sys
-    code = (
-        "import sys, torch, lora_ops, csrc_meta\n"
-        "assert 'triton' not in sys.modules and 'torch.utils.flop_counter' not in sys.modules\n"
-        "from torch.utils.flop_counter import flop_registry\n"
-        "assert all(getattr(torch.ops.lora_ops, n) in flop_registry for n in csrc_meta.OPS), 'not registered'\n"
-    )
+    code = "import sys, torch\n" + IMPORT_ORDERS[order] + REGISTERED
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
