@@ -4,8 +4,8 @@ for as zero: without these a LoRA model's count held the base layers only).
 A multiply-add counts 2, as torch's own formulas count a matmul. Each slot's tokens are counted at the slot's
 rank (clamped to [0, R], as the kernels clamp it) and tokens with no adapter not at all: the count reads
 `rank` and `slot_counts`, a device sync, which FlopCounterMode (a debugging and accounting tool, not a hot
-path) can afford. Where the values cannot be read (fake or meta tensors, a CUDA graph being captured) every
-token counts at the max rank R: an upper bound. Bias additions are not counted (torch's addmm formula does
+path) can afford. Where the values cannot be read (fake or meta tensors, a fake mode active, a CUDA graph being
+captured) every token counts at the max rank R: an upper bound. Bias additions are not counted (torch's addmm formula does
 not count them either).
 
 The formulas are registered when torch.utils.flop_counter is imported, not before: that module imports
