@@ -52,9 +52,9 @@ def token_ranks(M, R, rank, slot_counts):
     return int((counts * rank.to(device="cpu", dtype=torch.int64).clamp(0, R)).sum())
 
 
-def _formula(name):
+def _formula(*names):
     def add(fn):
-        FORMULAS[name] = fn
+        FORMULAS.update(dict.fromkeys(names, fn))
         return fn
     return add
 
@@ -78,13 +78,7 @@ def delta_flops(M, lora_a, lora_b, rank, slot_counts):
     return 2 * token_ranks(M, R, rank, slot_counts) * (S * K + lora_b.shape[1])
 
 
-@_formula("add_lora_")
-def add_lora_inplace_flops(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
-                           slot_counts, *, out_val=None, **kwargs):
-    return delta_flops(x.shape[0], lora_a, lora_b, rank, slot_counts)
-
-
-@_formula("add_lora")
+@_formula("add_lora_", "add_lora")    # (in place and out of place: the same arguments, the same work)
 def add_lora_flops(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts, *,
                    out_val=None, **kwargs):
     return delta_flops(x.shape[0], lora_a, lora_b, rank, slot_counts)

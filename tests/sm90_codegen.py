@@ -423,27 +423,25 @@ def ptx_hashes():
     positions (.loc, .file, the debug sections and their labels) are left out: moving code changes them."""
     import hashlib
     out = {}
-    launches = [*cases(), *float32_launches(), *float16_launches()]
+    for label, compiled in _compiled([*cases(), *float32_launches(), *float16_launches()]):
+        ptx = compiled.asm["ptx"].split(".section\t.debug")[0].split(".section .debug")[0]
+        kept = [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:$)", line)]
+        out[label] = hashlib.sha1("\n".join(kept).encode()).hexdigest()[:16]
+    return out
+
+
+def _compiled(launches):
+    """(label, sm_90 compile) of every kernel launch each (label, launcher, run) makes; a run's later launches
+    labelled "label 1", "label 2", ..."""
     for label, launcher, run in launches:
         with recorded(launcher) as calls:
             run()
         for i, call in enumerate(calls):
-            ptx = compile_sm90(launcher.kernel, *call[1:]).asm["ptx"]
-            ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
-            kept = [line for line in ptx.splitlines()
-                    if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:$)", line)]
-            out[f"{label} {i}" if i else label] = hashlib.sha1("\n".join(kept).encode()).hexdigest()[:16]
-    return out
+            yield (f"{label} {i}" if i else label), compile_sm90(launcher.kernel, *call[1:])
 
 
 def _usage(launches):
-    out = {}
-    for label, launcher, run in launches:
-        with recorded(launcher) as calls:
-            run()
-        for i, call in enumerate(calls):
-            out[f"{label} {i}" if i else label] = ptxas_usage(compile_sm90(launcher.kernel, *call[1:]).asm["ptx"])
-    return out
+    return {label: ptxas_usage(compiled.asm["ptx"]) for label, compiled in _compiled(launches)}
 
 
 def main(argv):
