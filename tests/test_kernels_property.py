@@ -555,7 +555,7 @@ def test_y_that_is_x_takes_the_delta_of_x_before_the_write(backend, add_lora_pat
     the x rows that earlier blocks had written (columns past the first block wrong; a race on a GPU): the
     launcher now copies x where its memory meets y's. Every path gives x + delta(x before)."""
     case = make_case(M, 70, 70, num_slots=3, num_slices=2, max_rank=8, seed=5, ranks=[8, 5, 3],
-                     token_slots=([0, 1, -1, 2, 0, 2, 1, -1, 0])[:M])
+                     token_slots=([0, 1, -1, 2, 0, 2, 1, -1, 0])[:M], device=backend.device)
     expected = case.x.double().cpu() + case.delta_reference()
     xy = case.x
     assert add_lora(case, xy) is xy
@@ -601,7 +601,7 @@ def test_expand_into_the_memory_of_its_h(backend, monkeypatch):
     monkeypatch.setattr(configs, "expand_config", lambda *a, **k: ExpandConfig(16, 16, 32, 4, 1))
     M, R = 9, 32
     case = make_case(M, 20, R, num_slots=2, num_slices=1, max_rank=R, seed=6, ranks=[R, 7],
-                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1])
+                     token_slots=[0, 1, -1, 1, 0, 0, 1, -1, 1], device=backend.device)
     h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)   # [M, 1, R] float32
     y = h.view(M, R)
     expected = h.double().cpu().view(M, R) + expand_reference(h, case.lora_b, case.rank, case.token_slots, [R])
