@@ -51,7 +51,9 @@
 #     bash benchmarks/gpu_session.sh suite1    # every test file but the property tests on the GPU, file by
 #     bash benchmarks/gpu_session.sh suite2    # file (75 s each, short tracebacks), in two halves (~5 min
 #                                              # each): what the CPU suite cannot see (session 27 found six
-#                                              # GPU-only failures in files no mode ran on the GPU)
+#                                              # GPU-only failures in files no mode ran on the GPU; on a cold
+#                                              # machine test_autograd, test_model_compile, test_codegen and
+#                                              # test_peft_parity need ~150 s: `files` with FILE_LIMIT=150)
 #     FILES="tests/a.py ..." bash benchmarks/gpu_session.sh files   # those test files, as suite1 runs its own
 #                                              # (FILE_LIMIT=s each, 75 unless set; FILE_K=pytest -k)
 #     BASE=DIR bash benchmarks/gpu_session.sh hostab   # eager host time (host_overhead --subset: what LoRA
@@ -87,7 +89,7 @@
 #                                              # retuned shape only where it beats it in turn; TUNE_ARGS picks the
 #                                              # shapes (default: Llama r16/r64 at 1-256 tokens, add_lora_'s pair);
 #                                              # the table comes back under $OUT: commit it to keep it (~9 min)
-#     bash benchmarks/gpu_session.sh pending   # what sessions 44-46 changed and no GPU has run yet: the write-first,
+#     bash benchmarks/gpu_session.sh pending   # what sessions 44-47 changed (ran on an H100 in session 48): the write-first,
 #                                              # aliasing and rank-0 GPU tests (session 44's work.store_zero_rows and
 #                                              # the shrink's block_columns; 45's apart_from), the batch fill's tests
 #                                              # (46: slots_out, int64 slots past int32), 47's FLOP formulas on
