@@ -124,11 +124,26 @@ class Backend:
 BACKENDS = [Backend("torch", "cpu"), Backend("triton", DEVICE)]
 
 
+def _refuse_cpu_tensors():
+    raise RuntimeError("a test on the Triton CUDA backend gave lora_ops CPU tensors, which would test the interpreter, "
+                       "not the compiled kernels: build its case on the backend's device "
+                       "(make_case(..., device=backend.device))")
+
+
+def refuse_cpu_tensors_on_gpu_runs(monkeypatch, backend):
+    """Where ``backend`` is the Triton backend on CUDA: CPU tensors reaching the Triton kernels raise. Such a test
+    built its case on the CPU and ran the interpreter where the run meant the GPU (session 48 found two; only
+    Triton 3.6's interpreter refusing numpy 2 showed it, and a Triton without that refusal would have passed)."""
+    if backend.name == "triton" and backend.device != "cpu":
+        monkeypatch.setattr(ops, "_check_interpreter", _refuse_cpu_tensors)
+
+
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.id)
-def backend(request):
+def backend(request, monkeypatch):
     """Routes CPU tensors to this backend for the test, then restores the previous choice."""
     previous = ops.get_cpu_backend()
     ops.set_cpu_backend(request.param.name)
+    refuse_cpu_tensors_on_gpu_runs(monkeypatch, request.param)
     yield request.param
     ops.set_cpu_backend(previous)
 
@@ -192,14 +207,16 @@ def triton_backend(backend):
 
 
 @pytest.fixture
-def triton_kernels():
+def triton_kernels(monkeypatch):
     """The Triton side only, for the test: CPU tensors to the Triton kernels (the interpreter; CUDA tensors
     go there anyway), and no launch plans kept before or after. Yields the Triton backend."""
     from lora_ops import plan
     previous = ops.get_cpu_backend()
     ops.set_cpu_backend("triton")
     plan.clear()
-    yield next(b for b in BACKENDS if b.name == "triton")
+    triton = next(b for b in BACKENDS if b.name == "triton")
+    refuse_cpu_tensors_on_gpu_runs(monkeypatch, triton)
+    yield triton
     plan.clear()
     ops.set_cpu_backend(previous)
 
