@@ -109,15 +109,25 @@ def test_stacked_expand_kernel_paths(triton_backend, checked_dtype, path):
     check_output(out, before, case, ref, dtype)
 
 
-def test_stacked_h_is_the_unscaled_product_the_expand_reads():
-    """Columns N.. hold x A^T for every slot (the stack's h, unscaled); the delta is the slot's scale times
-    h @ B^T: the expand reference on the slot's block of those columns reproduces it."""
-    case, stacked, bias, before, ref = stacked_problem(9, 8, torch.float32, "cpu", seed=2)
-    h_all = before[:, N:].view(9, L, S, 8).double()
-    slots = case.token_slots.clamp(min=0)
-    h = h_all[torch.arange(9), slots] * case.scale.double()[slots][:, None, None]
-    torch.testing.assert_close(expand_reference(h, case.lora_b, case.rank, case.token_slots, WIDTHS), ref,
-                               rtol=1e-4, atol=1e-5)   # h from a float32 GEMM
+def test_stacked_h_is_the_unscaled_product_the_expand_reads(backend):
+    """The op's columns N.. hold x A^T for every slot (the stack's h, unscaled), and its delta is each token's
+    slot scale times that h @ B^T: checked on the op's own output against x and A in float64 (the test once
+    checked only its own GEMM, and passed with the scale dropped from both backends)."""
+    M, R = 9, 8
+    case, stacked, bias, before, _ = stacked_problem(M, R, torch.float32, backend.device, seed=2)
+    assert not torch.allclose(case.scale, torch.ones_like(case.scale))
+    out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, bias, case.lora_b, case.scale, case.rank,
+                                                 case.slice_widths, *case.meta)
+    h_all = out[:, N:N + L * S * R].double().cpu().view(M, L, S, R)
+    a_rows = case.lora_a.double().cpu()                                        # [L, S, R, K], finite
+    want = torch.einsum("mk,lsrk->mlsr", case.x.double().cpu(), a_rows)
+    within = (torch.arange(R) < case.rank.cpu()[:, None])[None, :, None, :].expand_as(want)
+    torch.testing.assert_close(h_all[within], want[within], rtol=1e-4, atol=1e-5)   # h from a float32 GEMM
+    slots = case.token_slots.cpu().clamp(min=0)
+    h = h_all[torch.arange(M), slots] * case.scale.double().cpu()[slots][:, None, None]
+    delta = out[:, :N].double().cpu() - before[:, :N].double().cpu()
+    torch.testing.assert_close(delta, expand_reference(h, case.lora_b, case.rank, case.token_slots, WIDTHS),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_stacked_weight_errors_name_the_argument():
