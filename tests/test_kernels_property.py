@@ -132,10 +132,12 @@ def assert_one_rounding_step(y_out, y_in, delta, abs_bound, terms, dtype, backen
     """|y_out - round(y_in + delta)| <= one output step + the intermediates' worst-case error, at the
     entries ``where`` (default: all). That error is at most (``terms`` float32 roundings + one rounding
     of h to the expand's precision) times ``abs_bound``, the delta with every term made positive.
-    A plain cast of h to 16 bits would fail this."""
+    A plain cast of h to 16 bits would fail this. ``backend`` None: ``delta`` is computed from h as the kernel
+    loads it (the stacked path's 16-bit h), so h adds no rounding of its own."""
     exact = y_in.double().cpu() + delta
     rounded = exact.to(dtype).double()
-    slack = ulp(rounded, dtype) + (terms * FLOAT32_ROUNDOFF + h_roundoff(dtype, backend)) * abs_bound
+    h_unit = FLOAT32_ROUNDOFF if backend is None else h_roundoff(dtype, backend)
+    slack = ulp(rounded, dtype) + (terms * FLOAT32_ROUNDOFF + h_unit) * abs_bound
     off = (y_out.double().cpu() - rounded).abs()
     if where is not None:
         off, slack = off[where], slack[where]

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import DTYPES, dtype_id, expand_reference, make_case
 from lora_ops import launch
 from lora_ops.configs.heuristics import ExpandConfig
-from test_kernels_property import assert_delta_close, assert_rows_bit_identical, assert_rows_equal
+from test_kernels_property import (assert_delta_close, assert_one_rounding_step, assert_rows_bit_identical,
+                                   assert_rows_equal)
 
 K, N, L, S = 40, 75, 4, 3
 WIDTHS = [41, 29, 5]
@@ -43,6 +44,23 @@ def check_output(out, before, case, ref, dtype):
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
     # Columns N.. are the GEMM's h, untouched (NaN where A held it).
     torch.testing.assert_close(out[:, N:], before[:, N:], rtol=0, atol=0, equal_nan=True)
+    if dtype != torch.float32:
+        # The delta of h as the GEMM wrote it (16-bit), rounded once onto y: assert_delta_close above is loose
+        # enough at 16 bits to pass a delta rounded to y's dtype before the add (a second rounding; this fails it).
+        delta, abs_bound = delta_of_stacked_h(before, case)
+        assert_one_rounding_step(y, y_in, delta, abs_bound, case.lora_b.shape[2] + 4, dtype, None)
+
+
+def delta_of_stacked_h(before, case):
+    """float64 (delta, the delta with every term made positive) from columns N.. of the GEMM's output ``before``
+    (each token's slot's h, as the GEMM rounded it) times the slot's scale, through B."""
+    M = before.shape[0]
+    L_, S_, R_ = case.lora_a.shape[:3]
+    h_all = before[:, N:N + L_ * S_ * R_].double().cpu().view(M, L_, S_, R_)
+    slots = case.token_slots.cpu().clamp(min=0)                       # (slot -1 rows are not read)
+    h = h_all[torch.arange(M), slots] * case.scale.double().cpu()[slots][:, None, None]
+    return (expand_reference(h, case.lora_b, case.rank, case.token_slots, WIDTHS),
+            expand_reference(h.abs(), case.lora_b.abs(), case.rank, case.token_slots, WIDTHS))
 
 
 @pytest.mark.parametrize("with_bias,pad", [(True, 0), (False, 0), (True, 5)], ids=["bias", "no_bias", "bias-pad_5"])
