@@ -259,7 +259,23 @@ def test_expand_path_configs_cover_part_chunks():
     assert any(R > 64 and parts > 1 for _, R, parts in EXPAND_PATH_CONFIGS.values())
 
 
-def expand_path_problem(path, dtype, device, seed, M=37):
+def token_tile_slots(M, seed):
+    """Shuffled slots of M tokens over expand_path_problem's 4 slots (ranks R, R // 2 + 1, 0, 3), most in the
+    adapted ones: ~55% slot 0, ~25% slot 1, ~10% slot 3, ~5% slot 2 (rank 0), the rest -1. Uniform slots
+    leave every adapted slot of 70 tokens within one 16-token tile, so a program's later tiles hold no rows."""
+    sizes = [int(M * f) for f in (0.55, 0.25, 0.05, 0.10)]
+    slots = torch.cat([torch.full((n,), s) for s, n in enumerate(sizes)] + [torch.full((M - sum(sizes),), -1)])
+    return slots[torch.randperm(M, generator=torch.Generator().manual_seed(seed))].tolist()
+
+
+def adapted_tokens_per_slot(case):
+    """Tokens of each slot that get a delta (slot -1 and rank-0 slots count none), on the CPU."""
+    slots = case.token_slots.cpu()
+    counts = torch.bincount(slots[slots >= 0], minlength=case.rank.shape[0])
+    return counts * (case.rank.cpu() > 0)
+
+
+def expand_path_problem(path, dtype, device, seed, M=37, token_slots=None):
     """EXPAND_PATH_CONFIGS[path] on a fixed problem: M tokens over 4 slots (ranks R, R // 2 + 1, 0, 3),
     3 slices of unequal widths, h as the config's partial sums; B's rows past each slot's rank hold NaN
     (they must not be read). Returns (config, R, parts, case, y before the expand (random; made first: it
@@ -269,7 +285,7 @@ def expand_path_problem(path, dtype, device, seed, M=37):
     assert num_parts == 1 or launch.takes_partials(cfg, R)
     K, N, L, S = 9, 75, 4, 3
     case = make_case(M, K, N, L, S, R, dtype=dtype, device=device, seed=seed, ranks=[R, R // 2 + 1, 0, 3],
-                     slice_widths=[41, 29, 5], capacity=M + 5)
+                     slice_widths=[41, 29, 5], capacity=M + 5, token_slots=token_slots)
     y_in = case.new_y("random")
     parts = torch.stack([poisoned_h(case, "contiguous") for _ in range(num_parts)])
     past_rank = torch.arange(R, device=case.lora_b.device) >= case.rank[:, None, None].to(case.lora_b.device)
@@ -284,8 +300,11 @@ def expand_path_problem(path, dtype, device, seed, M=37):
 @pytest.mark.parametrize("path", EXPAND_PATH_CONFIGS, ids=str)
 def test_expand_kernel_paths(triton_backend, checked_dtype, path):
     dtype = checked_dtype
-    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, triton_backend.device,
-                                                                               seed=3)
+    m_loop = EXPAND_PATH_CONFIGS[path][0].m_loop
+    M = 70 if m_loop > 1 else 37
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(
+        path, dtype, triton_backend.device, seed=3, M=M, token_slots=token_tile_slots(M, 3) if m_loop > 1 else None)
+    assert int(adapted_tokens_per_slot(case).max()) > cfg.block_m * (cfg.m_loop - 1)   # the last tile holds rows
     y = y_in.clone()
     launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
     assert_delta_close(y, y_in, ref, dtype)
@@ -298,13 +317,12 @@ def test_expand_kernel_paths(triton_backend, checked_dtype, path):
 @pytest.mark.parametrize("M", [70, 150])
 @pytest.mark.parametrize("path", TOKEN_LOOP_PATHS, ids=str)
 def test_expand_token_loop_covers_every_tile(triton_backend, M, path):
-    """Slots of 15-45 tokens: a program's later token tiles hold rows (full, partial and past the slot's
+    """Adapted slots of 7-82 tokens: a program's later token tiles hold rows (full, partial and past the slot's
     end); every adapted row gets its delta, no other row changes."""
     dtype = torch.float32
-    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(path, dtype, triton_backend.device,
-                                                                               seed=M, M=M)
-    counts = torch.bincount(case.token_slots.cpu().clamp(min=0), minlength=4)
-    assert int(counts.max()) > cfg.block_m   # the loop's second tile holds rows
+    cfg, R, num_parts, case, y_in, parts, ref, abs_bound = expand_path_problem(
+        path, dtype, triton_backend.device, seed=M, M=M, token_slots=token_tile_slots(M, M))
+    assert int(adapted_tokens_per_slot(case).max()) > cfg.block_m * (cfg.m_loop - 1)   # the last tile holds rows
     y = y_in.clone()
     launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg)
     assert_delta_close(y, y_in, ref, dtype)
