@@ -13,6 +13,7 @@ How the gradients are checked (our ops take fp16 / bf16 / fp32 only, so gradchec
 Both CPU backends run everything: the torch CPU kernels and the real Triton kernels under the interpreter
 (bf16 values there through the test patch of its bf16 arithmetic, conftest.bf16_interpreter).
 """
+import inspect
 import itertools
 import warnings
 
@@ -75,6 +76,37 @@ def reference_grads(case, leaves, grad_out, needs=LEAVES):
     return out.detach(), {n: torch.zeros_like(ref[n]) if ref[n].grad is None else ref[n].grad for n in needs}
 
 
+def record_grad_configs(monkeypatch):
+    """{"grad_x_config": [...], "segment_outer_config": [...]}: each call launch_grad made of them during the test,
+    as (args, kwargs, the config returned). (Plans are built on a first call: triton_kernels clears them.)"""
+    seen = {}
+    for name in ("grad_x_config", "segment_outer_config"):
+        calls = seen[name] = []
+
+        def recorded(*args, real=getattr(launch_grad, name), calls=calls, **kwargs):
+            cfg = real(*args, **kwargs)
+            calls.append((args, kwargs, cfg))
+            return cfg
+        monkeypatch.setattr(launch_grad, name, recorded)
+    return seen
+
+
+def record_grad_launches(monkeypatch):
+    """{"lora_grad_x": [...], "lora_grad_a": [...], "lora_grad_b": [...]}: the config each backward launch of the
+    test was given (launch_grad.launch_<name>'s ``cfg``), so a test asserts what ran, not what the heuristic gives
+    for its own arguments."""
+    seen = {}
+    for name in ("lora_grad_x", "lora_grad_a", "lora_grad_b"):
+        real = getattr(launch_grad, f"launch_{name}")
+        cfgs = seen[name] = []
+
+        def recorded(*args, real=real, cfgs=cfgs, **kwargs):
+            cfgs.append(inspect.signature(real).bind(*args, **kwargs).arguments["cfg"])
+            return real(*args, **kwargs)
+        monkeypatch.setattr(launch_grad, f"launch_{name}", recorded)
+    return seen
+
+
 def run_and_compare(case, grad_out, dtype, needs=LEAVES, y=None):
     if y is None:
         y = laid_out(signed(case.x.shape[:1] + case.lora_b.shape[1:2], case), case.y_layout, case.gen)
@@ -116,16 +148,18 @@ def test_grads_match_float64_reference(backend, checked_dtype, case_id):
     run_and_compare(case, signed((M, N), case), checked_dtype)
 
 
-def test_grads_past_1024_tokens_match_float64_reference(triton_kernels):
+def test_grads_past_1024_tokens_match_float64_reference(triton_kernels, monkeypatch):
     """A backward in the 1024-token bucket and above runs other configs (heuristics.SELF_SUM_MIN_BUCKET: the
     shrink op's and dh's split cap; launch_grad.DEEP_STEP: dA / dB's token steps; launch_grad.grad_x_n_loop:
     dx's column blocks): the whole forward + backward against float64, packed slices, mixed ranks."""
     case = make_case(M=1100, K=4096, N=192, num_slots=4, num_slices=2, max_rank=16, ranks=[16, 5, 0, 11],
                      dtype=torch.float32, device=triton_kernels.device, seed=37)
     M, K, N, L, S, R = case.shape
-    assert launch_grad.grad_x_config(M, K, R, S).n_loop > 1
-    assert launch_grad.segment_outer_config(R, N, L, num_tokens=M).block_t == launch_grad.DEEP_STEP["block_t"]
+    launched = record_grad_launches(monkeypatch)
     run_and_compare(case, signed((M, N), case), torch.float32)
+    assert launched["lora_grad_x"] and all(cfg.n_loop > 1 for cfg in launched["lora_grad_x"])
+    deep = launch_grad.DEEP_STEP["block_t"]
+    assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [deep, deep]
 
 
 @pytest.mark.parametrize("needs", [("x",), ("lora_b",), ("lora_a", "lora_b"), ("y", "x", "lora_a")],
@@ -597,16 +631,17 @@ def test_lora_grad_x_one_rank_block_refuses_a_rank_past_its_block():
                                        case.rank, *case.meta, cfg, run=False)
 
 
-def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels):
+def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels, monkeypatch):
     """From 1024 tokens the heuristic gives a program several column blocks (launch_grad.grad_x_n_loop); the op
     still matches float64 token by token, rows of tokens without an adapter zero."""
     backend = triton_kernels
     case = make_case(M=1100, K=4096, N=32, num_slots=4, num_slices=1, max_rank=16, ranks=[16, 3, 0, 9],
                      dtype=torch.float32, device=backend.device, seed=31)
     M, K, _, L, S, R = case.shape
-    assert launch_grad.grad_x_config(M, K, R, S).n_loop == 2
+    launched = record_grad_launches(monkeypatch)
     dh = signed((M, S, R), case, torch.float32)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
+    assert [cfg.n_loop for cfg in launched["lora_grad_x"]] == [2]
     untouched = case.untouched_rows().to(dx.device)
     assert (dx[untouched] == 0).all()
     assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
@@ -687,14 +722,11 @@ SLICE_OP_CASES = dict(GRAD_CASES, tokens_1100=dict(M=1100, K=200, N=192, num_slo
 @pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "one_slice", "all_minus_one",
                                      "tokens_1100"])
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
-def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
+def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, dtype, case_id):
     """lora_grad_h, lora_grad_a, lora_grad_b: every slice in one call, against float64, with a strided
     output gradient (a transposed layout: features at stride M) and x at a column offset."""
     case = make_case(**SLICE_OP_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
-    if case_id == "tokens_1100":
-        M, K, N, L, S, R = case.shape
-        assert launch_grad.segment_outer_config(R, K, L * S, num_tokens=M).block_t == 128
-        assert launch_grad.segment_outer_config(R, N, L, num_tokens=M).block_t == 128
+    launched = record_grad_launches(monkeypatch)
     M, K, N, L, S, R = case.shape
     grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
     dh = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
@@ -708,6 +740,8 @@ def test_slice_ops_match_token_by_token_reference(backend, dtype, case_id):
     db = torch.ops.lora_ops.lora_grad_b(grad_out, u, case.rank, case.slice_widths, *case.meta)
     assert db.dtype == dtype and db.shape == (L, N, R)
     assert rel_err(db, grad_b_reference(grad_out, u, case)) <= TOLERANCE[dtype]
+    if case_id == "tokens_1100" and backend.name == "triton":     # dA's and dB's token steps of 128
+        assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [128, 128]
 
 
 def test_slice_ops_kernels_write_every_output_element(triton_kernels):
@@ -1042,11 +1076,20 @@ def test_float32_gpu_tiles_compute_the_same_gradients(triton_kernels, monkeypatc
     for name, leading in (("shrink_config", 5), ("expand_config", 5), ("fused_config", 6)):
         monkeypatch.setattr(configs, name, on_gpu(getattr(configs, name), leading))
     monkeypatch.setattr(launch_grad, "takes_float32_tiles", lambda t: t.dtype is torch.float32)
+    real_grad_configs = launch_grad.grad_x_config, launch_grad.segment_outer_config
+    seen = record_grad_configs(monkeypatch)
     spec = GRAD_CASES.get(case_id) or dict(M=9, K=24, N=20, num_slots=3, num_slices=2, max_rank=80, ranks=[80, 33, 0])
     case = make_case(**spec, dtype=torch.float32, device=triton_kernels.device, seed=47)
     M, _, N, *_ = case.shape
     run_and_compare(case, signed((M, N), case), torch.float32)
     assert any(c is not None and c.num_warps == heuristics.F32_WARPS for c in resolved), resolved
+    # The backward's launches took the float32 tiles too: each config is the float32 one for its call's
+    # arguments, and differs from the other tiles' (both real functions asked here).
+    for real, name, at in zip(real_grad_configs, ("grad_x_config", "segment_outer_config"), (4, 3)):
+        assert seen[name], name
+        for args, kwargs, cfg in seen[name]:     # (float32_gpu: positional argument ``at`` of either)
+            as_f32, plain = (real(*args[:at], on, *args[at + 1:], **kwargs) for on in (True, False))
+            assert cfg == as_f32 != plain, (name, args, kwargs, cfg)
 
 
 @pytest.mark.parametrize("N, R, layout", [(200, 20, "contiguous"), (64, 64, "contiguous"), (130, 100, "contiguous"),
