@@ -23,7 +23,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import lora_ops
-from conftest import DTYPES, TOLERANCE, dtype_id, laid_out, make_case, rel_err
+from conftest import DTYPES, H_TOLERANCE, TOLERANCE, dtype_id, laid_out, make_case, rel_err
 from lora_ops import autograd, launch, launch_grad
 from lora_ops.batch import BatchMeta, build_batch_meta
 from lora_ops.reference import lora_forward_reference, shrink_reference
@@ -731,7 +731,9 @@ def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, dtype, c
     grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
     dh = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
     assert dh.dtype == torch.float32 and dh.shape == (M, S, R)
-    assert rel_err(dh, grad_h_reference(grad_out, case)) <= TOLERANCE[dtype]
+    # dh is float32 from 16-bit operands whose products are exact: float32's tolerance at every dtype (a dh
+    # rounded to 16 bits on the way passed float16's, session 48's test audit).
+    assert rel_err(dh, grad_h_reference(grad_out, case)) <= H_TOLERANCE
     x = laid_out(signed((M, K), case), "column_slice", case.gen)
     u = signed((M, S, R), case, torch.float32)
     da = torch.ops.lora_ops.lora_grad_a(u, x, case.rank, *case.meta)
