@@ -6,6 +6,7 @@ unfused (one Linear per projection, what PEFT adapters are trained on) and fused
 ``gate_up_proj``, what serving code often runs). Plus PEFT-style adapter tensors and directories, and
 snapshots of every slot of a context to prove that a failed load wrote nothing.
 """
+import copy
 import json
 import os
 
@@ -159,8 +160,12 @@ def write_adapter_dir(path, config, tensors, fmt="safetensors"):
 
 
 def slot_state(ctx):
-    """Every byte a load could touch: each layer's stacks and buffers, the host mirrors, the slot table."""
+    """Every byte a load could touch: each layer's stacks and buffers, the host mirrors, the slot table, and the
+    context's per-slot records (the config each slot was loaded with, which save_peft_adapter writes back; the
+    folded and fused layers)."""
     state = {"names": list(ctx.slot_names)}
+    for record in ("adapter_configs", "adapter_folded_layers", "adapter_fused_sources"):
+        state[record] = copy.deepcopy(getattr(ctx, record, {}))
     for path, layer in ctx.layers.items():
         for key, t in (("a", layer.lora_a), ("b", layer.lora_b), ("scale", layer.scale), ("rank", layer.rank)):
             state[f"{path}.{key}"] = t.detach().clone()

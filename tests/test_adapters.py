@@ -90,6 +90,24 @@ def test_adapter_targeting_some_modules_leaves_others_at_rank_zero():
         assert layer.slot_ranks[0] == (2 if path.endswith("v_proj") else 0)
 
 
+def test_replacing_with_an_adapter_of_fewer_modules_clears_the_others():
+    """replace=True with an adapter that targets fewer modules than the one it replaces: the modules it leaves
+    out go to rank 0 with zero factors in that slot, so the old adapter's weights do not keep serving under the
+    new one's name (a fresh slot, as above, is empty whether or not the load clears it)."""
+    model, ctx = lora_model()
+    config = {"r": 2, "lora_alpha": 4}
+    slot = ctx.load_adapter_tensors("a", peft_tensors(module_shapes(model, PROJECTIONS), rank=2, seed=4), config)
+    assert all(layer.slot_ranks[slot] == 2 for layer in ctx.layers.values())
+    assert ctx.load_adapter_tensors("a", peft_tensors(module_shapes(model, ["v_proj"]), rank=2, seed=5), config,
+                                    replace=True) == slot
+    for path, layer in ctx.layers.items():
+        if path.endswith("v_proj"):
+            assert layer.slot_ranks[slot] == 2 and layer.lora_a[slot].any()
+            continue
+        assert layer.slot_ranks[slot] == 0 and int(layer.rank[slot]) == 0 and float(layer.scale[slot]) == 0.0
+        assert not layer.lora_a[slot].any() and not layer.lora_b[slot].any(), path
+
+
 @pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")   # PEFT agrees: 'proj'
 def test_rank_and_alpha_patterns_follow_peft(tmp_path):
     """Per-module rank and scale under rank_pattern / alpha_pattern (suffix keys and regex keys, first
