@@ -160,10 +160,12 @@ def test_safetensors_is_preferred_over_bin(tmp_path):
     assert_loaded(ctx, 0, good, 1.0)
 
 
+@pytest.mark.parametrize("which", [0, -1], ids=["first_layer", "last_layer"])
 @pytest.mark.parametrize("stack", ["lora_a", "lora_b"])
-def test_loads_refuse_a_parametrized_stack(stack):
+def test_loads_refuse_a_parametrized_stack(stack, which):
     """A parametrized lora_b reads as the parametrization's computed tensor: loads and unloads wrote there and
-    were lost, and the slot served the previous adapter's factors under the new name."""
+    were lost, and the slot served the previous adapter's factors under the new name. On the last layer too:
+    every layer is checked before the first write."""
     model, ctx = lora_model()
     ctx.load_adapter_tensors("old", _tensors(model, seed=1))
 
@@ -171,7 +173,7 @@ def test_loads_refuse_a_parametrized_stack(stack):
         def forward(self, t):
             return t.clamp(-10, 10)
 
-    path, layer = next(iter(ctx.layers.items()))
+    path, layer = list(ctx.layers.items())[which]
     torch.nn.utils.parametrize.register_parametrization(layer, stack, Clamp())
     before = slot_state(ctx)
     with pytest.raises(AdapterError, match=f"unload_adapter: {stack} of '{re.escape(path)}' is parametrized"):
