@@ -292,7 +292,10 @@ def test_writes_never_move_data_pointers(tmp_path):
     assert data_ptrs(ctx) == ptrs
 
 
-def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter():
+@pytest.mark.parametrize("bad_module", [0, -1], ids=["first_module_bad", "last_module_bad"])
+def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter(bad_module):
+    """A failed replace keeps the old adapter whole, where the bad module comes first or last (checked after the
+    others: every module is checked before the first write)."""
     model, ctx = lora_model()
     shapes = module_shapes(model)
     ctx.load_adapter_tensors("x", peft_tensors(shapes, 4, seed=1))
@@ -301,7 +304,8 @@ def test_replace_swaps_in_place_and_a_failed_replace_keeps_the_old_adapter():
     assert ctx.load_adapter_tensors("x", new, {"r": 6, "lora_alpha": 3}, replace=True) == 0
     assert_loaded(ctx, 0, new, 0.5)
     before = slot_state(ctx)
-    bad = peft_tensors(shapes, MAX_RANK + 1, seed=4)
+    bad_path = list(shapes)[bad_module]
+    bad = peft_tensors(shapes, 6, seed=4, rank_of=lambda path: MAX_RANK + 1 if path == bad_path else 6)
     with pytest.raises(AdapterError, match="exceeds the layer's capacity"):
         ctx.load_adapter_tensors("x", bad, replace=True)
     assert_state_unchanged(before, ctx)
@@ -322,6 +326,20 @@ def test_a_scale_past_float32_is_refused_before_any_write(replace, config):
     with pytest.raises(AdapterError, match="lora_alpha"):
         ctx.load_adapter_tensors("x" if replace else "y", peft_tensors(shapes, 4, seed=2), {"r": 4, **config},
                                  replace=replace)
+    assert_state_unchanged(before, ctx)
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["new_slot", "replace"])
+def test_a_scale_past_float32_in_the_last_module_is_refused_before_any_write(replace):
+    """As above with only the last module's scale out of range (alpha_pattern): the modules before it are
+    checked, not written, so every slot stays as it was."""
+    model, ctx = lora_model()
+    shapes = module_shapes(model)
+    ctx.load_adapter_tensors("x", peft_tensors(shapes, 4, seed=1))
+    before = slot_state(ctx)
+    config = {"r": 4, "lora_alpha": 8, "alpha_pattern": {re.escape(list(shapes)[-1]): 1e40}}
+    with pytest.raises(AdapterError, match="lora_alpha"):
+        ctx.load_adapter_tensors("x" if replace else "y", peft_tensors(shapes, 4, seed=2), config, replace=replace)
     assert_state_unchanged(before, ctx)
 
 
