@@ -85,7 +85,8 @@ def test_lora_batch_needs_positive_capacity(max_tokens, max_loras):
         LoRABatch(max_tokens, max_loras)
 
 
-@pytest.mark.parametrize("bad_slot,token", [(-2, 2), (4, 0), (1000, 3)], ids=["below_-1", "equal_to_L", "far_above"])
+@pytest.mark.parametrize("bad_slot,token", [(-2, 2), (4, 0), (1000, 3), (2 ** 32 + 1, 1), (-2 ** 32 - 1, 2)],
+                         ids=["below_-1", "equal_to_L", "far_above", "past_int32", "below_int32"])
 @pytest.mark.parametrize("builder", ["build_batch_meta", "LoRABatch.update"])
 def test_cpu_slot_out_of_range_raises_naming_token_slots(builder, bad_slot, token):
     slots = [1, 0, -1, 3]
@@ -301,7 +302,12 @@ def test_a_refill_bumps_every_buffers_version(triton_kernels, one_launch):
     """Autograd refuses a backward whose saved metadata was refilled since its forward (lora_ops.autograd):
     both paths must bump the buffers' version counters (a kernel's writes do not by themselves)."""
     batch = LoRABatch(16, 4, device=triton_kernels.device)
+    slots_out = torch.full((16,), -7, dtype=torch.int32, device=triton_kernels.device)   # (a context's token_slots)
     with fill_setting(one_launch):
         before = [t._version for t in batch.meta]
         batch.update(torch.tensor([1, 0, -1, 3], device=triton_kernels.device))
         assert all(t._version > v for t, v in zip(batch.meta, before)), [t._version for t in batch.meta]
+        before = [t._version for t in (*batch.meta, slots_out)]
+        batch._refill(torch.tensor([1, 0, -1, 3], device=triton_kernels.device), slots_out=slots_out)
+        after = [t._version for t in (*batch.meta, slots_out)]
+        assert all(a > b for a, b in zip(after, before)), after
