@@ -54,9 +54,8 @@ def check_output(out, before, case, ref, dtype):
 def delta_of_stacked_h(before, case):
     """float64 (delta, the delta with every term made positive) from columns N.. of the GEMM's output ``before``
     (each token's slot's h, as the GEMM rounded it) times the slot's scale, through B."""
-    M = before.shape[0]
-    L_, S_, R_ = case.lora_a.shape[:3]
-    h_all = before[:, N:N + L_ * S_ * R_].double().cpu().view(M, L_, S_, R_)
+    M, R = before.shape[0], case.lora_a.shape[2]
+    h_all = before[:, N:N + L * S * R].double().cpu().view(M, L, S, R)
     slots = case.token_slots.cpu().clamp(min=0)                       # (slot -1 rows are not read)
     h = h_all[torch.arange(M), slots] * case.scale.double().cpu()[slots][:, None, None]
     return (expand_reference(h, case.lora_b, case.rank, case.token_slots, WIDTHS),
@@ -141,11 +140,8 @@ def test_stacked_h_is_the_unscaled_product_the_expand_reads(backend):
     want = torch.einsum("mk,lsrk->mlsr", case.x.double().cpu(), a_rows)
     within = (torch.arange(R) < case.rank.cpu()[:, None])[None, :, None, :].expand_as(want)
     torch.testing.assert_close(h_all[within], want[within], rtol=1e-4, atol=1e-5)   # h from a float32 GEMM
-    slots = case.token_slots.cpu().clamp(min=0)
-    h = h_all[torch.arange(M), slots] * case.scale.double().cpu()[slots][:, None, None]
     delta = out[:, :N].double().cpu() - before[:, :N].double().cpu()
-    torch.testing.assert_close(delta, expand_reference(h, case.lora_b, case.rank, case.token_slots, WIDTHS),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(delta, delta_of_stacked_h(out, case)[0], rtol=1e-4, atol=1e-5)
 
 
 def test_stacked_weight_errors_name_the_argument():
