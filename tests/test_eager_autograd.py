@@ -77,6 +77,14 @@ def test_eager_autograd_equals_dispatcher_bit_for_bit(backend, op, needs, dispat
         assert grads[name] is not None and torch.equal(grads[name], ref_grads[name]), name
 
 
+def set_slot_ranks(layer):
+    """Slots 0-2 of ``layer`` at ranks 8, 5 and 0 with scales 0.5, -1.25 and 2 (a new layer has every slot at
+    rank 0: no delta, zero adapter gradients)."""
+    with torch.no_grad():
+        layer.rank.copy_(torch.tensor([8, 5, 0]))
+        layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
+
+
 def test_layer_training_step_takes_eager_autograd(backend):
     """A LoRALinear with trainable adapters (plain nn.Linear base: lora_linear) and one whose base has a hook
     (base forward, then add_lora) both build their backward from ops.AUTOGRAD."""
@@ -87,9 +95,7 @@ def test_layer_training_step_takes_eager_autograd(backend):
     hooked = LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8])
     hooked.base.register_forward_hook(lambda module, args, out: out)
     for layer in (plain, hooked):
-        with torch.no_grad():
-            layer.rank.copy_(torch.tensor([8, 5, 0]))
-            layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
+        set_slot_ranks(layer)
         for p in (layer.lora_a, layer.lora_b):
             with torch.no_grad():
                 p.normal_()
@@ -158,15 +164,12 @@ def _save_lora_linear(ctx, op, *args, **kwargs):
 
 def two_layers(device):
     """A context of 3 slots and two LoRALinear layers on ``device``: a packed one (16 -> 24), then a plain one;
-    slots at ranks 8, 5 and 0 with scales 0.5, -1.25 and 2 (a layer starts with every slot at rank 0: no delta,
-    zero adapter gradients), the adapters' values left to the caller."""
+    their slots' ranks and scales set (set_slot_ranks), the adapters' values left to the caller."""
     ctx = lora_ops.LoRAContext(3, 64, device=device)
     layers = [LoRALinear(nn.Linear(16, 24).to(device), ctx, 8, [16, 8]),
               LoRALinear(nn.Linear(24, 16).to(device), ctx, 8, [16])]
-    with torch.no_grad():
-        for layer in layers:
-            layer.rank.copy_(torch.tensor([8, 5, 0]))
-            layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
+    for layer in layers:
+        set_slot_ranks(layer)
     return ctx, layers
 
 
@@ -268,8 +271,7 @@ def small_layer(kind, device):
     with torch.no_grad():
         layer.lora_a.normal_()
         layer.lora_b.normal_()
-        layer.rank.copy_(torch.tensor([8, 5, 0]))
-        layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
+    set_slot_ranks(layer)
     if kind == "hooked_base":
         layer.base.register_forward_hook(lambda module, inputs, out: None)
     ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
