@@ -5,6 +5,7 @@ import ast
 import pathlib
 
 import pytest
+
 import lora_ops
 from conftest import Backend, make_case, refuse_cpu_tensors_on_gpu_runs
 from lora_ops import ops
@@ -45,18 +46,14 @@ def test_the_scan_sees_a_case_without_a_device(tmp_path):
     assert _cases_without_a_device([tmp_path / "test_probe.py"]) == [("test_probe.py", "test_probe", 2)]
 
 
-def test_cpu_tensors_under_the_cuda_backend_raise(monkeypatch):
+def test_cpu_tensors_under_the_cuda_backend_raise(triton_kernels, monkeypatch):
     """On a GPU run the backend fixtures make CPU tensors that reach the Triton kernels raise, naming the fix;
-    checked here with the guard installed for a CUDA backend by hand."""
-    previous = ops.get_cpu_backend()
-    ops.set_cpu_backend("triton")
-    try:
-        refuse_cpu_tensors_on_gpu_runs(monkeypatch, Backend("triton", "cuda"))
-        case = make_case(3, 8, 6, num_slots=2, num_slices=1, max_rank=4, seed=1, token_slots=[0, -1, 1])
-        with pytest.raises(RuntimeError, match="device=backend.device"):
-            lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
-    finally:
-        ops.set_cpu_backend(previous)
+    checked here with the guard installed for a CUDA backend by hand (CPU tensors go to the Triton kernels)."""
+    refuse_cpu_tensors_on_gpu_runs(monkeypatch, Backend("triton", "cuda"))
+    case = make_case(3, 8, 6, num_slots=2, num_slices=1, max_rank=4, seed=1, token_slots=[0, -1, 1],
+                     device="cpu")   # (on purpose: what the guard refuses)
+    with pytest.raises(RuntimeError, match="device=backend.device"):
+        lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
 
 
 def test_the_guard_leaves_cpu_backends_alone(monkeypatch):
