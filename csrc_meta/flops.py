@@ -34,11 +34,10 @@ def _readable(*tensors):
         return False
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return False
-    for t in tensors:
-        if t.is_cuda:
-            with torch.cuda.device(t.device):
-                if torch.cuda.is_current_stream_capturing():
-                    return False
+    for device in {t.device for t in tensors if t.is_cuda}:     # (each device once)
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                return False
     return True
 
 
