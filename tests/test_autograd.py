@@ -148,15 +148,23 @@ def test_grads_match_float64_reference(backend, checked_dtype, case_id):
     run_and_compare(case, signed((M, N), case), checked_dtype)
 
 
+def large_bucket_dtype(backend):
+    """The dtype of a test of the backward's 1024-token configs: float32 (its tight tolerance) where the kernels
+    run on the CPU, bfloat16 on a GPU, where float32 and float16 take configs of their own
+    (launch_grad.takes_float32_tiles, float16_on_gpu: no deep token steps, no dx column loop for float32)."""
+    return torch.bfloat16 if backend.device == "cuda" else torch.float32
+
+
 def test_grads_past_1024_tokens_match_float64_reference(triton_kernels, monkeypatch):
     """A backward in the 1024-token bucket and above runs other configs (heuristics.SELF_SUM_MIN_BUCKET: the
     shrink op's and dh's split cap; launch_grad.DEEP_STEP: dA / dB's token steps; launch_grad.grad_x_n_loop:
     dx's column blocks): the whole forward + backward against float64, packed slices, mixed ranks."""
+    dtype = large_bucket_dtype(triton_kernels)
     case = make_case(M=1100, K=4096, N=192, num_slots=4, num_slices=2, max_rank=16, ranks=[16, 5, 0, 11],
-                     dtype=torch.float32, device=triton_kernels.device, seed=37)
+                     dtype=dtype, device=triton_kernels.device, seed=37)
     M, K, N, L, S, R = case.shape
     launched = record_grad_launches(monkeypatch)
-    run_and_compare(case, signed((M, N), case), torch.float32)
+    run_and_compare(case, signed((M, N), case), dtype)
     assert launched["lora_grad_x"] and all(cfg.n_loop > 1 for cfg in launched["lora_grad_x"])
     deep = launch_grad.DEEP_STEP["block_t"]
     assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [deep, deep]
@@ -635,8 +643,9 @@ def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels, monkey
     """From 1024 tokens the heuristic gives a program several column blocks (launch_grad.grad_x_n_loop); the op
     still matches float64 token by token, rows of tokens without an adapter zero."""
     backend = triton_kernels
+    dtype = large_bucket_dtype(backend)
     case = make_case(M=1100, K=4096, N=32, num_slots=4, num_slices=1, max_rank=16, ranks=[16, 3, 0, 9],
-                     dtype=torch.float32, device=backend.device, seed=31)
+                     dtype=dtype, device=backend.device, seed=31)
     M, K, _, L, S, R = case.shape
     launched = record_grad_launches(monkeypatch)
     dh = signed((M, S, R), case, torch.float32)
@@ -644,7 +653,7 @@ def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels, monkey
     assert [cfg.n_loop for cfg in launched["lora_grad_x"]] == [2]
     untouched = case.untouched_rows().to(dx.device)
     assert (dx[untouched] == 0).all()
-    assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[torch.float32]
+    assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[dtype]
 
 
 def segment_outer_reference(u, v, case):
@@ -719,12 +728,19 @@ SLICE_OP_CASES = dict(GRAD_CASES, tokens_1100=dict(M=1100, K=200, N=192, num_slo
                                                    ranks=[16, 5, 0, 11]))
 
 
-@pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "one_slice", "all_minus_one",
-                                     "tokens_1100"])
-@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
-def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, dtype, case_id):
+# tokens_1100 in bfloat16 too: on a GPU only bfloat16 takes the deep token steps (launch_grad.segment_outer_config).
+SLICE_OP_PARAMS = [pytest.param(dtype, case_id, id=f"{dtype_id(dtype)}-{case_id}")
+                   for dtype in FP16_FP32 for case_id in ("qkv_3_slices", "gate_up_mixed_ranks", "one_slice",
+                                                          "all_minus_one", "tokens_1100")]
+SLICE_OP_PARAMS.append(pytest.param(torch.bfloat16, "tokens_1100", id="bf16-tokens_1100"))
+
+
+@pytest.mark.parametrize("dtype, case_id", SLICE_OP_PARAMS)
+def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, checked_dtype, case_id):
     """lora_grad_h, lora_grad_a, lora_grad_b: every slice in one call, against float64, with a strided
-    output gradient (a transposed layout: features at stride M) and x at a column offset."""
+    output gradient (a transposed layout: features at stride M) and x at a column offset. Past 1024 tokens
+    dA and dB take 128-token steps, except float32 and float16 on a GPU (their own configs)."""
+    dtype = checked_dtype
     case = make_case(**SLICE_OP_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
     launched = record_grad_launches(monkeypatch)
     M, K, N, L, S, R = case.shape
@@ -743,7 +759,9 @@ def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, dtype, c
     assert db.dtype == dtype and db.shape == (L, N, R)
     assert rel_err(db, grad_b_reference(grad_out, u, case)) <= TOLERANCE[dtype]
     if case_id == "tokens_1100" and backend.name == "triton":     # dA's and dB's token steps of 128
-        assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [128, 128]
+        steps = [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]]
+        own_gpu_configs = backend.device == "cuda" and dtype in FP16_FP32
+        assert len(steps) == 2 and all((t != 128) if own_gpu_configs else (t == 128) for t in steps), steps
 
 
 def test_slice_ops_kernels_write_every_output_element(triton_kernels):
