@@ -328,7 +328,9 @@ def check_slice_widths(slice_widths, num_slices, N, what, per="slice of lora_a")
         _fail(ValueError, f"slice_widths: expected positive widths summing to N = {N} ({what}), got {widths}")
 
 
-def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                   y_name="y"):
+    """``y_name``: what the messages call y (lora_linear's checks pass the output it returns, no argument)."""
     if _add_lora_ok(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
         return
     check_lora_a(x, lora_a)
@@ -339,7 +341,7 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     if y.shape[0] != x.shape[0]:
         _fail(ValueError, f"y: expected {x.shape[0]} rows (x's tokens), got shape {tuple(y.shape)}")
     L, S, R, _ = lora_a.shape
-    check_lora_b(y, lora_b, slice_widths, L, S, R)
+    check_lora_b(y, lora_b, slice_widths, L, S, R, y_name=y_name)
     check_slot_params(lora_a, scale, rank)
     check_batch_meta(L, sorted_token_ids, slot_starts, slot_counts, x.shape[0])
 
@@ -458,7 +460,8 @@ def check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths
         check_same_dtype("x", x, lora_b=lora_b)
     # The output the op returns, for add_lora_'s checks (only reached on unusual or bad input).
     out = x.new_empty((x.shape[0], weight.shape[0]))
-    check_add_lora(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
+    check_add_lora(out, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
+                   y_name="the output")
 
 
 def stacked_views(stacked_weight, stacked_bias, lora_b, slice_widths):
