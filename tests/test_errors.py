@@ -117,14 +117,17 @@ BAD = [
         {"add_lora_": "rank: expected a tensor on {dev} (the device of x), got meta",
          "shrink": "rank: expected a tensor on {dev} (the device of x), got meta",
          "expand_": "rank: expected a tensor on {dev} (the device of y), got meta"}),
-    Bad("slot_counts_on_meta", "slot_counts", lambda a, d: a["slot_counts"].to("meta"), ValueError,
-        {"add_lora_": "slot_counts: expected a tensor on {dev} (the device of x), got meta",
-         "shrink": "slot_counts: expected a tensor on {dev} (the device of x), got meta",
-         "expand_": "slot_counts: expected a tensor on {dev} (the device of y), got meta"}),
+    *(Bad(f"{meta}_on_meta", meta, lambda a, d, meta=meta: a[meta].to("meta"), ValueError,
+          {op: f"{meta}: expected a tensor on {{dev}} (the device of {of}), got meta"
+           for op, of in (("add_lora_", "x"), ("shrink", "x"), ("expand_", "y"))})
+      for meta in ("sorted_token_ids", "slot_starts", "slot_counts")),
     # shapes
     Bad("x_3d", "x", lambda a, d: a["x"][None], ValueError, "x: expected a 2-D tensor, got shape (1, 4, 6)"),
     Bad("lora_a_3d", "lora_a", lambda a, d: a["lora_a"][0], ValueError,
         "lora_a: expected a 4-D tensor, got shape (2, 4, 6)"),
+    Bad("lora_a_no_slices", "lora_a", lambda a, d: torch.zeros(L, 0, R, K, device=d), ValueError,
+        {op: "lora_a: expected shape [L, S, R, K] with L, S, R >= 1, got (3, 0, 4, 6)" for op in ("add_lora_",
+                                                                                                  "shrink")}),
     Bad("lora_a_k_not_x", "lora_a", lambda a, d: torch.zeros(L, S, R, K + 1, device=d), ValueError,
         "lora_a: expected shape [L, S, R, K] with K = 6 (x's features), got (3, 2, 4, 7)"),
     Bad("lora_b_rank_not_a", "lora_b", lambda a, d: torch.zeros(L, N, R + 1, device=d), ValueError,
@@ -274,7 +277,7 @@ BAD_SLOTS = [
      "token_slots: expected 4 entries (one per token), got 5"),
     # (a tensor neither on x's device nor the CPU: torch's "Cannot copy out of meta tensor" came first)
     ("slots_on_meta", lambda a, d: dict(token_slots=torch.zeros(4, dtype=torch.int64, device="meta")), ValueError,
-     "token_slots: expected a tensor on "),
+     "token_slots: expected a tensor on {where}, got one on meta"),
 ]
 
 
@@ -284,7 +287,8 @@ def test_bad_token_slots_or_batch_raise(backend, op, make_kwargs, error, message
     if backend.device != "cpu" and "outside" in message:
         pytest.skip("the slot range is checked on CPU only (no device sync)")
     args = valid_args(backend.device)
-    with pytest.raises(error, match="^" + re.escape(message)):
+    where = "the CPU" if backend.device == "cpu" else f"{args['x'].device} or the CPU"
+    with pytest.raises(error, match="^" + re.escape(message.format(where=where))):
         call_with_slots(op, args, **make_kwargs(args, backend.device))
 
 
@@ -382,21 +386,24 @@ def test_functional_api_moves_host_token_slots_to_the_tensors_device(backend):
                           token_slots=slots([0, 7, 2, -1], "cpu"), slice_widths=args["slice_widths"])
 
 
+# (lora_linear has no y: its messages name the output it returns, not "y's columns")
 LINEAR_BAD = [
     ("weight_wrong_features", dict(weight=lambda a: torch.randn(N, K + 1, device=a["x"].device)), ValueError,
-     "weight: expected shape [N, K] with K = 6"),
+     "weight: expected shape [N, K] with K = 6 (x's features), got (10, 7)"),
     ("weight_dtype", dict(weight=lambda a: torch.randn(N, K, device=a["x"].device, dtype=torch.float16)),
-     TypeError, "weight: expected dtype torch.float32"),
+     TypeError, "weight: expected dtype torch.float32 (the dtype of x), got torch.float16"),
     ("weight_1d", dict(weight=lambda a: torch.randn(N, device=a["x"].device)), ValueError,
-     "weight: expected a 2-D tensor"),
+     "weight: expected a 2-D tensor, got shape (10,)"),
     ("bias_wrong_length", dict(bias=lambda a: torch.randn(N + 1, device=a["x"].device)), ValueError,
-     "bias: expected 10 entries"),
-    ("bias_on_meta", dict(bias=lambda a: torch.randn(N, device="meta")), ValueError, "bias: expected a tensor on"),
+     "bias: expected 10 entries (weight's rows), got 11"),
+    ("bias_on_meta", dict(bias=lambda a: torch.randn(N, device="meta")), ValueError,
+     "bias: expected a tensor on {dev} (the device of x), got meta"),
     ("lora_b_wrong_rank", dict(lora_b=lambda a: torch.randn(L, N, R + 1, device=a["x"].device)), ValueError,
-     "lora_b: expected shape [L, N, R]"),
+     "lora_b: expected shape [L, N, R] = [3, 10, 4], got (3, 10, 5)"),
     ("lora_b_dtype", dict(lora_b=lambda a: torch.randn(L, N, R, device=a["x"].device, dtype=torch.float16)),
-     TypeError, "lora_b: expected dtype torch.float32 (the dtype of x)"),
-    ("widths_not_summing_to_N", dict(slice_widths=lambda a: [4, 5]), ValueError, "slice_widths: expected positive"),
+     TypeError, "lora_b: expected dtype torch.float32 (the dtype of x), got torch.float16"),
+    ("widths_not_summing_to_N", dict(slice_widths=lambda a: [4, 5]), ValueError,
+     "slice_widths: expected positive widths summing to N = 10 (the output's columns), got [4, 5]"),
 ]
 
 
@@ -408,7 +415,7 @@ def test_lora_linear_bad_argument_raises_naming_it(backend, change, error, messa
     for name, make in change.items():
         args[name] = make(args)
     meta = (args["sorted_token_ids"], args["slot_starts"], args["slot_counts"])
-    with pytest.raises(error, match="^" + re.escape(message)):
+    with pytest.raises(error, match="^" + re.escape(message.format(dev=args["x"].device)) + "$"):
         torch.ops.lora_ops.lora_linear(args["x"], args["weight"], args["bias"], args["lora_a"], args["lora_b"],
                                        args["scale"], args["rank"], args["slice_widths"], *meta)
 
@@ -421,6 +428,8 @@ GRAD_OPS = {
     "lora_grad_a": lambda a, meta: torch.ops.lora_ops.lora_grad_a(a["h"], a["x"], a["rank"], *meta),
     "lora_grad_b": lambda a, meta: torch.ops.lora_ops.lora_grad_b(a["grad_out"], a["h"], a["rank"], a["slice_widths"],
                                                                   *meta),
+    "lora_grad_x": lambda a, meta: torch.ops.lora_ops.lora_grad_x(a["h"], a["lora_a"], a["rank"], *meta),
+    "segment_outer": lambda a, meta: torch.ops.lora_ops.segment_outer(a["h"][:, 0], a["x"], a["rank"], *meta),
 }
 GRAD_BAD = [
     ("h_grad_out_int", "lora_grad_h", dict(grad_out=lambda a: a["grad_out"].to(torch.int32)), TypeError,
@@ -469,6 +478,28 @@ GRAD_BAD = [
      "rank: expected a tensor on {dev} (the device of grad_out), got meta"),
     ("b_counts_int64", "lora_grad_b", dict(slot_counts=lambda a: a["slot_counts"].long()), TypeError,
      "slot_counts: expected dtype torch.int32, got torch.int64"),
+    ("h_scale_on_meta", "lora_grad_h", dict(scale=lambda a: a["scale"].to("meta")), ValueError,
+     "scale: expected a tensor on {dev} (the device of grad_out), got meta"),
+    ("h_ids_on_meta", "lora_grad_h", dict(sorted_token_ids=lambda a: a["sorted_token_ids"].to("meta")), ValueError,
+     "sorted_token_ids: expected a tensor on {dev} (the device of grad_out), got meta"),
+    ("a_dh_no_slices", "lora_grad_a", dict(h=lambda a: torch.zeros(M, 0, R, device=a["x"].device)), ValueError,
+     "dh: expected shape [M, S, R] with S, R >= 1, got (4, 0, 4)"),
+    ("b_h_rank_0", "lora_grad_b", dict(h=lambda a: torch.zeros(M, S, 0, device=a["x"].device)), ValueError,
+     "h: expected shape [M, S, R] with R >= 1, got (4, 2, 0)"),
+    ("x_dh_rank", "lora_grad_x", dict(h=lambda a: torch.randn(M, S, R + 1, device=a["x"].device)), ValueError,
+     "dh: expected shape [M, S, R] with S, R = (2, 4) (lora_a's slices and rank), got (4, 2, 5)"),
+    ("x_dh_half", "lora_grad_x", dict(h=lambda a: a["h"].half()), TypeError,
+     "dh: expected a 3-D float32 tensor [M, S, R] (the gradient of the shrink output), got torch.float16 (4, 2, 4)"),
+    ("x_lora_a_on_meta", "lora_grad_x", dict(lora_a=lambda a: a["lora_a"].to("meta")), ValueError,
+     "lora_a: expected a tensor on {dev} (the device of dh), got meta"),
+    ("x_rank_length", "lora_grad_x", dict(rank=lambda a: a["rank"][:2]), ValueError,
+     "rank: expected 3 entries (one per slot of lora_a), got 2"),
+    ("outer_v_rows", "segment_outer", dict(x=lambda a: a["x"][:3]), ValueError,
+     "v: expected 4 rows (u's tokens), got shape (3, 6)"),
+    ("outer_u_half", "segment_outer", dict(h=lambda a: a["h"].half()), TypeError,
+     "u: expected a 2-D float32 tensor [M, P] (the rank-side factor), got torch.float16 (4, 4)"),
+    ("outer_rank_int64", "segment_outer", dict(rank=lambda a: a["rank"].long()), TypeError,
+     "rank: expected dtype torch.int32, got torch.int64"),
 ]
 
 
@@ -568,7 +599,7 @@ def test_written_in_place_check_is_exact_for_two_dimensions(shape, strides):
 
 
 @pytest.mark.parametrize("value", [R + 1, -1], ids=["above_capacity", "negative"])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [*OPS, "lora_forward"])
 def test_rank_outside_the_stack_raises_through_the_api_on_cpu_tensors(value, op):
     """A CPU rank tensor's values are checked as token_slots' are (no device sync): the kernels would clamp a
     rank above the stack's capacity R, or below 0, and compute something nobody asked for."""
@@ -576,7 +607,12 @@ def test_rank_outside_the_stack_raises_through_the_api_on_cpu_tensors(value, op)
     a["rank"] = a["rank"].clone()
     a["rank"][1] = value
     with pytest.raises(ValueError, match=rf"rank: slot 1 has rank {value}, outside \[0, R={R}\]"):
-        call_public(op, a)
+        if op == "lora_forward":
+            lora_ops.lora_forward(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"],
+                                  batch=BatchMeta(a["sorted_token_ids"], a["slot_starts"], a["slot_counts"]),
+                                  slice_widths=a["slice_widths"])
+        else:
+            call_public(op, a)
 
 
 def test_lora_batch_filled_for_another_token_count_raises(backend):

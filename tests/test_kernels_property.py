@@ -759,6 +759,62 @@ def test_a_negative_slot_start_is_clamped_by_every_backend(backend):
     assert rel_err(second, torch.autograd.grad(ref_grads[0].square().sum(), refs[1])[0]) < TOLERANCE[torch.float32]
 
 
+# Hand-built metadata that no LoRABatch makes (sorted_token_ids has capacity 10, M = 8 tokens):
+# (sorted_token_ids, slot_starts, slot_counts), slot 3 the no-adapter group.
+CORRUPT_METAS = {
+    "ids_outside_the_tokens": ([0, -1, 1, 8, 2, 3, 99, 4, 5, -7], [0, 2, 4, 8], [2, 2, 4, 2]),
+    "count_past_the_buffer": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 4, 10], [2, 2, 1000, 0]),
+    "start_past_the_buffer": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 50, 6], [2, 2, 2, 2]),
+    "counts_negative": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 4, 6], [2, -5, 2, 2]),
+    "runs_overlapping": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 1, 1, 6], [3, 3, 8, 2]),
+}
+
+
+def delta_of_runs(case, ids, starts, counts):
+    """float64 [M, N]: each slot's delta added to every token of its run as the kernels read it (the start
+    clamped into the buffer, the run cut at its end, ids outside [0, M) skipped)."""
+    M = case.x.shape[0]
+    out = torch.zeros(M, case.lora_b.shape[1], dtype=torch.float64)
+    for slot in range(case.lora_a.shape[0]):
+        start = min(max(starts[slot], 0), len(ids))
+        for token in ids[start:start + max(counts[slot], 0)]:
+            if 0 <= token < M:
+                as_slot = torch.full((M,), -1, dtype=torch.int64)
+                as_slot[token] = slot
+                out += lora_delta_reference(case.x, case.lora_a, case.lora_b, case.scale, case.rank, as_slot,
+                                            case.slice_widths)
+    return out
+
+
+@pytest.mark.parametrize("corrupt", list(CORRUPT_METAS))
+def test_corrupt_metadata_stays_in_bounds_on_every_backend(backend, corrupt):
+    """No input makes a kernel read or write out of bounds: token ids outside [0, M), a run that starts or ends
+    past sorted_token_ids, a negative count, runs that overlap. y (random at first) changes only within its
+    rows (a sentinel row on either side stays), and while each token sits in one run at most, by exactly what
+    the metadata says as far as the buffer and the tokens reach (delta_of_runs). Runs that overlap have no
+    meaning (a path that maps each token to one slot gives it one of its runs): finite values, nothing outside.
+    The shrink op over the same metadata runs too (a read past the buffer crashes the interpreter)."""
+    M = 8
+    case = make_case(M, 12, 10, num_slots=3, num_slices=2, max_rank=4, seed=14, ranks=[4, 3, 2],
+                     token_slots=[0, 0, 1, 1, 2, 2, -1, -1], device=backend.device)
+    ids, starts, counts = CORRUPT_METAS[corrupt]
+    meta = lora_ops.BatchMeta(*(torch.tensor(v, dtype=torch.int32, device=backend.device)
+                                for v in (ids, starts, counts)))
+    guarded = torch.randn(M + 2, 10, generator=torch.Generator().manual_seed(15)).to(backend.device)
+    before = guarded.clone()
+    y = guarded[1:M + 1]                            # a row of sentinels before and after y
+    lora_ops.add_lora(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, batch=meta,
+                      slice_widths=case.slice_widths)
+    assert torch.equal(guarded[0], before[0]) and torch.equal(guarded[M + 1], before[M + 1])
+    assert y.isfinite().all()
+    if corrupt != "runs_overlapping":
+        want = delta_of_runs(case, ids, starts, counts)
+        assert want.abs().sum() > 0
+        assert rel_err(y.double().cpu() - before[1:M + 1].double().cpu(), want) < TOLERANCE[torch.float32]
+    h = torch.ops.lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, *meta)
+    assert h.shape == (M, 2, 4)
+
+
 @pytest.mark.parametrize("bad_slot", [-2, 3], ids=["below_-1", "equal_to_L"])
 @pytest.mark.parametrize("op", ["add_lora", "shrink", "expand"])
 def test_cpu_slot_out_of_range_raises(backend, op, bad_slot):
