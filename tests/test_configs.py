@@ -22,9 +22,14 @@ def test_token_bucket_edges(m, bucket):
 
 
 def test_configs_depend_on_bucket_not_raw_token_count():
+    """Each count resolves afresh (configs.reset: the remembered config of its bucket would hide one resolved
+    with the raw count) to its bucket's heuristic."""
     for lo, hi in [(2, 16), (17, 64), (257, 1024), (4097, 8192)]:
-        assert configs.shrink_config(lo, 4096, 3, 16, 4) == configs.shrink_config(hi, 4096, 3, 16, 4)
-        assert configs.expand_config(lo, 6144, 3, 16, 4) == configs.expand_config(hi, 6144, 3, 16, 4)
+        for m in (lo, hi):
+            configs.reset()
+            assert configs.shrink_config(m, 4096, 3, 16, 4) == heuristics.shrink_config(hi, 4096, 3, 16, 4), m
+            configs.reset()
+            assert configs.expand_config(m, 6144, 3, 16, 4) == heuristics.expand_config(hi, 6144, 16, 4), m
 
 
 @pytest.mark.parametrize("rank", [1, 16, 64, 128, 256, 320])
@@ -282,6 +287,17 @@ def test_nearest_entry_adapts_rank_block(fake_gpu_table):
     assert cfg.block_r == heuristics.rank_block(32)
 
 
+def test_nearest_shrink_entry_adapts_rank_block_and_split_k(pretend_gpu_table):
+    """A shrink entry at a neighbouring rank serves with this rank's block; one at a wider input keeps at most
+    one split per K block (cdiv(features, block_k))."""
+    pretend_gpu_table([dict(kind="shrink", features=4096, slices=3, rank=16, tokens=64,
+                            config=heuristics.ShrinkConfig(32, 16, 256, 32, 8, 3)._asdict())])
+    cfg = configs.shrink_config(64, 4096, 3, 32, 4, CUDA, torch.bfloat16, out_features=6144)
+    assert (cfg.block_m, cfg.block_k) == (32, 256) and cfg.block_r == heuristics.rank_block(32) != 16
+    cfg = configs.shrink_config(64, 2048, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144)
+    assert (cfg.block_m, cfg.block_k, cfg.split_k) == (32, 256, heuristics.cdiv(2048, 256))
+
+
 def test_expand_entry_of_the_other_rank_path_is_not_used(fake_gpu_table):
     # The rank-64 entry was tuned on the one-rank-block path with 128-token tiles: rank 256 in one block
     # would hold a 128 x 256 h tile, past heuristics.ONE_BLOCK_MAX_H_TILE; the heuristic serves.
@@ -312,6 +328,39 @@ def test_tied_entries_go_to_the_fewer_tokens(order):
     assert configs._nearest(entries, "expand", 4096, 1, 128, 256)["tokens"] == 64
 
 
+def _expand_entry(**fields):
+    """An expand entry at features 4096, one slice, rank 128, 256 tokens, with ``fields`` replaced."""
+    return dict(dict(kind="expand", features=4096, slices=1, rank=128, tokens=256,
+                     config=heuristics.ExpandConfig(16, 128, 32, 4, 3)._asdict()), **fields)
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["table_order", "reversed"])
+def test_tied_entries_go_to_the_nearer_token_count(order):
+    """Before the fewer tokens, the nearer token count: at 256 tokens and rank 128 an entry two octaves off
+    in rank (at 256 tokens) and one two octaves off in tokens (at 64) are both at distance 2; the first
+    serves, whichever comes first in the table."""
+    entries = [_expand_entry(rank=32), _expand_entry(tokens=64)][::order]
+    assert configs._nearest(entries, "expand", 4096, 1, 128, 256)["rank"] == 32
+
+
+def test_nearest_weighs_each_part_of_the_distance():
+    """Each part of _nearest's distance decides between entries that differ only there (the wrong one
+    first: a part left out would tie, and the table's order would pick it): the features' octaves; another
+    slice count at 0.5 (nearer than one octave of features, further than 0.29); the output features of
+    one-launch entries."""
+    near = configs._nearest([_expand_entry(features=16384), _expand_entry(features=2048)], "expand", 4096, 1, 128,
+                            256)
+    assert near["features"] == 2048                                        # 1 octave, not 2
+    near = configs._nearest([_expand_entry(slices=3), _expand_entry(features=5000)], "expand", 4096, 1, 128, 256)
+    assert near["features"] == 5000                                        # log2(5000 / 4096) = 0.29 < 0.5
+    near = configs._nearest([_expand_entry(features=8192), _expand_entry(slices=3)], "expand", 4096, 1, 128, 256)
+    assert near["slices"] == 3                                             # 0.5 < 1 octave
+    fused = dict(kind="fused", features=4096, slices=1, rank=16, tokens=1, config=None)
+    near = configs._nearest([dict(fused, out_features=6144), dict(fused, out_features=28672)], "fused", 4096, 1,
+                            16, 1, 28672)
+    assert near["out_features"] == 28672
+
+
 def test_shrink_op_alone_uses_the_heuristic(fake_gpu_table):
     # Shrink entries are tuned as add_lora_'s pair (the expand adds the split-K partial sums); the shrink
     # op alone (the backward's dh and h) adds its splits itself.
@@ -323,13 +372,22 @@ def test_distant_entries_are_not_used(fake_gpu_table):
     # The table's only shrink entry is for 64 tokens: a prefill bucket (8192) is too far from it.
     assert configs.shrink_config(8000, 4096, 3, 16, 4, CUDA, torch.bfloat16, out_features=6144) == \
         heuristics.shrink_config(8192, 4096, 3, 16, 4, out_features=6144)
+    # At the limit (configs.MAX_DISTANCE = 2): the 64-token expand entry serves 256 tokens (two octaves);
+    # with another slice count (2.5) the heuristic does.
+    tuned = heuristics.ExpandConfig(32, 256, 16, 8, 2)
+    assert configs.expand_config(256, 6144, 3, 16, 4, CUDA, torch.bfloat16) == tuned
+    assert configs.expand_config(256, 6144, 1, 16, 4, CUDA, torch.bfloat16) == \
+        heuristics.expand_config(256, 6144, 16, 4) != tuned
 
 
 def test_float32_and_cpu_use_the_heuristic(fake_gpu_table):
-    # (float32 on a GPU in float32's tiles: test_float32_takes_its_own_tiles_on_a_gpu_only)
-    assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32) == heuristics.float32_tiles(
-        heuristics.shrink_config(64, 4096, 3, 16, 4))
-    assert configs.shrink_config(40, 4096, 3, 16, 4) == heuristics.shrink_config(64, 4096, 3, 16, 4)
+    # (float32 on a GPU in float32's tiles: test_float32_takes_its_own_tiles_on_a_gpu_only) Also add_lora_'s
+    # shrink (out_features), which the table holds an entry for in 16-bit dtypes.
+    for out_features in (None, 6144):
+        assert configs.shrink_config(40, 4096, 3, 16, 4, CUDA, torch.float32, out_features=out_features) == \
+            heuristics.float32_tiles(heuristics.shrink_config(64, 4096, 3, 16, 4, out_features=out_features))
+        assert configs.shrink_config(40, 4096, 3, 16, 4, out_features=out_features) == \
+            heuristics.shrink_config(64, 4096, 3, 16, 4, out_features=out_features)
 
 
 _TUNED_EXPAND = heuristics.ExpandConfig(32, 256, 16, 8, 2)
@@ -409,6 +467,14 @@ def test_table_chooses_the_add_lora_path(fake_gpu_table):
     """A "fused" entry names the one-launch config, or null: two launches were faster there."""
     assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA) == heuristics.FusedConfig(16, 256, 16, 256, 8, 3)
     assert configs.fused_config(60, 4096, 6144, 3, 16, 4, CUDA) is None
+
+
+def test_a_null_fused_entry_takes_two_launches_where_the_heuristic_takes_one(pretend_gpu_table):
+    """The table's null "fused" entry wins over the heuristic's one-launch config (one token, rank 16)."""
+    assert heuristics.fused_config(1, 4096, 16) is not None
+    pretend_gpu_table([dict(kind="fused", features=4096, out_features=6144, slices=3, rank=16, tokens=1,
+                            config=None)])
+    assert configs.fused_config(1, 4096, 6144, 3, 16, 4, CUDA, torch.bfloat16) is None
 
 
 def test_forced_path_and_tables_off(fake_gpu_table):
@@ -752,10 +818,20 @@ def test_runtime_autotune_is_asked_once_per_key_and_never_during_capture(monkeyp
         configs.enable_autotune(False)
 
 
+def _timed_at(monkeypatch, us):
+    """tuning.time_config runs each candidate as before and reports it at ``us[cfg]`` µs (or None where it
+    failed): the fastest is known, not left to the interpreter's wall time."""
+    real = tuning.time_config
+
+    def time_config(kind, problems, cfg, expand_cfg=None, check=True):
+        return None if real(kind, problems, cfg, expand_cfg, check) is None else us[cfg]
+    monkeypatch.setattr(tuning, "time_config", time_config)
+
+
 def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
     """tuning.autotune for add_lora_'s shrink (out_features given) times each candidate followed by the
-    expand, and returns the fastest that runs (on the test device: the interpreter timed by wall time, or
-    the GPU; two candidates, one copy)."""
+    expand, and returns the fastest that runs (on the test device: the interpreter, or the GPU; two
+    candidates, one copy, the second reported fastest)."""
     timed = []
     real_runner = tuning.shrink_runner
 
@@ -763,12 +839,13 @@ def test_autotune_times_the_shrink_with_its_expand(monkeypatch):
         timed.append((cfg, expand_cfg))
         return real_runner(p, cfg, expand_cfg)
     cands = [heuristics.ShrinkConfig(16, 16, 16, 2, 4, 2), heuristics.ShrinkConfig(16, 16, 32, 1, 4, 2)]
+    _timed_at(monkeypatch, {cands[0]: 5.0, cands[1]: 1.0})
     monkeypatch.setitem(tuning.RUNNERS, "shrink", recording_runner)
     monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("shrink", torch.device(DEVICE), torch.float32, 40, 2, 16, 3, 16, out_features=32)
-    assert best in cands
+    assert best == cands[1]
     assert [c for c, _ in timed] == cands and all(e is not None for _, e in timed)
 
 
@@ -796,7 +873,8 @@ def test_autotune_one_launch_against_the_fastest_pair(monkeypatch, pair_us, chos
 def test_autotune_times_the_stacked_layer(monkeypatch):
     """tuning.autotune("stacked") times each candidate as the stacked layer runs it (the GEMM over [W; A],
     then the expand reading h from its output) on problems of the layer's input width, and returns the
-    fastest that runs; configs.stacked_config asks it once per key, with the input width."""
+    fastest that runs (the second, reported fastest); configs.stacked_config asks it once per key, with the
+    input width."""
     timed = []
     real_runner = tuning.stacked_runner
 
@@ -805,13 +883,14 @@ def test_autotune_times_the_stacked_layer(monkeypatch):
         timed.append((cfg, tuple(p["Wst"].shape)))
         return run
     cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 2)]
+    _timed_at(monkeypatch, {cands[0]: 5.0, cands[1]: 1.0})
     monkeypatch.setitem(tuning.RUNNERS, "stacked", recording_runner)
     monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     # 3 slots, 2 slices of 24 + 24 outputs, rank 16, K 40: [W; A] is [48 + 3 * 2 * 16, 40].
     best = tuning.autotune("stacked", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)
-    assert best in cands and timed == [(c, (48 + 96, 40)) for c in cands]
+    assert best == cands[1] and timed == [(c, (48 + 96, 40)) for c in cands]
 
     asked = []
     monkeypatch.setattr(tuning, "autotune", lambda kind, *a, **k: asked.append((kind, a)) or cands[0])
@@ -827,7 +906,8 @@ def test_autotune_times_the_stacked_layer(monkeypatch):
 
 def test_autotune_times_the_store_mode(monkeypatch):
     """tuning.autotune("store") times each candidate as lora_linear's write-first delta runs (the shrink,
-    then the expand in its store mode: tuning.store_runner) on problems of the layer's input width."""
+    then the expand in its store mode: tuning.store_runner) on problems of the layer's input width, and
+    returns the fastest (the second, reported fastest)."""
     timed = []
     real_runner = tuning.store_runner
 
@@ -835,12 +915,13 @@ def test_autotune_times_the_store_mode(monkeypatch):
         timed.append((cfg, tuple(p["x"].shape)))
         return real_runner(p, cfg, expand_cfg)
     cands = [heuristics.ExpandConfig(16, 16, 16, 4, 2), heuristics.ExpandConfig(16, 32, 16, 4, 2, 1, 2)]
+    _timed_at(monkeypatch, {cands[0]: 5.0, cands[1]: 1.0})
     monkeypatch.setitem(tuning.RUNNERS, "store", recording_runner)
     monkeypatch.setattr(tuning, "passes_check", lambda *a: True)   # timing only: no check's runs recorded
     monkeypatch.setattr(tuning, "candidates_for", lambda kind, *a, **k: cands)
     monkeypatch.setattr(tuning, "MAX_COPIES", 1)
     best = tuning.autotune("store", torch.device(DEVICE), torch.float32, 48, 2, 16, 3, 16, out_features=40)
-    assert best in cands and timed == [(c, (16, 40)) for c in cands]
+    assert best == cands[1] and timed == [(c, (16, 40)) for c in cands]
 
 
 def test_float32_takes_its_own_tiles_on_a_gpu_only():

@@ -56,15 +56,34 @@ def test_replays_match_the_reference(triton_kernels, path_configs):
 
 
 def test_every_part_of_the_key_makes_its_own_plan(triton_kernels):
-    case = make_case(20, 32, 24, num_slots=2, num_slices=1, max_rank=8, device=DEVICE, seed=2, ranks=[8, 3])
+    """Each variant changes one part of add_lora_'s key (plan.key), or of an op's (plan.op_key: the shrink's
+    dtypes), from a call made before it under the same config generation (the last two change that)."""
+    case = make_case(20, 32, 24, num_slots=2, num_slices=2, max_rank=8, device=DEVICE, seed=2, ranks=[8, 3],
+                     slice_widths=[16, 8])
     y = call(case)
     first = the_plan(case, y)
     assert first is not None
+    sorted_ids, starts, counts = case.meta
+    launch.shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta)
     x_strided = torch.empty(20, 64, device=DEVICE)[:, ::2]
     x_strided.copy_(case.x)
+    b_strided = torch.empty(2, 8, 24, device=DEVICE).transpose(1, 2)
+    b_strided.copy_(case.lora_b)
+    counts_strided = torch.empty(2 * counts.shape[0], dtype=counts.dtype, device=DEVICE)[::2]
+    counts_strided.copy_(counts)
+    half = make_case(20, 32, 24, num_slots=2, num_slices=2, max_rank=8, dtype=torch.float16, device=DEVICE, seed=2,
+                     ranks=[8, 3], slice_widths=[16, 8])
+
+    def with_args(lora_b=case.lora_b, slice_widths=case.slice_widths, meta=case.meta):
+        launch.add_lora_(case.new_y("zero"), case.x, case.lora_a, lora_b, case.scale, case.rank, slice_widths, *meta)
     variants = {
         "strided x": lambda: call(case, x=x_strided),
         "y's strides": lambda: call(case, y=torch.zeros(24, 20, device=DEVICE).t()),
+        "B's strides": lambda: with_args(lora_b=b_strided),
+        "slice widths": lambda: with_args(slice_widths=[8, 16]),
+        "1-D strides": lambda: with_args(meta=(sorted_ids, starts, counts_strided)),
+        "dtypes": lambda: call(half),
+        "an op's dtypes": lambda: launch.shrink(half.x, half.lora_a, half.scale, half.rank, *half.meta),
         "config reset": lambda: (configs.reset(), call(case)),
         "shortcut switched": lambda: (triton_launch.set_fast_launch(True), call(case)),
     }
@@ -99,6 +118,17 @@ def test_aliased_arguments_are_not_remembered(triton_kernels):
     launch.add_lora_(y, case.x, case.lora_a, case.lora_b, case.scale, case.rank, case.slice_widths, sorted_ids,
                      counts, counts)
     assert len(plan._PLANS) == 0
+
+
+def test_a_misaligned_first_call_is_not_remembered(triton_kernels):
+    """A plan's fast replay takes its kernels to be the ones Triton compiles for 16-byte-aligned tensors (a
+    misaligned later call falls back): a first call with x 4 bytes off keeps no plan, and adds its delta."""
+    case = make_case(24, 32, 32, num_slots=2, num_slices=1, max_rank=8, device=DEVICE, seed=5)
+    x = torch.empty(24 * 32 + 1, device=DEVICE)[1:].view(24, 32)
+    x.copy_(case.x)
+    y = call(case, x=x)
+    assert len(plan._PLANS) == 0
+    assert rel_err(y, case.delta_reference()) <= TOLERANCE[torch.float32]
 
 
 def test_the_table_of_plans_is_bounded(triton_kernels, monkeypatch):
@@ -268,14 +298,16 @@ def test_fast_replay_calls_the_c_launch_where_triton_allows(fake_compiled, path_
         assert x.data_ptr() in args[:len(want.tensors)] or y.data_ptr() in args[:len(want.tensors)]
 
 
+@pytest.mark.parametrize("offset", [1, 2], ids=["4_bytes", "8_bytes"])
 @pytest.mark.parametrize("path_configs", ["split"], indirect=True)
-def test_fast_replay_falls_back_for_a_misaligned_tensor(fake_compiled, path_configs):
+def test_fast_replay_falls_back_for_a_misaligned_tensor(fake_compiled, path_configs, offset):
+    """x 4 or 8 bytes off (aligned to 8: only a 16-byte check tells) replays through FastLauncher."""
     runs, slow = fake_compiled
     case = make_case(24, 32, 32, num_slots=2, num_slices=1, max_rank=R, device=DEVICE, seed=5)
     call(case)
     call(case)
     assert len(runs) == 2                           # the replay: two C-launcher calls
-    x = torch.empty(24 * 32 + 1, device=DEVICE)[1:].view(24, 32)   # same key, 4 bytes off
+    x = torch.empty(24 * 32 + offset, device=DEVICE)[offset:].view(24, 32)   # same key, misaligned
     x.copy_(case.x)
     slow_before, runs_before = len(slow), len(runs)
     call(case, x=x)
@@ -368,10 +400,19 @@ def test_zeroed_scratch_is_allocated_every_call(fake_compiled, path_configs):
     assert [tuple(t.shape) for t in scratch] == [tuple(s.shape) for s in known.scratch]
 
 
-def test_ops_that_return_their_scratch_never_take_the_workspace(triton_kernels, monkeypatch):
+def test_ops_that_return_their_scratch_never_take_the_workspace(fake_compiled, monkeypatch):
+    """Every op but add_lora_ hands its scratch (h, dh, ...) to its caller: no workspace for it, also where
+    its plan is fast (only then could it take one; here the ops on the stand-in launchers: the shrink and
+    lora_grad_h) and its scratch would fit."""
     monkeypatch.setattr(plan, "WORKSPACE_BYTES", 1 << 30)
     case = make_case(29, 40, 36, num_slots=3, num_slices=2, max_rank=16, device=DEVICE, seed=6)
     gen = torch.Generator().manual_seed(0)
-    for _, ours, _ in _op_calls(case, gen):
-        ours()
-    assert len(plan._PLANS) == len(_op_calls(case, gen)) and all(p.workspace is None for p in plan._PLANS.values())
+    kept = {}
+    for name, ours, _ in _op_calls(case, gen):
+        with plan.recording() as calls:
+            ours()
+        kept[name] = calls[-1][0]
+    assert len(plan._PLANS) == len(kept) and None not in kept.values()
+    for name in ("shrink", "lora_grad_h"):
+        assert kept[name].fast and plan.workspace_layout(kept[name].scratch) is not None, name
+    assert all(p.workspace is None for p in kept.values())
