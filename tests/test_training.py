@@ -3,14 +3,17 @@
 - Gradients: a batch mixing rows of three trained adapters, one adapter only served (in the batch, not
   trained) and rows with none; one backward. Each trained slot's gradients must equal PEFT's, trained
   one adapter at a time on that adapter's rows only (an independent implementation); the served slot,
-  padded rank and the base get nothing. Unfused and packed (fused q/k/v, gate/up) layers.
-- Steps: AdamW with weight decay over the stacks; after several steps everything but the trained slots
-  that had tokens (within their rank) is bit-identical, the base weights too.
+  padded rank and the base get nothing. Unfused and packed (fused q/k/v, gate/up) layers, each also with a
+  forward hook on the bases (the base's own forward, then add_lora's autograd, not lora_linear's).
+- Steps: AdamW with weight decay over every parameter of the model; after several steps every trained slot
+  that had tokens has moved in every layer (within its rank), and everything else is bit-identical, the
+  frozen base weights too.
 - Compile: model + loss compiled (fullgraph, aot_eager), backward through the compiled graph, token
   counts {2, 7, 33}: one compile, recompiles fail, gradients equal eager's.
 - Saving: adapters trained here are saved in PEFT format; PEFT loads them and reproduces our logits,
   and our loader reloads them bit for bit (a tiny Llama, and a packed model saved per projection).
-- Dropout: each slot's lora_dropout from its config, in training mode only.
+- Dropout: each slot's lora_dropout from its config, in training mode only, on the adapter's input only.
+- Fresh adapters: PEFT's scale (rsLoRA's too) and initialisation, reproducible with a generator.
 """
 import copy
 import json
@@ -99,17 +102,25 @@ def our_grad(ctx, path, slot, r):
     return layer.lora_a.grad[slot, i, :r], layer.lora_b.grad[slot, lo:hi, :r]
 
 
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain_base", "hooked_base"])
 @pytest.mark.parametrize("packed", [False, True], ids=["unfused", "packed"])
-def test_mixed_batch_grads_match_peft_per_adapter(tmp_path, packed):
+def test_mixed_batch_grads_match_peft_per_adapter(tmp_path, packed, hooked):
+    """(hooked_base: a forward hook on each base, which lora_linear's fused GEMM would skip, runs the base's own
+    forward and the delta through add_lora: that op's backward is checked against PEFT as lora_linear's is.)"""
     base = toy_lm(seed=1)
     peft_model, paths = peft_model_with(base, {**TRAINED, **SERVED}, tmp_path)
     model = fused_copy(base) if packed else copy.deepcopy(base)
     ctx = ours_with(model, paths, packed)
+    calls = []
+    if hooked:
+        for layer in ctx.layers.values():
+            layer.base.register_forward_hook(lambda module, args, out: calls.append(module))
     trainer = ctx.train_slots(list(TRAINED))
     input_ids, labels = batch(ROWS)
     ctx.set_batch([(name, SEQ) for name in ROWS])
     model.train()
     loss_of(model(input_ids), labels).backward()
+    assert len(calls) == (len(ctx.layers) if hooked else 0)     # (the hooked path did run)
 
     for name, spec in TRAINED.items():
         slot = ctx.slot_of(name)
@@ -132,14 +143,17 @@ def test_mixed_batch_grads_match_peft_per_adapter(tmp_path, packed):
 
 @pytest.mark.parametrize("batching", ["set_batch", "per_row"])
 def test_adamw_changes_only_trained_slots_with_tokens(tmp_path, batching):
-    """(per_row: the batches each layer builds from its input's rows tell the trainer which slots had tokens,
-    as set_batch's do.)"""
+    """Each trained slot moves in every layer, packed (qkv, gate/up) and not, wherever it is within its rank; the
+    rest stays bit for bit. The optimizer holds every parameter of the model, as PEFT's scripts give it
+    ``model.parameters()``: the base stays put only because train_slots froze it (no gradient), which a trainer
+    leaving it trainable would break. (per_row: the batches each layer builds from its input's rows tell the
+    trainer which slots had tokens, as set_batch's do.)"""
     base = toy_lm(seed=2)
     _, paths = peft_model_with(base, {**TRAINED, **SERVED}, tmp_path)
     model = fused_copy(base)
     ctx = ours_with(model, paths, packed=True)
     trainer = ctx.train_slots(list(TRAINED))
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # gamma trains in the first two steps only: afterwards AdamW's momentum and decay must not move it.
     steps = [ROWS, ROWS, [n for n in ROWS if n != "gamma"], [n for n in ROWS if n != "gamma"]]
@@ -157,9 +171,8 @@ def test_adamw_changes_only_trained_slots_with_tokens(tmp_path, batching):
         if i == 1:
             after_gamma = {n: p.detach().clone() for n, p in model.named_parameters()}
     moved = torch.zeros(ctx.max_loras, 8, dtype=torch.bool)
-    for name in ("alpha", "beta", "gamma"):
-        for layer in ctx.layers.values():
-            moved[ctx.slot_of(name), :layer.slot_ranks[ctx.slot_of(name)]] = True
+    for name, spec in TRAINED.items():
+        moved[ctx.slot_of(name), :spec["r"]] = True
     gamma = ctx.slot_of("gamma")
     for n, p in model.named_parameters():
         old = before[n]
@@ -167,10 +180,14 @@ def test_adamw_changes_only_trained_slots_with_tokens(tmp_path, batching):
             mask = moved[:, None, :, None] if n.endswith("lora_a") else moved[:, None, :]
             mask = mask.expand_as(p)
             assert torch.equal(p[~mask], old[~mask]), f"{n}: an untrained entry changed"
-            assert not torch.equal(p[mask], old[mask]), f"{n}: trained slots did not change"
+            # Slot by slot, every entry: one slot moving somewhere hid another restored (in the packed layers).
+            for name, spec in TRAINED.items():
+                slot, r = ctx.slot_of(name), spec["r"]
+                rows = (slot, ..., slice(r), slice(None)) if n.endswith("lora_a") else (slot, slice(None), slice(r))
+                assert (p[rows] != old[rows]).all(), f"{n}: {name} did not move everywhere within its rank"
             assert torch.equal(p[gamma], after_gamma[n][gamma]), f"{n}: gamma moved without tokens"
         else:
-            assert torch.equal(p, old), f"base parameter {n} changed"
+            assert p.grad is None and torch.equal(p, old), f"base parameter {n} changed"
     trainer.close()
 
 
@@ -219,6 +236,11 @@ def tiny_llama():
 
 
 def train_a_little(model, ctx, names, rows, vocab, steps=3):
+    """A few AdamW steps on ``rows``; every adapter of ``names`` then differs in each layer it targets, A and B
+    (else a saving test would compare the adapter loaded with itself, and pass whatever training did)."""
+    slots = [ctx.slot_of(name) for name in names]
+    before = {(path, slot): (layer.lora_a[slot].clone(), layer.lora_b[slot].clone())
+              for path, layer in ctx.layers.items() for slot in slots if layer.lora_a[slot].any()}
     trainer = ctx.train_slots(names)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=2e-2, weight_decay=0.01)
     model.train()
@@ -233,6 +255,9 @@ def train_a_little(model, ctx, names, rows, vocab, steps=3):
         optimizer.zero_grad()
     trainer.close()
     model.eval()
+    for (path, slot), (a, b) in before.items():
+        layer = ctx.layers[path]
+        assert not torch.equal(layer.lora_a[slot], a) and not torch.equal(layer.lora_b[slot], b), (path, slot)
 
 
 def assert_peft_reproduces(base, ctx, model, directory, name, input_ids):
@@ -272,6 +297,31 @@ def test_trained_llama_adapters_round_trip_through_peft(tmp_path):
         directory = save_peft_adapter(ctx, name, tmp_path / name)
         assert_peft_reproduces(base, ctx, model, directory, name, input_ids)
         assert_reload_identical(ctx, name, directory)
+
+
+def test_fresh_adapter_is_peft_initialised_and_reproducible():
+    """add_trainable_adapter as PEFT's LoraConfig: scale lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), A uniform
+    in +-1/sqrt(in_features) (nn.Linear's kaiming-uniform bound, nearly reached by this many draws), B zero; with
+    a generator the same A whatever the global seed. (The round trip through PEFT cannot tell: a wrong scale or
+    init is saved, and reloaded, as it was made.)"""
+    model = toy_lm(seed=2)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=64)
+    torch.manual_seed(0)
+    rs = training.add_trainable_adapter(ctx, "rs", r=8, lora_alpha=5, use_rslora=True,
+                                        generator=torch.Generator().manual_seed(5))
+    plain = training.add_trainable_adapter(ctx, "plain", r=4, lora_alpha=8)
+    for path, layer in ctx.layers.items():
+        assert layer.scale[rs].item() == pytest.approx(5 / 8 ** 0.5) and layer.scale[plain].item() == 2.0, path
+        bound = layer.in_features ** -0.5
+        for slot, r in ((rs, 8), (plain, 4)):
+            a = layer.lora_a[slot, :, :r].abs()
+            assert 0.9 * bound < a.max() <= bound and a.min() > 0, path
+            assert not layer.lora_b[slot].any(), path
+    torch.manual_seed(123)     # another global seed: the generator alone decides A
+    again = training.add_trainable_adapter(ctx, "rs_again", r=8, lora_alpha=5, use_rslora=True,
+                                           generator=torch.Generator().manual_seed(5))
+    for path, layer in ctx.layers.items():
+        assert torch.equal(layer.lora_a[again], layer.lora_a[rs]), path
 
 
 def test_packed_slices_saved_per_projection(tmp_path):
@@ -473,11 +523,15 @@ def test_a_batch_set_before_the_trainer_opened_counts_only_if_trained():
         model(torch.randint(0, VOCAB, (1, SEQ)))
     trainer = ctx.train_slots(["a", "b"])
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
-    b = ctx.slot_of("b")
-    before = {path: (layer.lora_a[b].clone(), layer.lora_b[b].clone()) for path, layer in ctx.layers.items()}
+    a, b = ctx.slot_of("a"), ctx.slot_of("b")
+    before = {path: [layer.lora_a[s].clone() for s in (a, b)] + [layer.lora_b[s].clone() for s in (a, b)]
+              for path, layer in ctx.layers.items()}
     _step(model, ctx, trainer, optimizer, ["a", None], seed=1)
     for path, layer in ctx.layers.items():
-        assert torch.equal(layer.lora_a[b], before[path][0]) and torch.equal(layer.lora_b[b], before[path][1])
+        a_a, b_a, a_b, b_b = before[path]
+        assert torch.equal(layer.lora_a[b], b_a) and torch.equal(layer.lora_b[b], b_b)
+        # ... while the slot the batch trained moved (a step that moved nothing would pass the above).
+        assert not torch.equal(layer.lora_a[a], a_a) and not torch.equal(layer.lora_b[a], a_b), path
     trainer.close()
 
 
@@ -516,6 +570,8 @@ def test_a_nan_in_a_served_slot_never_reaches_the_trained_ones():
         next(iter(ctx.layers.values())).lora_b[b, 0, 0] = float("nan")
     trainer = ctx.train_slots(["a"])
     optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)
+    a = ctx.slot_of("a")
+    before = {path: (layer.lora_a[a].clone(), layer.lora_b[a].clone()) for path, layer in ctx.layers.items()}
     ctx.set_batch([("a", SEQ), ("b", SEQ)])
     logits = model(torch.randint(0, VOCAB, (2, SEQ)))
     loss_of(logits[:1], torch.randint(0, VOCAB, (1, SEQ))).backward()    # b's row out of the loss: finite
@@ -523,9 +579,9 @@ def test_a_nan_in_a_served_slot_never_reaches_the_trained_ones():
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.isfinite(torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0))
     trainer.step(optimizer)
-    a = ctx.slot_of("a")
-    assert all(torch.isfinite(layer.lora_a[a]).all() and torch.isfinite(layer.lora_b[a]).all()
-               for layer in ctx.layers.values())
+    for path, layer in ctx.layers.items():     # finite, and stepped (a step restoring all is finite too)
+        assert torch.isfinite(layer.lora_a[a]).all() and torch.isfinite(layer.lora_b[a]).all(), path
+        assert not torch.equal(layer.lora_a[a], before[path][0]) and not torch.equal(layer.lora_b[a], before[path][1])
     trainer.close()
 
 
@@ -616,30 +672,40 @@ def test_an_adapter_loaded_where_a_trained_one_was_unloaded_is_not_trained():
 
 
 def test_per_slot_dropout_in_training_mode_only():
+    """Each row's adapter input dropped at its adapter's lora_dropout, in training mode only, the base's input
+    never. An adapter with p = 1 makes that exact: its adapter sees zeros, so in training mode its rows are the
+    base model's bit for bit (a dropped base input would change them), and in evaluation they are not (a dropout
+    applied in eval too would give the base model's there)."""
     model = toy_lm(seed=5)
-    ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=4, max_tokens=64)
+    plain = copy.deepcopy(model)
+    ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=4, max_tokens=64)
     gen = torch.Generator().manual_seed(8)
     training.add_trainable_adapter(ctx, "wet", r=4, lora_alpha=4, lora_dropout=0.5, generator=gen)
     training.add_trainable_adapter(ctx, "dry", r=4, lora_alpha=4, generator=gen)
+    training.add_trainable_adapter(ctx, "soaked", r=4, lora_alpha=4, lora_dropout=1.0, generator=gen)
     for layer in ctx.layers.values():     # non-zero B, so the adapters' inputs matter
         with torch.no_grad():
             layer.lora_b.normal_(generator=gen)
-    trainer = ctx.train_slots(["wet", "dry"])
-    input_ids = torch.randint(0, VOCAB, (3, SEQ), generator=gen)
-    ctx.set_batch([("wet", SEQ), ("dry", SEQ), (None, SEQ)])
+    trainer = ctx.train_slots(["wet", "dry", "soaked"])
+    input_ids = torch.randint(0, VOCAB, (4, SEQ), generator=gen)
+    ctx.set_batch([("wet", SEQ), ("dry", SEQ), (None, SEQ), ("soaked", SEQ)])
     model.eval()
     with torch.no_grad():
         clean = model(input_ids)
+        base_out = plain(input_ids)
+    assert rel_err(clean[3], base_out[3]) > 1e-2, "in evaluation, the p=1 adapter's rows saw dropout"
     model.train()
     torch.manual_seed(0)
     dropped = model(input_ids).detach()
     assert rel_err(dropped[0], clean[0]) > 1e-2, "the p=0.5 adapter's rows saw no dropout"
-    assert rel_err(dropped[1:], clean[1:]) <= 1e-6, "rows of a p=0 adapter or no adapter changed"
+    assert rel_err(dropped[1:3], clean[1:3]) <= 1e-6, "rows of a p=0 adapter or no adapter changed"
+    assert torch.equal(dropped[3], base_out[3]), "the p=1 adapter's rows are not the base model's"
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     compiled_dropped = compiled(input_ids)          # training mode: the dropout compiles too
     assert rel_err(compiled_dropped[0], clean[0]) > 1e-2
-    assert rel_err(compiled_dropped[1:], clean[1:]) <= 1e-6 and counter.frame_count == 1
+    assert rel_err(compiled_dropped[1:3], clean[1:3]) <= 1e-6 and counter.frame_count == 1
+    assert torch.equal(compiled_dropped[3], base_out[3])
     x = torch.randn(4000, 8, generator=gen)
     slots = torch.tensor([0, 1, -1, 0] * 1000, dtype=torch.int32)
     out = training.slot_dropout(x, ctx.dropout_p, slots)
