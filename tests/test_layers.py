@@ -25,6 +25,16 @@ SLICINGS = {"one_slice": None, "qkv_3_slices": {"q": 20, "k": 12, "v": 8}}
 REQUESTS = [("a", 3), (None, 2), ("b", 4), ("c", 1), (None, 0), ("a", 2)]
 
 
+# one_layer_model's adapters, (name, rank, lora_alpha), loaded into slots 0, 1, 2 in this order.
+ADAPTERS = [("a", 2, 3.0), ("b", MAX_RANK, -12.0), ("c", 5, 5.0)]
+
+
+def adapter_tensors(slicing, i, seed=0):
+    """The PEFT tensors one_layer_model loads as ADAPTERS[i]: one (lora_A, lora_B) pair per packed slice."""
+    shapes = {name: (K, n) for name, n in slicing.items()} if slicing else {"proj": (K, N)}
+    return peft_tensors(shapes, ADAPTERS[i][1], seed=i + 10 * seed)
+
+
 def one_layer_model(slicing, dtype, device, seed=0):
     """{"proj": LoRALinear} with adapters a (rank 2), b (rank MAX_RANK, negative alpha), c (rank 5);
     slot 3 stays empty."""
@@ -32,11 +42,26 @@ def one_layer_model(slicing, dtype, device, seed=0):
     model = nn.ModuleDict({"proj": nn.Linear(K, N, bias=True)}).to(dtype=dtype, device=device)
     packed = {"proj": slicing} if slicing else None
     ctx = apply_lora(model, ["proj"], max_loras=MAX_LORAS, max_rank=MAX_RANK, max_tokens=32, packed_modules=packed)
-    shapes = {name: (K, n) for name, n in slicing.items()} if slicing else {"proj": (K, N)}
-    for seed_, (name, r, alpha) in enumerate([("a", 2, 3.0), ("b", MAX_RANK, -12.0), ("c", 5, 5.0)]):
-        tensors = peft_tensors(shapes, r, seed=seed_ + 10 * seed)
-        ctx.load_adapter_tensors(name, tensors, {"r": r, "lora_alpha": alpha})
+    for i, (name, r, alpha) in enumerate(ADAPTERS):
+        ctx.load_adapter_tensors(name, adapter_tensors(slicing, i, seed), {"r": r, "lora_alpha": alpha})
     return model, ctx
+
+
+def peft_delta(slicing, x2d, names, seed=0):
+    """float64 [M, N]: token t's adapter ``names[t]`` (None: zero) as PEFT computes it from the tensors
+    one_layer_model loaded, rounded to x's dtype as the stacks hold them: lora_alpha / r * x A^T B^T, each
+    slice's pair on that slice's columns. Read from the adapters, not the layer's stacks (layer_reference
+    reads those, so a load that put a slice's A or B in the wrong place passed against it)."""
+    x64 = x2d.detach().double().cpu()
+    delta = torch.zeros(x64.shape[0], N, dtype=torch.float64)
+    for i, (name, r, alpha) in enumerate(ADAPTERS):
+        rows = torch.tensor([n == name for n in names])
+        tensors, col = adapter_tensors(slicing, i, seed), 0
+        for module, width in (slicing or {"proj": N}).items():
+            a, b = (tensors[f"base_model.model.{module}.lora_{ab}.weight"].to(x2d.dtype).double() for ab in "AB")
+            delta[rows, col:col + width] = alpha / r * (x64[rows] @ a.T) @ b.T
+            col += width
+    return delta
 
 
 def layer_reference(layer, x2d, token_slots):
@@ -50,6 +75,8 @@ def layer_reference(layer, x2d, token_slots):
 @pytest.mark.parametrize("slicing", SLICINGS.values(), ids=SLICINGS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_forward_matches_float64(backend, checked_dtype, slicing):
+    """The mixed batch against float64: the reference of the layer's stacks, and PEFT's math from the adapters'
+    own tensors (peft_delta), so a load that wrote a slice's A or B into another slice's place fails here too."""
     dtype = checked_dtype
     model, ctx = one_layer_model(slicing, dtype, backend.device)
     layer = model["proj"]
@@ -62,6 +89,10 @@ def test_forward_matches_float64(backend, checked_dtype, slicing):
     assert y.shape == (3, 4, N) and y.dtype == dtype
     y2d, base2d = y.reshape(-1, N).cpu(), base.reshape(-1, N).cpu()
     assert rel_err(y2d, layer_reference(layer, x.reshape(-1, K), slots)) <= TOLERANCE[dtype]
+    # The same against the adapters' own tensors (PEFT's math), not what the loads wrote into the stacks.
+    names = [name for name, n in REQUESTS for _ in range(n)]
+    base64 = layer_reference(layer, x.reshape(-1, K), torch.full_like(slots, -1))     # (slot -1: no delta)
+    assert rel_err(y2d, base64 + peft_delta(slicing, x.reshape(-1, K), names)) <= TOLERANCE[dtype]
     none = slots < 0
     assert torch.equal(y2d[none], base2d[none]), "rows without an adapter must be the base output, untouched"
     # The delta is material: every adapter row differs from the base output.
@@ -305,18 +336,25 @@ def test_weight_and_bias_are_read_only_on_the_wrapper():
 
 
 def test_empty_slot_and_raw_token_slots(backend):
-    """Per-token slots in any order; a slot with no adapter loaded (rank 0) leaves its rows alone."""
+    """Per-token slots in any order; a slot with no adapter (rank 0) leaves its rows alone, bit for bit, as slot
+    -1 does. The empty slot is one unload_adapter freed (its adapter's data was there), and every other slot,
+    the last one included, holds an adapter: with the last slot empty (one_layer_model's), -1 served as the
+    last slot (an index from the end) or a freed slot still serving its old adapter passed."""
     model, ctx = one_layer_model(None, torch.float32, backend.device)
+    ctx.load_adapter_tensors("d", peft_tensors({"proj": (K, N)}, 3, seed=7), {"r": 3, "lora_alpha": 4.5})
+    ctx.unload_adapter("b")
+    assert ctx.slot_names == ["a", None, "c", "d"]
     layer = model["proj"]
     x = torch.randn(10, K, device=backend.device)
-    slots = torch.tensor([3, 0, -1, 2, 3, 1, 0, 2, -1, 1])          # slot 3 is empty
+    slots = torch.tensor([3, 0, -1, 2, 3, 1, 0, 2, -1, 1])          # slot 1 is empty
     ctx.set_token_slots(slots)
     with torch.no_grad():
         y = layer(x).cpu()
         base = layer.base(x).cpu()
     assert rel_err(y, layer_reference(layer, x, slots)) <= TOLERANCE[torch.float32]
-    untouched = (slots == 3) | (slots == -1)
+    untouched = (slots == 1) | (slots == -1)
     assert torch.equal(y[untouched], base[untouched])
+    assert (y[~untouched] != base[~untouched]).any(dim=1).all(), "every loaded slot's rows take its delta"
 
 
 def dx_reference(layer, grad_y, token_slots):
@@ -349,6 +387,47 @@ def test_gradient_reaches_the_input_through_the_lora_path(backend):
     y.backward(grad_y)
     want = dx_reference(layer, grad_y.reshape(-1, N), slots)
     assert rel_err(x.grad.reshape(-1, K), want) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("route", ["no_grad", "hooked_base", "grad_enabled"])
+def test_columns_past_a_slots_rank_are_never_read(backend, route):
+    """Each slot computes at its own rank, the ``rank`` buffer, whatever its stacks hold past it. The loads
+    zero-fill those columns, so elsewhere a layer passing max_rank for every slot (the rank ignored) gives the
+    same output and passes. Filled with values here (a state dict or a hand write may leave them), on each
+    forward route (lora_linear; the base's own forward then add_lora_; autograd's op, and its dx): against
+    float64 at each slot's rank, and the empty slot (rank 0, values in all its columns) and slot -1 keep the
+    base output bit for bit."""
+    dev = backend.device
+    model, ctx = one_layer_model(SLICINGS["qkv_3_slices"], torch.float32, dev)
+    layer = model["proj"]
+    gen = torch.Generator().manual_seed(3)
+    past = torch.arange(MAX_RANK, device=dev) >= layer.rank[:, None]           # [L, R]: columns past each rank
+    assert past.any(dim=1).tolist() == [True, False, True, True]               # (b is at MAX_RANK)
+    with torch.no_grad():
+        for stack, mask in ((layer.lora_a, past[:, None, :, None]), (layer.lora_b, past[:, None, :])):
+            stack.copy_(torch.where(mask, torch.randn(stack.shape, generator=gen).to(dev), stack))
+    slots = torch.tensor([3, 0, -1, 2, 3, 1, 0, 2, -1, 1, 0, 2])
+    ctx.set_token_slots(slots)
+    x = torch.randn(12, K, device=dev)
+    if route == "grad_enabled":
+        x.requires_grad_(True)
+        y = layer(x)
+        grad_y = torch.randn(12, N, device=dev)
+        y.backward(grad_y)
+        # (dx_reference reads each slot's A and B up to its rank only)
+        assert rel_err(x.grad, dx_reference(layer, grad_y, slots)) <= TOLERANCE[torch.float32]
+    else:
+        seen = []
+        handle = layer.base.register_forward_hook(lambda *args: seen.append(1)) if route == "hooked_base" else None
+        with torch.no_grad():
+            y = layer(x)
+        if handle is not None:
+            handle.remove()
+            assert seen == [1], "the base layer's own forward must run"
+    y, base = y.detach().cpu(), layer.base(x).detach().cpu()
+    assert rel_err(y, layer_reference(layer, x, slots)) <= TOLERANCE[torch.float32]
+    untouched = (slots == 3) | (slots == -1)
+    assert torch.equal(y[untouched], base[untouched])
 
 
 def test_set_batch_is_request_major_and_in_place():
@@ -589,8 +668,8 @@ def test_per_row_under_torch_compile_takes_flattened_tokens_after_their_rows():
         return layers["proj"](x[:, :-1].reshape(-1, K))
     torch._dynamo.reset()
     with pytest.raises((ValueError, RuntimeError), match=r"the flattened tokens of the last such input, or one "
-                                                         r"token a row of it \[rows, features\] \(a view: input\[:, i\]\), "
-                                                         r"got shape \(8, 24\)"):
+                                                         r"token a row of it \[rows, features\] "
+                                                         r"\(a view: input\[:, i\]\), got shape \(8, 24\)"):
         with torch.no_grad(), ctx.per_row(["a", "b"]):
             torch.compile(mismatched, backend="aot_eager", fullgraph=True)(torch.randn(2, 5, K))
     torch._dynamo.reset()
