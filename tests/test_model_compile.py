@@ -6,7 +6,10 @@ compiles and runs under ``error_on_recompile``. A batch of one token: ``mark_unb
 every size, for models that do not branch on the size) or padding to two tokens (any model).
 
 Compiled results are compared with the same model run eagerly (same kernels, so equal within float32
-roundoff); eager values are checked against PEFT and float64 elsewhere (test_peft_parity, test_layers).
+roundoff); eager values are checked against PEFT and float64 elsewhere (test_peft_parity, test_layers). The eager
+run shares the compiled run's stacks and batch, so where adapters change (loads, swaps, unloads) or a batch is
+built in the graph past what set_batch can serve, the toy LM's logits are checked against float64 too: the base
+weights merged with each token's adapter as PEFT computes it from the tensors loaded (:func:`float64_logits`).
 
 The CUDA tests (skipped without a GPU) capture a model step with torch.cuda.graph, replay it with new
 slots and after an in-place adapter swap, run torch.compile(mode="reduce-overhead"), and check that a
@@ -14,16 +17,18 @@ step (metadata refill + replay) makes no host sync under torch.cuda.set_sync_deb
 """
 import contextlib
 import io
+import math
 
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from conftest import fill_setting, rel_err
-from layer_helpers import PACKED, PROJECTIONS, fused_copy, module_shapes, peft_tensors, toy_lm
+from conftest import TOLERANCE, fill_setting, rel_err
+from layer_helpers import PACKED, PROJECTIONS, VOCAB, fused_copy, linear_paths, module_shapes, peft_tensors, toy_lm
 from lora_ops.layers import apply_lora
 
 EXACT = 1e-6   # compiled vs eager, same kernels: float32 roundoff at most
+FLOAT64 = TOLERANCE[torch.float32]     # float32 logits against the float64 reference
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -36,6 +41,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+# toy_model's adapters: name -> (rank, seed, PEFT scale): a alpha / r = 8 / 4, b rsLoRA alpha / sqrt(r) = 4 / sqrt(8)
+TOY_ADAPTERS = {"a": (4, 1, 2.0), "b": (8, 2, 4 / math.sqrt(8))}
+
+
 def toy_model(device="cpu", max_tokens=64, stack_a=False):
     """The fused toy LM (packed q/k/v and gate/up slices plus plain layers) with adapters a and b."""
     model = fused_copy(toy_lm(seed=5)).to(device)
@@ -45,6 +54,39 @@ def toy_model(device="cpu", max_tokens=64, stack_a=False):
     ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1), {"r": 4, "lora_alpha": 8})
     ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2), {"r": 8, "lora_alpha": 4, "use_rslora": True})
     return model, ctx, shapes
+
+
+def toy_adapters(shapes):
+    """{name: (PEFT tensors, scale)} of toy_model's adapters, for :func:`float64_logits`."""
+    return {name: (peft_tensors(shapes, r, seed=seed), scale) for name, (r, seed, scale) in TOY_ADAPTERS.items()}
+
+
+def float64_logits(ids, names, adapters):
+    """float64 logits of toy_model's LM for ``ids`` [..., T], token i (row-major) through the unfused base with
+    ``adapters[names[i]]`` = (PEFT tensors, scale) merged in (W + scale B A; None: the base): independent of the
+    layers' stacks, slots and batch (the toy computes every token on its own)."""
+    flat = ids.reshape(-1).cpu()
+    out = torch.empty(flat.shape[0], VOCAB, dtype=torch.float64)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):     # (toy_lm seeds the global generator)
+        for name in set(names):
+            model = toy_lm(seed=5).double()
+            if name is not None:
+                tensors, scale = adapters[name]
+                for path, layer in linear_paths(model).items():
+                    a, b = (tensors[f"base_model.model.{path}.lora_{f}.weight"].double() for f in "AB")
+                    layer.weight += scale * b @ a
+            mine = torch.tensor([n == name for n in names])
+            out[mine] = model(flat[mine])
+    return out.view(*ids.shape, VOCAB)
+
+
+def token_err(out, ids, names, adapters):
+    """The largest relative error of one token's logits against :func:`float64_logits` (token by token: the
+    adapters scale the toy's logits from ~1 to ~1e5, so an error over the whole output hid wrong tokens of the
+    smaller ones, those of no adapter among them)."""
+    ref = float64_logits(ids, names, adapters).view(-1, VOCAB)
+    out = out.detach().double().cpu().reshape(-1, VOCAB)
+    return ((out - ref).norm(dim=1) / ref.norm(dim=1)).max().item()    # (a NaN fails the <=)
 
 
 @contextlib.contextmanager
@@ -67,26 +109,41 @@ def check_step(compiled, model, ids):
 
 
 def test_one_compile_serves_token_counts_slots_and_adapter_changes():
+    """Each step also against float64 from the adapters' own tensors, token by token: the eager run reads the
+    same stacks, so a swap (replace=True) that left the old adapter's factors or scale in its slot passed against
+    it. The last count is max_tokens (the capacity) itself: every earlier count was at most 37, and a guard on
+    the count above that (a graph for 41 tokens and more) passed."""
     model, ctx, shapes = toy_model()
+    adapters = toy_adapters(shapes)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
+
+    def load(name, rank, seed, replace=False):      # (no config: lora_alpha = r, scale 1)
+        adapters[name] = (peft_tensors(shapes, rank, seed=seed), 1.0)
+        ctx.load_adapter_tensors(name, adapters[name][0], replace=replace)
     steps = [
         (None, [("a", 1), ("b", 1)]),                                   # 2 tokens: the smallest dynamic size
         (None, [("b", 3), (None, 2), ("a", 4)]),
-        (lambda: ctx.load_adapter_tensors("c", peft_tensors(shapes, 2, seed=3)), [("c", 5), ("a", 2)]),
+        (lambda: load("c", 2, seed=3), [("c", 5), ("a", 2)]),
         (lambda: ctx.unload_adapter("a"), [(None, 3), ("c", 1), ("b", 6)]),
-        (lambda: ctx.load_adapter_tensors("b", peft_tensors(shapes, 6, seed=4), replace=True), [("b", 13)]),
-        (lambda: ctx.load_adapter_tensors("a", peft_tensors(shapes, 8, seed=5)), [("a", 2), ("b", 2), ("c", 2)]),
-        (None, [(None, 37)]),
+        (lambda: load("b", 6, seed=4, replace=True), [("b", 13)]),     # (b's rank and scale change too)
+        (lambda: load("a", 8, seed=5), [("a", 2), ("b", 2), ("c", 2)]),
+        (None, [("c", 40), (None, 20), ("a", 4)]),                     # max_tokens
     ]
     with no_recompiles():
         for i, (change, requests) in enumerate(steps):
             if change:
                 change()
             num_tokens = ctx.set_batch(requests)
-            check_step(compiled, model, token_ids(num_tokens, seed=i))
-        ctx.set_token_slots(torch.tensor([2, -1, 0, 1, 2, 0, -1]))           # raw per-token slots
-        check_step(compiled, model, token_ids(7, seed=99))
+            ids = token_ids(num_tokens, seed=i)
+            out = check_step(compiled, model, ids)
+            names = [name for name, n in requests for _ in range(n)]
+            assert token_err(out, ids, names, adapters) <= FLOAT64, requests
+        slots = [2, -1, 0, 1, 2, 0, -1]                                  # raw per-token slots
+        ctx.set_token_slots(torch.tensor(slots))
+        ids = token_ids(7, seed=99)
+        out = check_step(compiled, model, ids)
+        assert token_err(out, ids, [ctx.slot_names[s] if s >= 0 else None for s in slots], adapters) <= FLOAT64
     assert counter.frame_count == 1
 
 
@@ -98,8 +155,11 @@ def test_per_row_inside_a_compiled_model(device, backend, stack_a):
     graph from its input's rows. One graph serves prefills of other lengths and row counts (beams: rows
     repeated), other numbers of adapters and other adapters in the rows; a one-token decode step specialises
     once. Logits equal eager
-    set_batch's with the same requests; gradients of a compiled training forward too."""
-    model, ctx, _ = toy_model(device, stack_a=stack_a)
+    set_batch's with the same requests; gradients of a compiled training forward too. A prefill past max_tokens
+    (its batch built in the graph with no capacity, as eager per_row builds one of its own size; set_batch
+    cannot serve it) against float64, in the same graph. With stack_a the graphs trace lora_linear_stacked
+    (a compiled stacked layer that fell back to lora_linear gave the same values within roundoff)."""
+    model, ctx, shapes = toy_model(device, stack_a=stack_a)
     tol = EXACT if backend == "aot_eager" else 1e-5     # (Inductor fuses the model's own ops: float32 roundoff)
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter, fullgraph=True)
@@ -127,6 +187,19 @@ def test_per_row_inside_a_compiled_model(device, backend, stack_a):
     with no_recompiles():
         step(["b", "a", "a"], (6, 1), 4)
     assert counter.frame_count == 2
+    rows = ["b", None, "a"]
+    ids = torch.randint(0, 64, (3, 30), generator=torch.Generator().manual_seed(8)).to(device)
+    for dim in (0, 1):
+        torch._dynamo.mark_dynamic(ids, dim)
+    with torch.no_grad(), ctx.per_row(rows):    # 90 tokens, max_tokens 64: row a's tokens 4-29 past the capacity
+        got = compiled(ids)
+    assert token_err(got, ids, [n for n in rows for _ in range(30)], toy_adapters(shapes)) <= FLOAT64
+    # (The same graph, unless a stacked layer serves fewer tokens: a GPU's tuned table may set its limit under 90.)
+    stacked = [layer.stacked_max_tokens for layer in ctx.layers.values() if layer._stacked is not None]
+    assert counter.frame_count == (2 if all(limit >= 90 for limit in stacked) else 3)
+    assert bool(stacked) == stack_a or device != "cpu"      # (no tuned table on the CPU: the toy's gate_up stacks)
+    traced = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes}
+    assert "lora_ops.lora_linear" in traced and ("lora_ops.lora_linear_stacked" in traced) == bool(stacked), traced
 
     trainer = ctx.train_slots(["a", "b"])
     ids = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(9)).to(device)
@@ -237,6 +310,8 @@ def test_batch_of_one_token_padded_to_two():
 
 
 def test_llama_token_dim_dynamic_and_adapter_changes():
+    """As the toy's test, on a Hugging Face Llama. The swap's step must also differ from b's logits before it on
+    the same tokens (the eager run reads the same stacks: a swap that kept the old adapter passed against it)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -251,7 +326,9 @@ def test_llama_token_dim_dynamic_and_adapter_changes():
     def step(requests, seed):
         num_tokens = ctx.set_batch(requests)
         ids = token_ids(num_tokens, seed, vocab=128)
-        assert rel_err(compiled(ids), model(input_ids=ids).logits) <= EXACT
+        out = compiled(ids)
+        assert rel_err(out, model(input_ids=ids).logits) <= EXACT
+        return out
 
     with no_recompiles():
         step([("a", 2)], 0)
@@ -259,8 +336,10 @@ def test_llama_token_dim_dynamic_and_adapter_changes():
         ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2, prefix=""))
         step([("b", 5), ("a", 1), (None, 6)], 2)
         ctx.unload_adapter("a")
+        ctx.set_batch([("b", 9)])
+        before = model(input_ids=token_ids(9, 3, vocab=128)).logits
         ctx.load_adapter_tensors("b", peft_tensors(shapes, 2, seed=3, prefix=""), replace=True)
-        step([("b", 9)], 3)
+        assert rel_err(step([("b", 9)], 3), before) > 1e-3
         # One token, padded to two (pad last: under the causal mask the real token never sees it).
         ctx.set_batch([("b", 1)])
         alone = model(input_ids=torch.tensor([[7]])).logits
@@ -443,7 +522,9 @@ def test_layers_inside_builtin_modules_compile_once_across_token_counts(stack_a)
     the token count stays dynamic. The layers read the batch's token count through the model's attributes,
     to which Dynamo gives static shapes under a built-in module: a graph per token count, past the recompile
     limit (fullgraph: a hard failure at the ninth), and an input marked dynamic was refused. Now one graph, as
-    for the model without LoRA; per_row's adapters a row likewise (one graph for every row count)."""
+    for the model without LoRA; per_row's adapters a row likewise (one graph for every row count). With stack_a
+    every layer's graph call is lora_linear_stacked (each stacks: a fallback to lora_linear gave the same
+    values)."""
     model, ctx = encoder_with_lora(stack_a)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
@@ -455,6 +536,8 @@ def test_layers_inside_builtin_modules_compile_once_across_token_counts(stack_a)
             out = compiled(x)
             assert rel_err(out, model(x)) <= EXACT
     assert counter.frame_count == 1
+    traced = {str(node.target) for node in counter.graphs[0].graph.nodes if "lora_ops" in str(node.target)}
+    assert traced == {"lora_ops.lora_linear_stacked" if stack_a else "lora_ops.lora_linear"}, traced
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counter, fullgraph=True)
