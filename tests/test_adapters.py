@@ -233,15 +233,24 @@ def test_pickle_with_code_is_refused(tmp_path):
 # ---- unload, swap, in-place writes ---------------------------------------------------------------------
 
 def test_unload_frees_the_slot_and_zeroes_it():
+    """The freed slot is as one never loaded: factors zero, rank (device and host) and scale 0, and none of the
+    context's per-slot records (the config save_peft_adapter and training read, the folded and fused layers);
+    the other slot untouched, byte for byte."""
     model, ctx = lora_model()
     shapes = module_shapes(model)
-    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1))
+    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1), {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1})
     ctx.load_adapter_tensors("b", peft_tensors(shapes, 4, seed=2))
+    kept = slot_state(ctx)
     ctx.unload_adapter("a")
     assert ctx.adapters == {"b": 1}
     for layer in ctx.layers.values():
         assert layer.slot_ranks[0] == 0 and layer.rank[0] == 0 and layer.scale[0] == 0
         assert not layer.lora_a[0].any() and not layer.lora_b[0].any() and layer.lora_a[1].any()
+    for record in ("adapter_configs", "adapter_folded_layers", "adapter_fused_sources"):
+        assert 0 not in getattr(ctx, record) and getattr(ctx, record)[1] == kept[record][1], record
+    for key, old in kept.items():
+        if isinstance(old, torch.Tensor) and old.dim():
+            assert torch.equal(old[1], slot_state(ctx)[key][1]), key
     assert ctx.load_adapter_tensors("c", peft_tensors(shapes, 2, seed=3)) == 0, "the freed slot is reused"
     with pytest.raises(ValueError, match=r"adapter 'a' is not loaded \(loaded: 'c', 'b'\)"):
         ctx.unload_adapter("a")
@@ -583,16 +592,26 @@ def test_replace_with_views_of_the_adapters_own_slot_changes_nothing():
     assert_loaded(ctx, slot, tensors, 2.0)
 
 
-def test_a_factor_that_overflows_the_layers_dtype_is_refused():
+@pytest.mark.parametrize("replace", [False, True], ids=["new_slot", "replace"])
+@pytest.mark.parametrize("factor", ["lora_A", "lora_B"])
+@pytest.mark.parametrize("which", [0, -1], ids=["first_module", "last_module"])
+def test_a_factor_that_overflows_the_layers_dtype_is_refused(which, factor, replace):
     """Finite in its file (float32) but past float16's range in a float16 model: refused before any write, as a
-    NaN is (it would have turned that adapter's outputs to inf)."""
+    NaN is (it would have turned that adapter's outputs to inf). In either factor, and in the last module
+    written too: the cast is checked after the shape checks (the layer's dtype), and a check made layer by
+    layer as each is written passed with the first module bad (nothing written before it) while the last
+    one's left every other layer holding the new factors; replacing, under the old adapter's name."""
     model = toy_lm(dtype=torch.float16)
     ctx = apply_lora(model, PROJECTIONS, max_loras=2, max_rank=MAX_RANK, max_tokens=16)
     ctx.load_adapter_tensors("kept", _tensors(model, seed=1), lora_config(4, 8))
     before = slot_state(ctx)
-    tensors = _edit(_tensors(model), "lora_B.weight", lambda b: b.float().index_fill(0, torch.tensor([2]), 1e5))
-    with pytest.raises(AdapterError, match=f"'{Q0}': lora_B does not fit the layer's dtype torch.float16"):
-        ctx.load_adapter_tensors("new", tensors, lora_config(4, 8))
+    path = list(ctx.layers)[which]
+    tensors = dict(_tensors(model))
+    key = f"base_model.model.{path}.{factor}.weight"
+    tensors[key] = tensors[key].float().index_fill(0, torch.tensor([2]), 1e5)
+    with pytest.raises(AdapterError, match=f"'{re.escape(path)}': {factor} does not fit the layer's dtype "
+                                           f"torch.float16"):
+        ctx.load_adapter_tensors("kept" if replace else "new", tensors, lora_config(4, 8), replace=replace)
     assert_state_unchanged(before, ctx)
 
 

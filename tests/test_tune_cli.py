@@ -60,6 +60,71 @@ def test_dry_run_table_merge_and_skip_tuned(tmp_path):
         tune.main(DRY + ["--skip-tuned", "--out", out])
 
 
+CUDA = torch.device("cuda", 0)   # (lookups on a pretend GPU: configs._gpu answers; nothing runs there)
+
+
+def test_the_written_table_is_the_one_lookups_serve(tmp_path, monkeypatch, capsys, pretend_gpu_tables):
+    """Every entry the tuner writes is found by the library's own lookups for the shape it tuned: the file is
+    named for the GPU as configs.load_table looks it up, and each entry's key fields (kind, features,
+    out_features, in_features, slices, rank, tokens, rows) are the ones configs' lookups match. A table that
+    loads (``load_table(...) == table``) can still serve nothing: a shrink entry with features and out_features
+    swapped, or an expand entry keyed by the input width, is too far from every shape (MAX_DISTANCE) and the
+    heuristic serves instead, silently; a field off by less is still the nearest of this one layer's entries,
+    so the key fields are checked as well. Each config is first replaced by a marker (num_stages 7 + its index, a
+    one-launch entry's null too) so that a lookup that fell back to the heuristic cannot pass by equalling it,
+    and the 1- and 16-token entries are told apart. The "stack_limit" kind is timed inside the table this run
+    writes (its pair and stack_pad entries), as stack_a will run with it."""
+    from lora_ops import launch
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 16)   # a "store" entry at 16 tokens
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    pretend_gpu_tables({}, ("dry-run", (9, 0), 132))     # a dry run's GPU name, as the lookups see this process's
+    monkeypatch.setenv(configs.TUNED_DIR_ENV, str(configs.TUNED_DIR))   # the tuner's default --out goes there
+    seen = []
+    real_times = tuning.layer_path_times
+
+    def layer_path_times(*args):
+        seen.append(configs.load_table("dry-run"))
+        return real_times(*args)
+    monkeypatch.setattr(tuning, "layer_path_times", layer_path_times)
+    table = tune.main(DRY + ["--tokens", "1", "16"])
+    written = re.search(r"wrote \d+ entries to (\S+?)(;|$)", capsys.readouterr().out, re.M).group(1)
+    assert written == str(configs.table_path("dry-run", configs.TUNED_DIR))
+    assert sorted({e["kind"] for e in table["entries"]}) == sorted(KINDS + ("stack_pad", "stack_limit", "store"))
+    assert [[(e["kind"], e["tokens"]) for e in t["entries"]] for t in seen] == \
+        [[(e["kind"], e["tokens"]) for e in table["entries"] if e["kind"] != "stack_limit"]]
+    for i, e in enumerate(table["entries"]):
+        if e["kind"] in MAKE:
+            e["config"] = dict(e["config"] or heuristics.FusedConfig(16, 32, 16, 16, 4, 1)._asdict(), num_stages=7 + i)
+    with open(written, "w") as f:
+        json.dump(table, f)
+    configs.reset()
+    K, N, S, r, L = 80, 32, 1, 8, 4     # tiny's down layer, at DRY's rank and the default 4 slots
+    lookups = {
+        "shrink": lambda m: configs.shrink_config(m, K, S, r, L, CUDA, torch.bfloat16, out_features=N),
+        "expand": lambda m: configs.expand_config(m, N, S, r, L, CUDA, torch.bfloat16),
+        "fused": lambda m: configs.fused_config(m, K, N, S, r, L, CUDA, torch.bfloat16),
+        "stacked": lambda m: configs.stacked_config(m, N, S, r, L, K, CUDA, torch.bfloat16),
+        "store": lambda m: configs.store_config(m, N, S, r, L, K, CUDA, torch.bfloat16),
+    }
+    # The key fields themselves: a lookup takes the nearest entry, and of one layer's entries an expand keyed by
+    # its input width (80 for 32) is still the nearest, though another layer's would win in a model's table.
+    stack_key = dict(features=N, in_features=K, rows=L * S * r)
+    keys = {"shrink": dict(features=K, out_features=N), "expand": dict(features=N),
+            "fused": dict(features=K, out_features=N), "stacked": dict(features=N, in_features=K),
+            "store": dict(features=N, in_features=K), "stack_pad": stack_key, "stack_limit": stack_key}
+    for e in table["entries"]:
+        what = (e["kind"], e["tokens"])
+        want = dict(keys[e["kind"]], slices=S, rank=r)
+        assert {k: e.get(k) for k in want} == want, what
+        if e["kind"] == "stack_limit":
+            assert configs.stack_limit_tokens(N, K, L * S * r, CUDA, torch.bfloat16) == \
+                (e["max_tokens"], max(e["buckets"])), what
+        elif e["kind"] == "stack_pad":
+            assert configs.stack_pad_at(e["tokens"], N, K, L * S * r, CUDA, torch.bfloat16) is not None, what
+        else:
+            assert lookups[e["kind"]](e["tokens"]) == MAKE[e["kind"]](**e["config"]), what
+
+
 def test_dry_run_merge_retunes_entries_in_place(tmp_path):
     """--merge without --skip-tuned: a retuned shape's entries take their old places (the table's diff is
     what changed, not a reshuffle), and a shape new to the table follows them."""
@@ -150,6 +215,56 @@ def test_dry_run_min_gain_keeps_the_table_unless_the_new_path_wins(tmp_path, mon
             assert e["config"] == resolved[e["kind"]]
     with pytest.raises(SystemExit, match="needs --merge"):
         tune.main(DRY + ["--min-gain", "0.02", "--out", out])
+
+
+@pytest.mark.parametrize("new_us, kept", [(9.0, "new"), (11.0, "table")])
+def test_min_gain_compares_with_the_configs_the_table_gives(monkeypatch, new_us, kept):
+    """against_table times the new entries against the configs the library resolves from the table at --out
+    (tune._lookups_from: read as this GPU's), and where they lose keeps those: the table's own entries here,
+    which the heuristic does not equal; where they win, the search's configs (the test above checks only their
+    "kept" label where they win: entries labelled "new" that held the table's configs passed it). The dry runs above cannot tell: on the CPU every lookup is the
+    heuristic's, so a comparison with the heuristic instead of the table passed them. A pretend GPU here
+    (configs._gpu, sm_90 with 132 SMs, so that without the table the shipped H200 table would serve)."""
+    job, args = ("tiny", "down", 80, (32,), 8, 16), tune.parse_args(DRY + ["--merge", "--min-gain", "0.02"])
+    key = dict(model="tiny", layer="down", slices=1, rank=8, tokens=16)
+    theirs = {"shrink": heuristics.ShrinkConfig(16, 16, 16, 1, 2, 5),
+              "expand": heuristics.ExpandConfig(16, 32, 16, 2, 5),
+              "fused": heuristics.FusedConfig(16, 32, 16, 16, 2, 5)}
+    table = dict(gpu="Pretend GPU", entries=[
+        dict(kind="shrink", features=80, out_features=32, **key, config=theirs["shrink"]._asdict()),
+        dict(kind="expand", features=32, **key, config=theirs["expand"]._asdict()),
+        dict(kind="fused", features=80, out_features=32, **key, config=theirs["fused"]._asdict())])
+    ours = [dict(e, config=None if e["kind"] == "fused" else dict(e["config"], num_stages=6))
+            for e in table["entries"]]
+    monkeypatch.setattr(configs, "_gpu", lambda index: ("Pretend GPU", (9, 0), 132))
+    monkeypatch.setattr(tuning, "times_us", lambda fn_lists, device: {"table": 10.0, "new": new_us})
+    problems = tuning.problem_copies(torch.device("cpu"), torch.bfloat16, 80, [32], 8, args.slots, 16)
+    try:
+        got = tune.against_table("pair", job, ours, problems, table, "Pretend GPU", args, CUDA, torch.bfloat16)
+    finally:
+        configs.reset()
+    assert [e["kept"] for e in got] == [kept] * 3
+    want = {e["kind"]: e["config"] for e in (ours if kept == "new" else table["entries"])}
+    assert {e["kind"]: e["config"] for e in got} == want
+
+
+def test_dry_run_time_budget_stops_between_shapes_smallest_bucket_first(tmp_path, monkeypatch, capsys):
+    """--time-budget: checked before each shape, the shapes in order of token bucket (decode first, where
+    configs matter most), whatever order --tokens gives; the table is written with the shapes tuned so far.
+    A clock that moves 100 s each time a shape's problems are made, against a budget of 50 s: one shape."""
+    clock = [0.0]
+    real_copies = tuning.problem_copies
+
+    def problem_copies(*a, **k):
+        clock[0] += 100.0
+        return real_copies(*a, **k)
+    monkeypatch.setattr(tuning, "problem_copies", problem_copies)
+    monkeypatch.setattr(tune, "time", type("Clock", (), {"time": staticmethod(lambda: clock[0])}))
+    table = tune.main(DRY + ["--tokens", "16", "1", "--kinds", "pair", "--time-budget", "50",
+                             "--out", str(tmp_path / "t.json")])
+    assert "time budget reached after 1 of 2 shapes" in capsys.readouterr().err
+    assert shapes(table) == [(kind, "down", 8, 1) for kind in ("expand", "fused", "shrink")]
+    assert json.load(open(tmp_path / "t.json"))["entries"] == table["entries"]
 
 
 @pytest.mark.parametrize("times, pads", [
