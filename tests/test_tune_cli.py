@@ -222,8 +222,9 @@ def test_min_gain_compares_with_the_configs_the_table_gives(monkeypatch, new_us,
     """against_table times the new entries against the configs the library resolves from the table at --out
     (tune._lookups_from: read as this GPU's), and where they lose keeps those: the table's own entries here,
     which the heuristic does not equal; where they win, the search's configs (the test above checks only their
-    "kept" label where they win: entries labelled "new" that held the table's configs passed it). The dry runs above cannot tell: on the CPU every lookup is the
-    heuristic's, so a comparison with the heuristic instead of the table passed them. A pretend GPU here
+    "kept" label where they win: entries labelled "new" that held the table's configs passed it). The dry runs
+    above cannot tell: on the CPU every lookup is the heuristic's, so a comparison with the heuristic instead of
+    the table passed them. A pretend GPU here
     (configs._gpu, sm_90 with 132 SMs, so that without the table the shipped H200 table would serve)."""
     job, args = ("tiny", "down", 80, (32,), 8, 16), tune.parse_args(DRY + ["--merge", "--min-gain", "0.02"])
     key = dict(model="tiny", layer="down", slices=1, rank=8, tokens=16)
