@@ -139,8 +139,80 @@ def test_a_replaced_parameter_takes_the_op_path_and_binds_again(triton_kernels):
     new_b = torch.randn(layer.lora_b.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     n, out = replays_after(layer, x, lambda: setattr(layer, "lora_b", nn.Parameter(new_b, requires_grad=False)))
     assert n == 0 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
-    n, _ = replays_after(layer, x, lambda: None)
-    assert n == 1
+    n, out = replays_after(layer, x, lambda: None)
+    assert n == 1 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def _replace(layer, name, seed):
+    """A new object for ``name`` (the base's weight or bias, an adapter Parameter, the scale or rank buffer, the
+    context and so its metadata buffers), same shape, other values."""
+    gen = torch.Generator().manual_seed(seed)
+    if name in ("weight", "bias"):
+        old = getattr(layer.base, name)
+        setattr(layer.base, name, nn.Parameter(torch.randn(old.shape, generator=gen).to(DEVICE), requires_grad=False))
+    elif name in ("lora_a", "lora_b"):
+        new = torch.randn(getattr(layer, name).shape, generator=gen) * 0.5
+        setattr(layer, name, nn.Parameter(new.to(DEVICE), requires_grad=False))
+    elif name == "context":
+        layer.context = LoRAContext(L, 64, device=DEVICE)
+        set_slots(layer, 10, seed)
+    elif name == "scale":
+        layer.scale = torch.tensor([2.0, -1.0, 0.25], device=DEVICE)
+    else:
+        layer.rank = torch.tensor([4, 2, 0], dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["weight", "bias", "lora_a", "scale", "rank", "context"])
+def test_every_replaced_tensor_takes_the_op_path_and_binds_again(triton_kernels, name):
+    """Each tensor the bound call was bound to, replaced by a new object of the same shape and other values:
+    the next call takes the op's path (a replay of the old binding is stale; the identity guards), with the
+    new values, and the call after it replays its new binding with them too (lora_b: the test above)."""
+    layer = make_layer(3, bias=True)
+    x = fresh_input(10, 0)
+    n, out = replays_after(layer, x, lambda: _replace(layer, name, 7))
+    assert n == 0 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    n, out = replays_after(layer, x, lambda: None)
+    assert n == 1 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def test_new_slice_widths_take_the_op_path(triton_kernels):
+    """The slice widths are baked into the plan (its key holds them; a replay passes none): other widths of the
+    same count and sum must not replay the old plan, whose slices would pair lora_a's rows with the old
+    columns of lora_b."""
+    layer = make_layer(3)
+    x = fresh_input(10, 0)
+    n, out = replays_after(layer, x, lambda: setattr(layer, "slice_widths", (8, 24, 16)))
+    assert n == 0 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, reference_at(layer, x, WIDTHS)) > 0.01       # (the widths change the output)
+    n, out = replays_after(layer, x, lambda: None)
+    assert n == 1 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+
+
+def reference_at(layer, x, widths):
+    kept = layer.slice_widths
+    layer.slice_widths = widths
+    try:
+        return reference(layer, x)
+    finally:
+        layer.slice_widths = kept
+
+
+def test_an_input_of_other_strides_or_dtype_does_not_replay_anothers_plan(triton_kernels):
+    """The input's strides and dtype are in the bound call's key: an input of the bound shape laid out
+    column-major must not replay the row-major plan (its kernels index x by the strides they were built for);
+    it binds a call of its own, each right on the next calls. A float16 input reaches the op's dtype check."""
+    layer = make_layer(3)
+    rows = fresh_input(10, 0)
+    call(layer, rows)
+    for seed in (1, 2):
+        cols = fresh_input(10, seed).t().contiguous().t()        # [10, K], strides (1, 10)
+        before = layer._eager.replays
+        out = call(layer, cols)
+        assert layer._eager.replays == before + (seed - 1), seed
+        assert rel_err(out, reference(layer, cols)) <= TOLERANCE[torch.float32], seed
+    assert len(layer._eager._calls) == 2
+    with pytest.raises(TypeError, match=re.escape("weight: expected dtype torch.float16 (the dtype of x)")):
+        call(layer, rows.half())
 
 
 @pytest.mark.parametrize("name,swap,message", [
@@ -302,11 +374,18 @@ def test_training_calls_replay_with_the_ops_output_and_gradients(triton_kernels,
     assert len(layer._eager._calls) == 2
 
 
-def test_a_scale_that_requires_grad_takes_the_op_path(triton_kernels):
+OP_PATHS = {"plain": (make_layer, reference, "lora_linear"),     # (the delta: a base with its own forward)
+            "forward_hook": (lambda seed: hooked_layer(seed, "forward_hook"), lambda *a: hooked_reference(*a),
+                             "add_lora")}
+
+
+@pytest.mark.parametrize("kind", list(OP_PATHS))
+def test_a_scale_that_requires_grad_takes_the_op_path(triton_kernels, kind):
     """The bound training Functions take only the op's differentiable tensors; a scale that requires grad is an
     input of the op's Function (its output then requires grad, though the op gives scale no gradient), so
     such a call takes the op's path, whose output is the same."""
-    layer = trainable(make_layer(9))
+    make, expected, op = OP_PATHS[kind]
+    layer = trainable(make(9))
     x = fresh_input(10, 0)
     train_step(layer, x, torch.ones(10, N, device=DEVICE))     # binds
     layer.lora_a.requires_grad_(False)
@@ -315,8 +394,8 @@ def test_a_scale_that_requires_grad_takes_the_op_path(triton_kernels):
     replays = layer._eager.replays
     out = layer(x)
     assert layer._eager.replays == replays and out.requires_grad
-    assert type(out.grad_fn).__name__ == "Eager_lora_ops_lora_linearBackward"
-    assert rel_err(out.detach(), reference(layer, x)) <= TOLERANCE[torch.float32]
+    assert type(out.grad_fn).__name__ == f"Eager_lora_ops_{op}Backward"
+    assert rel_err(out.detach(), expected(layer, x)) <= TOLERANCE[torch.float32]
 
 
 def assert_training_replays(layer, bound_backward, op_backward, expected):
@@ -355,16 +434,70 @@ def _training_replays(layer, bound_backward, op_backward, expected):
             assert rel_err(got[0], expected(layer, x)) <= TOLERANCE[torch.float32]
 
 
+def test_forward_mode_ad_takes_the_op_path(triton_kernels):
+    """A bound plain call replays no tangent: under forward-mode AD the call takes the op's path (ops.FORWARD_AD),
+    whose output carries the tangent, the layer's linear map of the input's tangent."""
+    from torch.autograd import forward_ad
+    layer = make_layer(18, bias=True)
+    x, tangent = fresh_input(10, 0), fresh_input(10, 1)
+    call(layer, x)
+    call(layer, x)
+    assert layer._eager.replays == 1
+    with torch.no_grad(), forward_ad.dual_level():
+        out, out_tangent = forward_ad.unpack_dual(layer(forward_ad.make_dual(x, tangent)))
+    assert layer._eager.replays == 1 and out_tangent is not None
+    assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
+    linear = reference(layer, tangent) - layer.base.bias.detach().double().cpu()
+    assert rel_err(out_tangent, linear) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["plain", "forward_hook"])
+def test_a_training_replays_backward_reads_its_forwards_batch(triton_kernels, kind):
+    """The next batch set between a bound training call's forward and its backward (a step's batch set before
+    the last backward ran): the replay's forward took the batch's copy (LoRAContext.batch_for with grad), as
+    the op's path does, so its backward computes the forward's batch: output and gradients equal the op path's
+    bit for bit, and the float64 reference of the forward's slots."""
+    layer = trainable(make_layer(19) if kind == "plain" else hooked_layer(19, kind))
+    expected = reference if kind == "plain" else hooked_reference
+    grad_out = fresh_input(10, 50)[:, :1].expand(10, N).contiguous()
+    train_step(layer, fresh_input(10, 0), grad_out)             # binds
+    x = fresh_input(10, 1)
+    results = []
+    for enabled in (True, False):
+        eager.set_enabled(enabled)
+        try:
+            set_slots(layer, 10, 10)
+            replays = layer._eager.replays
+            for t in (layer.lora_a, layer.lora_b):
+                t.grad = None
+            xr = x.clone().requires_grad_()
+            out = layer(xr)
+            want = expected(layer, x)
+            set_slots(layer, 10, 11)                             # the next step's batch
+            out.backward(grad_out)
+            results.append((out.detach(), xr.grad, layer.lora_a.grad, layer.lora_b.grad))
+            assert layer._eager.replays == replays + enabled
+            assert rel_err(out.detach(), want) <= TOLERANCE[torch.float32]
+        finally:
+            eager.set_enabled(True)
+    for name, got, op in zip(("out", "dx", "dA", "dB"), *results):
+        assert torch.equal(got, op), name
+
+
 def test_stack_a_keeps_its_binding_beside_the_training_one(triton_kernels):
     """stack_a takes the stacked op without autograd and lora_linear with it: alternating the two (rollouts
     and training steps) replays both, each its own path."""
     layer = trainable(make_layer(12, stack_a=True))
     x = fresh_input(10, 0)
     grad_out = fresh_input(10, 1)[:, :1].expand(10, N).contiguous()
+    want = reference(layer, x)
     for _ in range(3):
         out = call(layer, x)
         assert out.stride() != (N, 1)                 # the stack's column view
-        assert train_step(layer, x, grad_out)[4] in ("Eager_lora_ops_lora_linearBackward", "BoundLoRALinearBackward")
+        assert rel_err(out, want) <= TOLERANCE[torch.float32]
+        got = train_step(layer, x, grad_out)
+        assert got[4] in ("Eager_lora_ops_lora_linearBackward", "BoundLoRALinearBackward")
+        assert rel_err(got[0], want) <= TOLERANCE[torch.float32]
     assert len(layer._eager._calls) == 2 and layer._eager.replays == 4
     assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
 
@@ -381,16 +514,19 @@ def test_training_replay_falls_back_to_the_op_where_the_gemm_changed(triton_kern
         train_step(layer, x, grad_out)
 
 
-def test_training_without_eager_autograd_takes_the_op_path(triton_kernels):
-    layer = trainable(make_layer(14))
+@pytest.mark.parametrize("kind", list(OP_PATHS))
+def test_training_without_eager_autograd_takes_the_op_path(triton_kernels, kind):
+    make, expected, op = OP_PATHS[kind]
+    layer = trainable(make(14))
     x = fresh_input(10, 0)
     grad_out = fresh_input(10, 1)[:, :1].expand(10, N).contiguous()
     train_step(layer, x, grad_out)
     ops.set_eager_autograd(False)
     try:
         before = layer._eager.replays
-        name = train_step(layer, x, grad_out)[4]
-        assert layer._eager.replays == before and name.startswith("GeneratedBackwardFor_lora_ops_lora_linear")
+        got = train_step(layer, x, grad_out)
+        assert layer._eager.replays == before and got[4].startswith(f"GeneratedBackwardFor_lora_ops_{op}")
+        assert rel_err(got[0], expected(layer, x)) <= TOLERANCE[torch.float32]
     finally:
         ops.set_eager_autograd(True)
 
@@ -420,11 +556,16 @@ def test_copies_start_without_bound_calls(triton_kernels):
     assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
 
 
-def test_stack_a_weight_data_swapped_drops_to_lora_linear(triton_kernels):
-    layer = make_layer(10, stack_a=True)
+@pytest.mark.parametrize("name", ["weight", "bias", "lora_a"])
+def test_stack_a_data_swapped_drops_to_lora_linear(triton_kernels, name):
+    """``param.data = param.data * 2``: the same Parameter, of the same shape, no longer the stack's view. The
+    stack still holds the old values, so a replay (or the layer's own stacked call) would serve them: the
+    call drops to lora_linear with the new ones (_stack_intact: each view's address)."""
+    layer = make_layer(10, bias=True, stack_a=True)
     x = fresh_input(10, 0)
     call(layer, x)
-    layer.base.weight.data = layer.base.weight.data * 2     # the same Parameter, no longer the stack's view
+    tensor = layer.lora_a if name == "lora_a" else getattr(layer.base, name)
+    tensor.data = tensor.data * 2
     out = call(layer, x)
     assert layer._eager.replays == 0 and out.stride() == (N, 1)
     assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
@@ -497,15 +638,16 @@ def test_a_base_with_its_own_forward_binds_the_training_delta(triton_kernels, ki
     with torch.no_grad():                                      # the in-place delta keeps a binding of its own
         call(layer, x)
         replays = layer._eager.replays
-        call(layer, x)
+        out = call(layer, x)
     assert layer._eager.replays == replays + 1 and len(layer._eager._calls) == 3
+    assert rel_err(out, hooked_reference(layer, x)) <= TOLERANCE[torch.float32]
 
 
 def test_a_bound_delta_follows_the_layers_state(triton_kernels):
     layer = hooked_layer(16, "forward_hook")
     x = fresh_input(10, 0)
-    n, _ = replays_after(layer, x, lambda: None)
-    assert n == 1
+    n, out = replays_after(layer, x, lambda: None)
+    assert n == 1 and rel_err(out, hooked_reference(layer, x)) <= TOLERANCE[torch.float32]
     new_b = torch.randn(layer.lora_b.shape, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     n, out = replays_after(layer, x, lambda: setattr(layer, "lora_b", nn.Parameter(new_b, requires_grad=False)))
     assert n == 0 and torch.equal(out, op_output(layer, x))

@@ -87,3 +87,26 @@ def test_side_stream_in_a_cuda_graph(overlap_mode, dtype):
             lora_delta_reference(fresh.x, case.lora_a, case.lora_b, case.scale, case.rank, fresh.token_slots,
                                  case.slice_widths)
         assert rel_err(out, expected) <= TOLERANCE[dtype], seed
+
+
+def test_a_layers_bound_call_stays_off_the_side_stream(triton_kernels, monkeypatch):
+    """LoRALinear's bound eager calls (lora_ops.eager) replay an in-order plan: wherever lora_linear puts the
+    shrink on a side stream (launch._overlaps: CUDA streams, pretended here so the CPU suite checks it), a
+    layer neither replays a call bound in order nor binds one; the op's own path (which forks) serves it.
+    In order again, the layer binds and replays, with the float64 reference's values."""
+    from test_eager import call, fresh_input, make_layer, reference as layer_reference
+    layer = make_layer(21)
+    x = fresh_input(10, 0)
+    out = call(layer, x)                                # bound in order
+    assert layer._eager._calls
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(launch, "_overlaps", lambda t: True)
+        assert layer._eager.replay(layer, x) is None
+        layer._eager.clear()
+        layer._eager.bind(layer, x, layer.base.weight, layer.base.bias, out, stacked=False)
+    assert not layer._eager._calls and layer._eager.replays == 0
+    call(layer, x)
+    for seed in (1, 2):
+        x = fresh_input(10, seed)
+        assert rel_err(call(layer, x), layer_reference(layer, x)) <= TOLERANCE[torch.float32]
+    assert layer._eager.replays == 2
