@@ -59,6 +59,22 @@ def low_interpreter(backend, request):
     return backend
 
 
+@pytest.fixture
+def write_first_calls(monkeypatch):
+    """lora_linear takes the write-first path at this test's sizes; returns the list of launch._write_lora calls
+    (the calls still run), each on a y first filled with NaN: y is torch.empty there, and memory that happens
+    to hold zeros would hide a row the store mode left unwritten."""
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
+    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    calls, real = [], launch._write_lora
+
+    def poisoned(y, *rest):
+        calls.append(y.dtype)
+        return real(y.fill_(float("nan")), *rest)
+    monkeypatch.setattr(launch, "_write_lora", poisoned)
+    return calls
+
+
 def hook_base(layer):
     layer.base.register_forward_hook(lambda module, args, out: None)   # not a bare nn.Linear: base(x), then add_lora_
 
@@ -68,11 +84,12 @@ PATHS = {"lora_linear": {}, "no_bias": dict(bias=False), "stack_a": dict(stack_a
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_layer_under_autocast_computes_as_its_low_precision_twin(low_interpreter, monkeypatch, path):
+def test_a_layer_under_autocast_computes_as_its_low_precision_twin(low_interpreter, request, path):
+    """Bit for bit the twin's output (lora_linear in LOW, outside autocast): a delta computed in float32 and then
+    cast, or an input left uncast, rounds differently. The write_first path is seen to take it (the Triton
+    side: the torch kernels have none) in LOW, on the twin and under autocast, on a NaN-poisoned y."""
     device = device_of(low_interpreter)
-    if path == "write_first":
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    calls = request.getfixturevalue("write_first_calls") if path == "write_first" else None
     layer, x = make_layer(device, **PATHS[path])
     if path == "hooked_base":
         hook_base(layer)
@@ -82,13 +99,28 @@ def test_a_layer_under_autocast_computes_as_its_low_precision_twin(low_interpret
         with torch.autocast(device.type, dtype=LOW):
             out = layer(x)
     assert out.dtype == LOW and torch.equal(out, expected)
+    if calls is not None:
+        assert calls == ([LOW, LOW] if low_interpreter.name == "triton" else [])
     with torch.no_grad():                 # and outside autocast the layer is its float32 self again
         assert layer(x).dtype == torch.float32
 
 
-def test_autocast_gradients_reach_the_parameters_in_their_dtype(low_interpreter):
+GRAD_PATHS = ("lora_linear", "hooked_base", "write_first")
+
+
+@pytest.mark.parametrize("path", GRAD_PATHS)
+def test_autocast_gradients_reach_the_parameters_in_their_dtype(low_interpreter, request, path):
+    """Every gradient (x, A, B, the base weight and bias) reaches its float32 tensor, bit for bit the twin's
+    LOW gradient: a cast that cut the graph (a detached bias, x or adapter) leaves a gradient missing or short.
+    On the lora_linear op (with a bias, and on its write-first path: no bias) and on add_lora after a hooked
+    base layer (autograd through the cast x and adapters there). There x is cast twice (by the base layer's
+    autocast and for the delta): its gradient is the float32 sum of two LOW gradients where the twin's is their
+    LOW sum, so the two are held one LOW rounding apart; a delta's gradient lost is the delta's size off."""
     device = device_of(low_interpreter)
-    layer, x = make_layer(device)
+    calls = request.getfixturevalue("write_first_calls") if path == "write_first" else None
+    layer, x = make_layer(device, bias=path != "write_first")
+    if path == "hooked_base":
+        hook_base(layer)
     twin = low_precision_twin(layer)
     for module in (layer, twin):
         module.lora_a.requires_grad_(True)
@@ -99,17 +131,28 @@ def test_autocast_gradients_reach_the_parameters_in_their_dtype(low_interpreter)
     out.float().square().sum().backward()
     x_low = x.to(LOW).requires_grad_()
     twin(x_low).float().square().sum().backward()
-    for ours, theirs in ((layer.lora_a.grad, twin.lora_a.grad), (layer.lora_b.grad, twin.lora_b.grad),
-                         (layer.base.weight.grad, twin.base.weight.grad), (xg.grad, x_low.grad)):
+    if calls is not None:
+        assert calls == ([LOW, LOW] if low_interpreter.name == "triton" else [])
+    pairs = [(layer.lora_a.grad, twin.lora_a.grad), (layer.lora_b.grad, twin.lora_b.grad),
+             (layer.base.weight.grad, twin.base.weight.grad)]
+    if layer.base.bias is not None:
+        pairs.append((layer.base.bias.grad, twin.base.bias.grad))
+    if path != "hooked_base":
+        pairs.append((xg.grad, x_low.grad))
+    else:
+        assert xg.grad.dtype == torch.float32
+        assert (xg.grad - x_low.grad.float()).abs().max() <= 2 ** -8 * x_low.grad.float().abs().max()
+    for ours, theirs in pairs:
+        assert ours is not None and theirs.dtype == LOW
         assert ours.dtype == torch.float32 and torch.equal(ours, theirs.float())
 
 
 @pytest.mark.parametrize("op", ["lora_linear", "lora_linear_write_first", "lora_linear_stacked"])
-def test_the_ops_compute_in_their_inputs_dtype_under_autocast(backend, monkeypatch, op):
+def test_the_ops_compute_in_their_inputs_dtype_under_autocast(backend, request, op):
+    """float32 inputs under a bf16 autocast: bit for bit the op's output outside it (its base GEMM not recast).
+    lora_linear_write_first is seen to take that path (the Triton side), on a NaN-poisoned y."""
     device = device_of(backend)
-    if op == "lora_linear_write_first":
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    calls = request.getfixturevalue("write_first_calls") if op == "lora_linear_write_first" else None
     layer, x = make_layer(device, bias=op == "lora_linear")
     meta = tuple(layer.context.meta)
     common = (layer.lora_b, layer.scale, layer.rank, list(WIDTHS), *meta)
@@ -124,16 +167,22 @@ def test_the_ops_compute_in_their_inputs_dtype_under_autocast(backend, monkeypat
     with torch.autocast(device.type, dtype=LOW):
         under = call()
     assert under.dtype == torch.float32 and torch.equal(under, plain)
+    if calls is not None:
+        assert calls == ([torch.float32] * 2 if backend.name == "triton" else [])
 
 
 def test_bound_calls_step_aside_under_autocast(triton_kernels, bf16_interpreter):
+    """A layer bound in float32 is not replayed under autocast, whose output is the LOW twin's (not float32
+    launches or plans on LOW tensors), and replays again after it."""
     layer, x = make_layer(torch.device(DEVICE))
+    twin = low_precision_twin(layer)
     with torch.no_grad():
         first = layer(x)                  # binds
         replays = layer._eager.replays
         with torch.autocast(torch.device(DEVICE).type, dtype=LOW):
             low = layer(x)
         assert low.dtype == LOW and layer._eager.replays == replays
+        assert torch.equal(low, twin(x.to(LOW)))
         again = layer(x)
     assert layer._eager.replays == replays + 1 and torch.equal(again, first)
 

@@ -5,7 +5,8 @@ rows of tokens without a delta get zeros) and cuBLAS adds the base product onto 
 The store mode must write every row the metadata names, since y starts as torch.empty: checked here on a
 NaN-poisoned y, on both expand paths (the whole rank in one block, and the rank loop), with slots of rank
 0, tokens with slot -1 and stale token ids past M. The layer is checked against the float64 reference with
-the threshold lowered, so the interpreter runs it at small sizes, and at the shipped threshold.
+the threshold lowered, so the interpreter runs it at small sizes, and at the shipped threshold; there too y is
+NaN-poisoned before the delta is written (write_calls), so no row passes on memory that happened to hold zeros.
 """
 import pytest
 import torch
@@ -48,18 +49,27 @@ def write_first_from(monkeypatch):
 
 @pytest.fixture
 def write_calls(monkeypatch):
-    """The list of launch._write_lora calls in this test (the calls still run): proof the path was taken."""
+    """The list of launch._write_lora calls in this test (the calls still run): proof the path was taken. Each
+    call's y (torch.empty in lora_linear) is filled with NaN first: a row the store mode leaves unwritten then
+    fails the layer's comparison, where fresh memory holding zeros would pass it for a token without a delta."""
     calls, real = [], launch._write_lora
-    monkeypatch.setattr(launch, "_write_lora", lambda *a: (calls.append(a), real(*a))[1])
+
+    def poisoned(y, *rest):
+        calls.append((y, *rest))
+        return real(y.fill_(float("nan")), *rest)
+    monkeypatch.setattr(launch, "_write_lora", poisoned)
     return calls
 
 
 @pytest.mark.parametrize("layer,N,M,expected", [
     ("qkv", 6144, 4096, True), ("gate_up", 28672, 1024, True), ("o", 4096, 8192, True),
-    ("o", 4096, 4096, False), ("down", 4096, 1024, False), ("gate_up", 28672, 512, False)])
+    ("o", 4096, 4096, False), ("down", 4096, 1024, False), ("gate_up", 28672, 512, False),
+    ("gate_up", 28672, 1023, False), ("40MiB", 10240, 2048, True), ("40MiB-8cols", 10232, 2048, False)])
 def test_shipped_thresholds_choose_by_tokens_and_output_size(layer, N, M, expected):
     """Llama-3-8B outputs in bf16: y of 48 MiB or more from 1024 tokens writes first; y that fits in L2 (o and
-    down at 4096 tokens: 32 MiB) keeps the accumulating order, and so does any batch below 1024 tokens."""
+    down at 4096 tokens: 32 MiB) keeps the accumulating order, and so does any batch below 1024 tokens. Both
+    bounds are inclusive, checked at their edges: 1023 tokens of a 56 MiB y do not write first; a y of exactly
+    40 MiB (WRITE_FIRST_MIN_Y_BYTES) does, 8 columns fewer does not."""
     x = torch.empty(M, 4096, dtype=torch.bfloat16, device="meta")
     assert launch.writes_first(x, N, None) is expected
     assert not launch.writes_first(x, N, torch.empty(N, dtype=torch.bfloat16, device="meta"))
