@@ -60,17 +60,22 @@ def test_batch_meta_of_gives_the_fills_metadata(slot_dtype, problem):
 
 @pytest.mark.parametrize("slot_dtype", SLOT_DTYPES, ids=SLOT_DTYPE_IDS)
 def test_lora_batch_refills_the_same_buffers(slot_dtype):
+    """Grow, fill to capacity exactly, empty, shrink: every count and start rewritten (a slot, -1's group
+    included, that the new batch lacks counts 0), the first M token ids written and the ids past M left as
+    they were, as the one-launch fill leaves them (the two paths' buffers the same bit for bit)."""
     batch = LoRABatch(max_tokens=64, max_loras=5)
     meta = batch.meta
     pointers = [t.data_ptr() for t in meta]
     gen = torch.Generator().manual_seed(3)
     for M in (5, 64, 0, 17, 1):  # grow, shrink, empty: stale ids past M must not matter
         slots = torch.randint(-1, 5, (M,), generator=gen, dtype=slot_dtype)
+        tail = meta.sorted_token_ids[M:].clone()
         returned = batch.update(slots)
         assert all(a is b for a, b in zip(returned, meta)), "update returned new tensors"
         assert [t.data_ptr() for t in batch.meta] == pointers, "a buffer moved"
         assert batch.num_tokens == M
         assert_meta_matches(batch.meta, slots.tolist(), 5)
+        assert torch.equal(meta.sorted_token_ids[M:], tail), f"ids past M={M} written"
 
 
 def test_more_tokens_than_capacity_raises():

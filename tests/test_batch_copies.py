@@ -7,10 +7,12 @@ the gradients were silently wrong. Checked here, on both CPU backends, against t
 the other (forward, backward, next batch), bit for bit:
 
 - micro-batches interleaved (two forwards on two batches, then their backwards), on the whole-layer op (a
-  bare nn.Linear base) and on the delta op after a hooked base, with per-slot dropout;
+  bare nn.Linear base) and on the delta op after a hooked base, with per-slot dropout (a p of its own for each
+  adapter: a recompute that read another batch's per-token slots would drop other rows);
 - a no-grad forward on another batch between a forward and its backward (a reference model in RL);
-- non-reentrant checkpointing with ``context_fn=ctx.checkpoint_context``; without it, a recompute on another
-  batch raises in the backward instead of giving wrong gradients;
+- non-reentrant checkpointing with ``context_fn=ctx.checkpoint_context``, a batch of another size set
+  between (the recompute's token count is its own batch's); without it, a recompute on another batch raises in
+  the backward instead of giving wrong gradients;
 - a batch set under no_grad (no copy): autograd refuses the stale backward, as before;
 - the compiled model (aot_eager): the same gradients, one compile; bound eager training calls still replay;
 - SlotTrainer's step: a batch set under no_grad between steps (an evaluation) moves no slot; one set under
@@ -63,8 +65,11 @@ def make_model(hooked=False, dropout=0.0, seed=0):
     ctx = apply_lora(model, ["up", "down"], max_loras=L, max_rank=R, max_tokens=64)
     model.ctx = ctx
     gen = torch.Generator().manual_seed(seed)
-    for name in ("a", "b", "c"):
-        training.add_trainable_adapter(ctx, name, r=R, lora_alpha=2 * R, lora_dropout=dropout, generator=gen)
+    for i, name in enumerate(("a", "b", "c")):
+        # (Each adapter's p its own: with one p for all, a token read under another slot kept its p, and a
+        # copy whose per-token slots aliased the buffers recomputed the same dropout.)
+        training.add_trainable_adapter(ctx, name, r=R, lora_alpha=2 * R, lora_dropout=dropout * (1 + i / 2),
+                                       generator=gen)
     for layer in ctx.layers.values():
         with torch.no_grad():
             layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen))
@@ -76,11 +81,19 @@ def make_model(hooked=False, dropout=0.0, seed=0):
 
 
 BATCHES = ([("a", 5), (None, 2), ("b", 5)], [("c", 4), ("a", 8)], [(None, 3), ("b", 9)])
+# BATCHES[0], then one of fewer tokens (8): a recompute of the first must check its input against its own batch's
+# token count, not the one set since; and the second's copy has stale entries of the first past its tokens.
+SIZES = (BATCHES[0], [("c", 3), (None, 1), ("a", 4)])
 
 
-def inputs(i):
+def inputs(i, tokens=M):
     gen = torch.Generator().manual_seed(100 + i)
-    return torch.randn(M, K, generator=gen).to(DEVICE), torch.randn(M, K, generator=gen).to(DEVICE)
+    return torch.randn(tokens, K, generator=gen).to(DEVICE), torch.randn(tokens, K, generator=gen).to(DEVICE)
+
+
+def batch_inputs(batches, i):
+    """:func:`inputs` ``i`` for the tokens of ``batches[i]``."""
+    return inputs(i, sum(n for _, n in batches[i]))
 
 
 def grads(trainer):
@@ -90,25 +103,25 @@ def grads(trainer):
     return out
 
 
-def sequential(model, ctx, trainer, order=(0, 1)):
+def sequential(model, ctx, trainer, order=(0, 1), batches=BATCHES):
     """Each batch's forward and backward in turn: the gradients of each, and the dropout RNG as it was."""
     torch.manual_seed(7)
     out = []
     for i in order:
-        x, w = inputs(i)
-        ctx.set_batch(BATCHES[i])
+        x, w = batch_inputs(batches, i)
+        ctx.set_batch(batches[i])
         (model(x) * w).sum().backward()
         out.append(grads(trainer))
     return out
 
 
-def interleaved(model, ctx, trainer):
+def interleaved(model, ctx, trainer, batches=BATCHES):
     """Both batches' forwards, then their backwards: the gradients of each (the RNG as in :func:`sequential`)."""
     torch.manual_seed(7)
     losses = []
     for i in (0, 1):
-        x, w = inputs(i)
-        ctx.set_batch(BATCHES[i])
+        x, w = batch_inputs(batches, i)
+        ctx.set_batch(batches[i])
         losses.append((model(x) * w).sum())
     out = []
     for loss in losses:
@@ -156,10 +169,12 @@ def autograd_path(request):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no_dropout", "dropout"])
 def test_checkpoint_context_recomputes_on_the_forwards_batch(backend, autograd_path, dropout):
+    """The recompute reads the forward's batch copy whole: its metadata, its per-token slots (dropout's p: each
+    adapter's own) and its token count (the batch set since has fewer tokens: SIZES)."""
     model, ctx, trainer = make_model(dropout=dropout)
-    want = sequential(model, ctx, trainer)
+    want = sequential(model, ctx, trainer, batches=SIZES)
     model.mode = "checkpoint_context"
-    assert_same(interleaved(model, ctx, trainer), want)
+    assert_same(interleaved(model, ctx, trainer, batches=SIZES), want)
 
 
 def test_checkpoint_recompute_on_another_batch_raises(backend, autograd_path):
