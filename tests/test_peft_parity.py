@@ -1,7 +1,9 @@
 """Parity with PEFT: the same adapters, the same mixed batch, the same logits.
 
 A tiny Llama built from a config (random weights, nothing downloaded) gets three PEFT LoRA adapters with
-non-zero B, different ranks and alphas, one rsLoRA and one with rank_pattern / alpha_pattern; they are
+non-zero B, different ranks and alphas, one rsLoRA with a rank_pattern (its scale alpha / sqrt(the module's
+own rank), not of r) and one with rank_pattern / alpha_pattern whose keys PEFT resolves its own way (the
+first matching key wins; a key matches whole dotted components of the path, not any suffix); they are
 saved as PEFT directories and loaded here. A mixed batch (rows of every adapter and rows with none,
 interleaved) must match PEFT's own ``model(input_ids, adapter_names=[...])`` row by row, eagerly and
 under torch.compile. Two more models: a fused q/k/v + gate/up model holding per-projection adapters in
@@ -30,11 +32,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 TOL = TOLERANCE[torch.float32]
 # name: LoraConfig arguments. Non-zero B comes from init_lora_weights=False (random A and B).
+# beta: rsLoRA with a rank_pattern, so a scale of sqrt(r) where the module's rank belongs shows.
+# gamma's alpha_pattern: layer 0's o_proj matches two keys and takes the first's 7, the other o_proj the
+# second's -5 (the last key winning shows); "[qp]_proj" matches q_proj, and ends "up_proj" but not at a dot,
+# so PEFT gives up_proj the default alpha (a suffix match without the dotted boundary shows). (The keys are
+# in sorted order: PEFT's save_pretrained sorts them, so the file's first key is the live model's.)
 ADAPTERS = {
     "alpha": dict(r=4, lora_alpha=8),
-    "beta": dict(r=8, lora_alpha=4, use_rslora=True),
+    "beta": dict(r=8, lora_alpha=4, use_rslora=True, rank_pattern={"k_proj": 3}),
     "gamma": dict(r=6, lora_alpha=12, rank_pattern={"v_proj": 2, r"layers\.1\.mlp\.down_proj": 3},
-                  alpha_pattern={"o_proj": -5}),
+                  alpha_pattern={"[qp]_proj": 3, r"layers\.0\.self_attn\.o_proj": 7, "o_proj": -5}),
 }
 # Per row of the batch: interleaved adapters and rows with none ("__base__" for PEFT).
 ROWS = ["alpha", None, "beta", "gamma", None, "alpha", "gamma", "beta"]
@@ -160,13 +167,15 @@ def test_llama_mixed_batch_matches_peft_compiled(llama, llama_reference):
     assert counter.frame_count == 1
 
 
-def test_packed_slices_match_unfused_peft(tmp_path):
+def test_packed_slices_match_unfused_peft(tmp_path, kernels):
     """A fused model (qkv_proj, gate_up_proj) holding per-projection adapters with per-slice ranks and
-    alphas (so slices get zero-padded and their scales folded) matches PEFT on the unfused model."""
+    alphas (so slices get zero-padded and their scales folded) matches PEFT on the unfused model; "q" is
+    rsLoRA with per-slice ranks, its slices' scales alpha / sqrt(each slice's own rank). Both CPU kernels: the
+    Triton expand maps its column chunks to slices its own way, which only the torch kernels ran here before."""
     unfused = toy_lm(seed=3).to(DEVICE)
     adapters = {
         "p": dict(r=4, lora_alpha=8, rank_pattern={"k_proj": 2, "up_proj": 6}, alpha_pattern={"v_proj": -3}),
-        "q": dict(r=3, lora_alpha=5, use_rslora=True),
+        "q": dict(r=3, lora_alpha=5, use_rslora=True, rank_pattern={"v_proj": 5, "gate_proj": 2}),
     }
     peft_model, paths = make_peft_adapters(unfused, PROJECTIONS, tmp_path, adapters=adapters)
     fused = fused_copy(unfused)
