@@ -7,6 +7,7 @@ call and the allocator's free memory poisoned; and each guard, when what it watc
 call back down the op's own path (which then errors where the op errors, or binds again).
 """
 import copy
+import itertools
 import re
 
 import pytest
@@ -43,15 +44,16 @@ def set_slots(layer, M, seed):
     return slots
 
 
-def reference(layer, x):
-    """float64: the base layer plus each token's slot's scaled (x A^T) B^T per slice, at the slot's rank."""
+def reference(layer, x, widths=None):
+    """float64: the base layer plus each token's slot's scaled (x A^T) B^T per slice, at the slot's rank; the
+    slices the layer's (``widths``: those instead)."""
     x64 = x.double().cpu()
     y = x64 @ layer.base.weight.detach().double().cpu().T
     if layer.base.bias is not None:
         y += layer.base.bias.detach().double().cpu()
     slots = layer.context.token_slots[:x.shape[0]].cpu()
     a, b = layer.lora_a.detach().double().cpu(), layer.lora_b.detach().double().cpu()
-    offsets = layer.slice_offsets
+    offsets = layer.slice_offsets if widths is None else [0, *itertools.accumulate(widths)]
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
@@ -183,18 +185,9 @@ def test_new_slice_widths_take_the_op_path(triton_kernels):
     x = fresh_input(10, 0)
     n, out = replays_after(layer, x, lambda: setattr(layer, "slice_widths", (8, 24, 16)))
     assert n == 0 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
-    assert rel_err(out, reference_at(layer, x, WIDTHS)) > 0.01       # (the widths change the output)
+    assert rel_err(out, reference(layer, x, WIDTHS)) > 0.01       # (the widths change the output)
     n, out = replays_after(layer, x, lambda: None)
     assert n == 1 and rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32]
-
-
-def reference_at(layer, x, widths):
-    kept = layer.slice_widths
-    layer.slice_widths = widths
-    try:
-        return reference(layer, x)
-    finally:
-        layer.slice_widths = kept
 
 
 def test_an_input_of_other_strides_or_dtype_does_not_replay_anothers_plan(triton_kernels):
