@@ -235,12 +235,31 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def slot_factors(ctx, slot, targeted_only=False):
+    """{layer path: (lora_a[slot], lora_b[slot]) copied}; ``targeted_only``: the layers the slot's adapter targets
+    (its A not all zero)."""
+    return {path: (layer.lora_a[slot].clone(), layer.lora_b[slot].clone()) for path, layer in ctx.layers.items()
+            if not targeted_only or layer.lora_a[slot].any()}
+
+
+def assert_slot_moved(ctx, slot, before):
+    """Both factors of ``slot`` differ from ``before`` (slot_factors) in every layer it holds."""
+    for path, (a, b) in before.items():
+        layer = ctx.layers[path]
+        assert not torch.equal(layer.lora_a[slot], a) and not torch.equal(layer.lora_b[slot], b), (path, slot)
+
+
+def assert_slot_kept(ctx, slot, before):
+    """Both factors of ``slot`` equal ``before`` (slot_factors) in every layer."""
+    for path, (a, b) in before.items():
+        layer = ctx.layers[path]
+        assert torch.equal(layer.lora_a[slot], a) and torch.equal(layer.lora_b[slot], b), (path, slot)
+
+
 def train_a_little(model, ctx, names, rows, vocab, steps=3):
     """A few AdamW steps on ``rows``; every adapter of ``names`` then differs in each layer it targets, A and B
     (else a saving test would compare the adapter loaded with itself, and pass whatever training did)."""
-    slots = [ctx.slot_of(name) for name in names]
-    before = {(path, slot): (layer.lora_a[slot].clone(), layer.lora_b[slot].clone())
-              for path, layer in ctx.layers.items() for slot in slots if layer.lora_a[slot].any()}
+    before = {ctx.slot_of(name): slot_factors(ctx, ctx.slot_of(name), targeted_only=True) for name in names}
     trainer = ctx.train_slots(names)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=2e-2, weight_decay=0.01)
     model.train()
@@ -255,9 +274,8 @@ def train_a_little(model, ctx, names, rows, vocab, steps=3):
         optimizer.zero_grad()
     trainer.close()
     model.eval()
-    for (path, slot), (a, b) in before.items():
-        layer = ctx.layers[path]
-        assert not torch.equal(layer.lora_a[slot], a) and not torch.equal(layer.lora_b[slot], b), (path, slot)
+    for slot, factors in before.items():
+        assert_slot_moved(ctx, slot, factors)
 
 
 def assert_peft_reproduces(base, ctx, model, directory, name, input_ids):
@@ -524,14 +542,11 @@ def test_a_batch_set_before_the_trainer_opened_counts_only_if_trained():
     trainer = ctx.train_slots(["a", "b"])
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
     a, b = ctx.slot_of("a"), ctx.slot_of("b")
-    before = {path: [layer.lora_a[s].clone() for s in (a, b)] + [layer.lora_b[s].clone() for s in (a, b)]
-              for path, layer in ctx.layers.items()}
+    before_a, before_b = slot_factors(ctx, a), slot_factors(ctx, b)
     _step(model, ctx, trainer, optimizer, ["a", None], seed=1)
-    for path, layer in ctx.layers.items():
-        a_a, b_a, a_b, b_b = before[path]
-        assert torch.equal(layer.lora_a[b], b_a) and torch.equal(layer.lora_b[b], b_b)
-        # ... while the slot the batch trained moved (a step that moved nothing would pass the above).
-        assert not torch.equal(layer.lora_a[a], a_a) and not torch.equal(layer.lora_b[a], a_b), path
+    assert_slot_kept(ctx, b, before_b)
+    # ... while the slot the batch trained moved (a step that moved nothing would pass the above).
+    assert_slot_moved(ctx, a, before_a)
     trainer.close()
 
 
@@ -551,11 +566,10 @@ def test_an_evaluation_between_steps_never_counts_as_training(eval_set_batch):
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (2, SEQ)))
     b = ctx.slot_of("b")
-    before = {path: (layer.lora_a[b].clone(), layer.lora_b[b].clone()) for path, layer in ctx.layers.items()}
+    before = slot_factors(ctx, b)
     a_before = [layer.lora_b[ctx.slot_of("a")].clone() for layer in ctx.layers.values()]
     trainer.step(optimizer)
-    for path, layer in ctx.layers.items():
-        assert torch.equal(layer.lora_a[b], before[path][0]) and torch.equal(layer.lora_b[b], before[path][1])
+    assert_slot_kept(ctx, b, before)
     assert not all(torch.equal(layer.lora_b[ctx.slot_of("a")], was) for layer, was in zip(ctx.layers.values(),
                                                                                           a_before))
     trainer.close()
@@ -571,7 +585,7 @@ def test_a_nan_in_a_served_slot_never_reaches_the_trained_ones():
     trainer = ctx.train_slots(["a"])
     optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)
     a = ctx.slot_of("a")
-    before = {path: (layer.lora_a[a].clone(), layer.lora_b[a].clone()) for path, layer in ctx.layers.items()}
+    before = slot_factors(ctx, a)
     ctx.set_batch([("a", SEQ), ("b", SEQ)])
     logits = model(torch.randint(0, VOCAB, (2, SEQ)))
     loss_of(logits[:1], torch.randint(0, VOCAB, (1, SEQ))).backward()    # b's row out of the loss: finite
@@ -579,9 +593,9 @@ def test_a_nan_in_a_served_slot_never_reaches_the_trained_ones():
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.isfinite(torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0))
     trainer.step(optimizer)
-    for path, layer in ctx.layers.items():     # finite, and stepped (a step restoring all is finite too)
+    for path, layer in ctx.layers.items():
         assert torch.isfinite(layer.lora_a[a]).all() and torch.isfinite(layer.lora_b[a]).all(), path
-        assert not torch.equal(layer.lora_a[a], before[path][0]) and not torch.equal(layer.lora_b[a], before[path][1])
+    assert_slot_moved(ctx, a, before)       # (a step restoring everything is finite too)
     trainer.close()
 
 
@@ -662,11 +676,10 @@ def test_an_adapter_loaded_where_a_trained_one_was_unloaded_is_not_trained():
     slot = ctx.slot_of("c")
     ctx.unload_adapter("c")
     assert ctx.load_adapter_tensors("e", peft_tensors(module_shapes(model), 2, seed=3)) == slot
-    before = {path: (layer.lora_a[slot].clone(), layer.lora_b[slot].clone()) for path, layer in ctx.layers.items()}
+    before = slot_factors(ctx, slot)
     a_before = next(iter(ctx.layers.values())).lora_b[ctx.slot_of("a")].clone()
     _step(model, ctx, trainer, optimizer, ["a", "e"], seed=2)
-    for path, layer in ctx.layers.items():
-        assert torch.equal(layer.lora_a[slot], before[path][0]) and torch.equal(layer.lora_b[slot], before[path][1])
+    assert_slot_kept(ctx, slot, before)
     assert not torch.equal(next(iter(ctx.layers.values())).lora_b[ctx.slot_of("a")], a_before)
     trainer.close()
 
