@@ -246,6 +246,33 @@ def force_add_lora_path(monkeypatch, path):
 
 
 @pytest.fixture
+def write_first_from(monkeypatch):
+    """``write_first_from(m)``: lora_linear takes the write-first path from ``m`` tokens in this test, at any
+    output size."""
+    from lora_ops import launch
+
+    def set_threshold(m):
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", m)
+        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
+    return set_threshold
+
+
+@pytest.fixture
+def write_calls(monkeypatch):
+    """The list of launch._write_lora calls in this test (the calls still run): proof the path was taken. Each
+    call's y (torch.empty in lora_linear) is filled with NaN first: a row the store mode leaves unwritten then
+    fails the layer's comparison, where fresh memory holding zeros would pass it for a token without a delta."""
+    from lora_ops import launch
+    calls, real = [], launch._write_lora
+
+    def poisoned(y, *rest):
+        calls.append((y, *rest))
+        return real(y.fill_(float("nan")), *rest)
+    monkeypatch.setattr(launch, "_write_lora", poisoned)
+    return calls
+
+
+@pytest.fixture
 def bf16_interpreter():
     """Redo the Triton interpreter's bf16 arithmetic in float32 (tests/interp_bf16.py) for this test.
 

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from conftest import DEVICE
-from lora_ops import launch
 from lora_ops.layers import LoRAContext, LoRALinear
 
 K, WIDTHS, L, R, M = 32, (24, 8), 3, 8, 10
@@ -60,19 +59,16 @@ def low_interpreter(backend, request):
 
 
 @pytest.fixture
-def write_first_calls(monkeypatch):
+def write_first_calls(write_first_from, write_calls):
     """lora_linear takes the write-first path at this test's sizes; returns the list of launch._write_lora calls
-    (the calls still run), each on a y first filled with NaN: y is torch.empty there, and memory that happens
-    to hold zeros would hide a row the store mode left unwritten."""
-    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", 1)
-    monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
-    calls, real = [], launch._write_lora
+    (conftest's write_calls: the calls still run, each on a y first filled with NaN)."""
+    write_first_from(1)
+    return write_calls
 
-    def poisoned(y, *rest):
-        calls.append(y.dtype)
-        return real(y.fill_(float("nan")), *rest)
-    monkeypatch.setattr(launch, "_write_lora", poisoned)
-    return calls
+
+def written_dtypes(calls):
+    """The dtype of y in each launch._write_lora call of ``calls`` (write_first_calls)."""
+    return [y.dtype for y, *_ in calls]
 
 
 def hook_base(layer):
@@ -100,7 +96,7 @@ def test_a_layer_under_autocast_computes_as_its_low_precision_twin(low_interpret
             out = layer(x)
     assert out.dtype == LOW and torch.equal(out, expected)
     if calls is not None:
-        assert calls == ([LOW, LOW] if low_interpreter.name == "triton" else [])
+        assert written_dtypes(calls) == ([LOW, LOW] if low_interpreter.name == "triton" else [])
     with torch.no_grad():                 # and outside autocast the layer is its float32 self again
         assert layer(x).dtype == torch.float32
 
@@ -132,7 +128,7 @@ def test_autocast_gradients_reach_the_parameters_in_their_dtype(low_interpreter,
     x_low = x.to(LOW).requires_grad_()
     twin(x_low).float().square().sum().backward()
     if calls is not None:
-        assert calls == ([LOW, LOW] if low_interpreter.name == "triton" else [])
+        assert written_dtypes(calls) == ([LOW, LOW] if low_interpreter.name == "triton" else [])
     pairs = [(layer.lora_a.grad, twin.lora_a.grad), (layer.lora_b.grad, twin.lora_b.grad),
              (layer.base.weight.grad, twin.base.weight.grad)]
     if layer.base.bias is not None:
@@ -168,7 +164,7 @@ def test_the_ops_compute_in_their_inputs_dtype_under_autocast(backend, request, 
         under = call()
     assert under.dtype == torch.float32 and torch.equal(under, plain)
     if calls is not None:
-        assert calls == ([torch.float32] * 2 if backend.name == "triton" else [])
+        assert written_dtypes(calls) == ([torch.float32] * 2 if backend.name == "triton" else [])
 
 
 def test_bound_calls_step_aside_under_autocast(triton_kernels, bf16_interpreter):

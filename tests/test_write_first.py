@@ -37,30 +37,6 @@ def layer_reference(case, weight, bias=None):
     return base + case.delta_reference()
 
 
-@pytest.fixture
-def write_first_from(monkeypatch):
-    """``write_first_from(m)``: lora_linear takes the write-first path from ``m`` tokens in this test, at any
-    output size."""
-    def set_threshold(m):
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_TOKENS", m)
-        monkeypatch.setattr(launch, "WRITE_FIRST_MIN_Y_BYTES", 0)
-    return set_threshold
-
-
-@pytest.fixture
-def write_calls(monkeypatch):
-    """The list of launch._write_lora calls in this test (the calls still run): proof the path was taken. Each
-    call's y (torch.empty in lora_linear) is filled with NaN first: a row the store mode leaves unwritten then
-    fails the layer's comparison, where fresh memory holding zeros would pass it for a token without a delta."""
-    calls, real = [], launch._write_lora
-
-    def poisoned(y, *rest):
-        calls.append((y, *rest))
-        return real(y.fill_(float("nan")), *rest)
-    monkeypatch.setattr(launch, "_write_lora", poisoned)
-    return calls
-
-
 @pytest.mark.parametrize("layer,N,M,expected", [
     ("qkv", 6144, 4096, True), ("gate_up", 28672, 1024, True), ("o", 4096, 8192, True),
     ("o", 4096, 4096, False), ("down", 4096, 1024, False), ("gate_up", 28672, 512, False),
