@@ -41,8 +41,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-# toy_model's adapters: name -> (rank, seed, PEFT scale): a alpha / r = 8 / 4, b rsLoRA alpha / sqrt(r) = 4 / sqrt(8)
-TOY_ADAPTERS = {"a": (4, 1, 2.0), "b": (8, 2, 4 / math.sqrt(8))}
+# toy_model's adapters: name -> (seed, PEFT config): a's scale alpha / r = 8 / 4, b's (rsLoRA) 4 / sqrt(8).
+TOY_ADAPTERS = {"a": (1, {"r": 4, "lora_alpha": 8}), "b": (2, {"r": 8, "lora_alpha": 4, "use_rslora": True})}
+
+
+def peft_scale(config):
+    """PEFT's scale of a config: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    r = config["r"]
+    return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
 def toy_model(device="cpu", max_tokens=64, stack_a=False):
@@ -51,14 +57,15 @@ def toy_model(device="cpu", max_tokens=64, stack_a=False):
     ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=8, max_tokens=max_tokens, packed_modules=PACKED,
                      stack_a=stack_a)
     shapes = module_shapes(toy_lm())
-    ctx.load_adapter_tensors("a", peft_tensors(shapes, 4, seed=1), {"r": 4, "lora_alpha": 8})
-    ctx.load_adapter_tensors("b", peft_tensors(shapes, 8, seed=2), {"r": 8, "lora_alpha": 4, "use_rslora": True})
+    for name, (seed, config) in TOY_ADAPTERS.items():
+        ctx.load_adapter_tensors(name, peft_tensors(shapes, config["r"], seed=seed), config)
     return model, ctx, shapes
 
 
 def toy_adapters(shapes):
     """{name: (PEFT tensors, scale)} of toy_model's adapters, for :func:`float64_logits`."""
-    return {name: (peft_tensors(shapes, r, seed=seed), scale) for name, (r, seed, scale) in TOY_ADAPTERS.items()}
+    return {name: (peft_tensors(shapes, config["r"], seed=seed), peft_scale(config))
+            for name, (seed, config) in TOY_ADAPTERS.items()}
 
 
 def float64_logits(ids, names, adapters):
