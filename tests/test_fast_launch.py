@@ -44,62 +44,81 @@ class FakeKernel:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(triton_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1234)
+    # Device 3's stream is 1003: a launch on another device's stream shows in the C-launcher call.
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 3)
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 1000 + device)
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(triton_launch, "_LAUNCHERS", [])     # set_fast_launch elsewhere never sees this one
     kernel = FakeKernel()
     launcher = triton_launch.FastLauncher(kernel)
     launcher.enabled = True
     return kernel, launcher
 
 
-def test_second_launch_of_a_key_goes_to_the_c_launcher(fake):
+def test_second_launch_of_a_key_goes_to_the_c_launcher(fake, monkeypatch):
     kernel, launcher = fake
-    x = torch.zeros(64)
+    x, other = torch.randn(64), torch.randn(64)     # same dtype, both 16-byte aligned: one key
     launcher((3, 2), (x,), (10, 1), BLOCK=16, num_warps=4)
     assert len(kernel.slow_launches) == 1 and launcher.hits == 0
     launcher((5,), (x,), (10, 1), BLOCK=16, num_warps=4)
     assert len(kernel.slow_launches) == 1 and launcher.hits == 1
-    (run,) = kernel.compiled[0].runs
+    # Another tensor, another stream and a 3-D grid: a hit launches with this call's, not the first launch's.
+    monkeypatch.setattr(triton_launch, "_current_stream", lambda device: 2000 + device)
+    launcher((7, 6, 4), (other,), (10, 1), BLOCK=16, num_warps=4)
+    assert len(kernel.slow_launches) == 1 and launcher.hits == 2
+    first, second = kernel.compiled[0].runs
     # grid padded to 3-D, the stream, the compiled function and metadata, no launch metadata or hooks,
     # then every parameter in signature order: runtime args, then constexprs (defaults filled in).
-    assert run == (5, 1, 1, 1234, "cu-function", "packed", None, None, None, x, 10, 1, 16, 7)
+    assert first == (5, 1, 1, 1003, "cu-function", "packed", None, None, None, x, 10, 1, 16, 7)
+    assert second[9] is other       # (checked by identity first: == on two tensors compares their values)
+    assert second[:9] + second[10:] == (7, 6, 4, 2003, "cu-function", "packed", None, None, None, 10, 1, 16, 7)
 
 
-@pytest.mark.parametrize("change", ["int value", "tensor dtype", "tensor alignment", "constexpr", "option"])
-def test_a_changed_specialisation_takes_tritons_path(fake, change):
+@pytest.mark.parametrize("change", ["int value", "tensor dtype of the same size", "tensor 2 bytes off",
+                                    "tensor 8 bytes off", "constexpr", "option", "current device"])
+def test_a_changed_specialisation_takes_tritons_path(fake, monkeypatch, change):
     kernel, launcher = fake
-    base = torch.zeros(64)
+    base = torch.randn(64, dtype=torch.float16)
     args, kwargs = [base, 32, 1], dict(BLOCK=16, num_warps=4)
     launcher((1,), (args[0],), (args[1], args[2]), **kwargs)
     if change == "int value":
         args[1] = 33                    # Triton specialises ints on divisibility by 16 and on == 1
-    elif change == "tensor dtype":
-        args[0] = base.to(torch.float16)
-    elif change == "tensor alignment":
-        args[0] = base[1:]              # 4 bytes past a 16-byte boundary
+    elif change == "tensor dtype of the same size":
+        args[0] = base.to(torch.bfloat16)   # a key of the element size alone would take fp16's kernel
+    elif change == "tensor 2 bytes off":
+        args[0] = base[1:]
+    elif change == "tensor 8 bytes off":
+        args[0] = base[4:]              # still 8-byte aligned: only a 16-byte check tells
     elif change == "constexpr":
         kwargs["BLOCK"] = 32
-    else:
+    elif change == "option":
         kwargs["num_warps"] = 8
+    else:
+        monkeypatch.setattr(triton_launch, "_current_device", lambda: 4)   # compiled kernels are per device
     launcher((1,), (args[0],), (args[1], args[2]), **kwargs)
     assert len(kernel.slow_launches) == 2 and launcher.hits == 0
 
 
 def test_hooks_or_disabled_always_take_tritons_path(fake, monkeypatch):
     kernel, launcher = fake
-    x = torch.zeros(8)
+    x = torch.randn(8)
+    launcher((1,), (x,), (8, 1), BLOCK=8)       # the key is known: only the hook or the switch keeps it off
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: True)   # e.g. a profiler's launch hook
     for _ in range(3):
         launcher((1,), (x,), (8, 1), BLOCK=8)
     launcher.enabled = False
     monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
     launcher((1,), (x,), (8, 1), BLOCK=8)
-    assert len(kernel.slow_launches) == 4 and launcher.hits == 0
+    assert len(kernel.slow_launches) == 5 and launcher.hits == 0
+    assert launcher.bound((1,), (x,), (8, 1), dict(BLOCK=8)) is None     # nor does a plan's replay take it
+    launcher.enabled = True
+    launcher((1,), (x,), (8, 1), BLOCK=8)
+    assert launcher.hits == 1                   # the key was there all along
 
 
+@pytest.mark.parametrize("which", ["launch_enter_hook", "launch_exit_hook"], ids=["enter", "exit"])
 @pytest.mark.parametrize("hook, is_set", [(None, False), ("empty chain", False), ("chain", True), ("callable", True)])
-def test_launch_hooks_are_detected(monkeypatch, hook, is_set):
+def test_launch_hooks_are_detected(monkeypatch, which, hook, is_set):
     from triton import knobs
 
     class Chain:   # Triton >= 3.5 keeps the hooks in a HookChain, never None
@@ -107,24 +126,40 @@ def test_launch_hooks_are_detected(monkeypatch, hook, is_set):
             self.calls = calls
 
     value = {"empty chain": Chain([]), "chain": Chain([print]), "callable": print}.get(hook)
-    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", value)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(knobs.runtime, which, value)
     assert triton_launch._hooks_set() is is_set
 
 
 def test_key_table_is_bounded(fake, monkeypatch):
     kernel, launcher = fake
     monkeypatch.setattr(triton_launch, "MAX_KEYS", 4)
-    x = torch.zeros(8)
+    x = torch.randn(8)
     for n in range(10):
         launcher((1,), (x,), (n, 1), BLOCK=8)
     assert len(launcher._compiled) <= 4
+    launcher((1,), (x,), (9, 1), BLOCK=8)       # the key that found the table full is kept all the same
+    assert launcher.hits == 1
 
 
 def test_interpreter_turns_the_shortcut_off():
     if DEVICE == "cuda":
         pytest.skip("the interpreter is off on the GPU run")
     assert not launch.SHRINK.enabled and not launch.EXPAND.enabled
+    switches = triton_launch.switches()
+    triton_launch.set_fast_launch(True)         # asking for it does not turn it on under the interpreter
+    assert not any(launcher.enabled for launcher in (launch.SHRINK, launch.EXPAND, launch.FUSED))
+    assert triton_launch.switches() > switches  # plans hold compiled kernels: lora_ops.plan keys on the count
+
+
+@pytest.mark.parametrize("setting, enabled", [("0", False), ("1", True)])
+def test_environment_switches_the_shortcut(monkeypatch, setting, enabled):
+    """LORA_OPS_FAST_LAUNCH=0 turns it off where Triton would allow it."""
+    monkeypatch.setattr(triton_launch, "_triton_allows_shortcut", lambda: True)
+    monkeypatch.setattr(triton_launch, "_LAUNCHERS", [])
+    monkeypatch.setenv("LORA_OPS_FAST_LAUNCH", setting)
+    assert triton_launch.FastLauncher(FakeKernel()).enabled is enabled
 
 
 # ---- ops.call: straight to the kernel, or through the dispatcher when something needs it ----------
@@ -182,8 +217,9 @@ def test_in_place_ops_bump_the_version_on_every_backend(backend, name, route):
         out.sum().backward()
 
 
-def test_call_under_inference_mode():
-    """Inference tensors have no version counter: the in-place op must not try to bump it."""
+def test_call_under_inference_mode(backend):
+    """Inference tensors have no version counter: the in-place op must not try to bump it. (On every backend:
+    only the Triton kernels bump it themselves.)"""
     case = _case()
     expected = case.new_y("random")
     with torch.inference_mode():
@@ -192,6 +228,27 @@ def test_call_under_inference_mode():
     torch.ops.lora_ops.add_lora_(expected, case.x, case.lora_a, case.lora_b, case.scale, case.rank,
                                  list(case.slice_widths), *case.meta)
     assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("route", ["torch.ops", "ops.call"])
+@pytest.mark.parametrize("name", ["lora_linear", "shrink"])
+def test_out_of_place_ops_leave_their_inputs_versions_alone(backend, name, route):
+    """Only an op that writes its first argument (ops.MUTATES_FIRST) bumps a version counter: a bumped input (x,
+    lora_linear's and shrink's first) would make autograd refuse a backward that saved it."""
+    case = _case()
+    weight = torch.randn(case.shape[2], case.shape[1], generator=case.gen).to(DEVICE)
+    if name == "lora_linear":
+        args = (case.x, weight, None, case.lora_a, case.lora_b, case.scale, case.rank, list(case.slice_widths),
+                *case.meta)
+    else:
+        args = (case.x, case.lora_a, case.scale, case.rank, *case.meta)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    versions = [t._version for t in tensors]
+    if route == "torch.ops":
+        getattr(torch.ops.lora_ops, name)(*args)
+    else:
+        ops.call(name, *args)
+    assert [t._version for t in tensors] == versions
 
 
 def test_call_goes_through_the_dispatcher_under_a_dispatch_mode():
