@@ -89,9 +89,15 @@ def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monke
     asked, whole = [], precision.base_linear
     monkeypatch.setattr(configs, "stack_pad_at", lambda *a: asked.append(a) or 2)
     monkeypatch.setattr(precision, "base_linear", lambda *a: pytest.fail("the whole stack was multiplied"))
+    # The rows the GEMM takes, counted: one padding row more leaves every column read right (padding is zero),
+    # and only the GEMM's shape, the one thing the table chose, would differ.
+    prefix_rows, prefix_gemm = [], precision.stack_prefix_gemm
+    monkeypatch.setattr(precision, "stack_prefix_gemm",
+                        lambda x, w, rows: prefix_rows.append(rows) or prefix_gemm(x, w, rows))
     out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
                                                  case.slice_widths, *case.meta)
     assert asked and asked[0][:4] == (M, N, K, L * S * 16) and out.shape == (M, E + 5)
+    assert prefix_rows == [E + 2]
     monkeypatch.setattr(precision, "base_linear", whole)
     full = F.linear(case.x, stacked[:E + 2])
     check_output(out[:, :E + 2], full, case, ref, dtype)
@@ -102,6 +108,19 @@ def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monke
         out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
                                                      case.slice_widths, *case.meta)
         check_output(out, F.linear(case.x, stacked), case, ref, dtype)
+    assert prefix_rows == [E + 2]   # (the two calls above: the whole stack's GEMM, no prefix)
+
+
+def test_lora_linear_stacked_with_a_bias_multiplies_the_whole_stack(backend, monkeypatch):
+    """With a bias the GEMM takes the whole stack whatever the table pads this count (stacked_prefix_rows: the
+    prefix's mm into a column view has no bias to add): y keeps its bias, and every column is the whole stack's."""
+    from lora_ops import configs
+    dtype = torch.float32
+    case, stacked, bias, before, ref = stacked_problem(37, 16, dtype, backend.device, seed=13, pad=5)
+    monkeypatch.setattr(configs, "stack_pad_at", lambda *a: 2)
+    out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, bias, case.lora_b, case.scale, case.rank,
+                                                 case.slice_widths, *case.meta)
+    check_output(out, before, case, ref, dtype)
 
 
 # The expand kernel's two paths (whole rank in one block; the rank loop), each with one and two column blocks.
@@ -356,8 +375,9 @@ def test_a_base_layer_wrapped_in_a_second_model_is_not_stacked_again(first):
     assert layer._stacked is not None and layer._stack_intact(layer.base.weight, layer.base.bias, layer.lora_a)
 
 
+@pytest.mark.parametrize("parametrized", ["base_weight", "lora_a"])
 @pytest.mark.parametrize("what", ["half", "deepcopy", "load_state_dict_assign"])
-def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(what):
+def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(monkeypatch, what, parametrized):
     """A parametrized base weight (or lora_a) registered after apply_lora: the re-stack of a conversion, a
     deep copy or an assigning load raised torch's "attribute 'weight' already exists". The layer runs
     unstacked from then on."""
@@ -371,7 +391,8 @@ def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(what):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
     ctx = lora_ops.apply_lora(model, ["0"], max_loras=2, max_rank=4, max_tokens=16, stack_a=True)
-    torch.nn.utils.parametrize.register_parametrization(model[0].base, "weight", Twice())
+    owner, name = (model[0].base, "weight") if parametrized == "base_weight" else (model[0], "lora_a")
+    torch.nn.utils.parametrize.register_parametrization(owner, name, Twice())
     if what == "half":
         model = model.half().float()
     elif what == "deepcopy":
@@ -379,12 +400,17 @@ def test_a_parametrization_registered_after_apply_lora_unstacks_the_layer(what):
     else:
         model.load_state_dict(model.state_dict(), assign=True)
     layer = model[0]
-    assert layer._stacked is None
+    # (A deep copy of a layer whose lora_a is parametrized keeps the copied stack, unused: torch's deepcopy of a
+    # parametrized module skips LoRALinear.__setstate__, which would drop it. The calls below show it unused.)
+    assert layer._stacked is None or (what, parametrized) == ("deepcopy", "lora_a")
     layer.context.set_batch([(None, 4)])
     x = torch.randn(4, 16)
+    weight = (2 * layer.base.parametrizations.weight.original if parametrized == "base_weight"
+              else layer.base.weight)
+    used = stack_ops_used(monkeypatch)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), x @ (2 * layer.base.parametrizations.weight.original).T
-                                   + layer.base.bias, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(layer(x), x @ weight.T + layer.base.bias, rtol=1e-3, atol=1e-3)
+    assert used and "lora_linear_stacked" not in used   # (lora_linear, or add_lora_ after a parametrized base)
     del ctx
 
 
@@ -401,13 +427,24 @@ def test_share_memory_keeps_the_stack_shared():
 
 
 def test_stack_a_falls_back_when_a_parameter_is_replaced(monkeypatch):
+    """A base weight replaced by a new parameter is no longer the stack's view: that layer takes lora_linear, on
+    the new weight. (New values: the stack still holds the old ones, so a layer that took it would differ.)"""
     (plain, stacked), (ctx0, ctx1) = stacked_models()
-    layer = stacked.model.layers[0].self_attn.o_proj
-    layer.base.weight = torch.nn.Parameter(layer.base.weight.detach().clone())   # no longer the stack's view
+    layer, reference = stacked.model.layers[0].self_attn.o_proj, plain.model.layers[0].self_attn.o_proj
+    fresh = torch.randn(layer.base.weight.shape, generator=torch.Generator().manual_seed(4))
+    layer.base.weight = torch.nn.Parameter(fresh.clone())
+    with torch.no_grad():
+        reference.base.weight.copy_(fresh)
     used = stack_ops_used(monkeypatch)
-    requests = [("a", 4)]
+    requests = [("a", 4), ("b", 3)]
     torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
-    assert "lora_linear" in used
+    x = torch.randn(7, layer.in_features, generator=torch.Generator().manual_seed(5))
+    used.clear()
+    with torch.no_grad():
+        out = layer(x)
+    assert used == ["lora_linear"]
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-5)   # (ctx0's batch: the same requests)
 
 
 @pytest.mark.parametrize("how", ["load_state_dict_assign", "weight", "bias", "lora_a", "weight_set_then_to"])
@@ -508,6 +545,7 @@ def test_stacked_token_limit_on_llama_shapes(monkeypatch):
     assert stacked_token_limit(28672, 4096, L * 2 * 16) == 1170          # gate_up, rank 16: y is wide
     assert stacked_token_limit(28672, 4096, L * 2 * 16, dtype=torch.float32) == 585
     assert stacked_token_limit(4096, 4096, L * 1 * 16, pad_rows=192) == 4096   # 256 rows: 2^32 / (4096 * 256)
+    assert stacked_token_limit(4096, 4096, L * 1 * 16, pad_rows=128) == 8192   # 192 rows, still narrow: by y
 
 
 def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
@@ -516,6 +554,10 @@ def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
     from lora_ops import configs, layers
     asked = []
     monkeypatch.setattr(configs, "stack_pad_rows", lambda N, K, E, device, dtype: asked.append((N, K, E)) or 5)
+    # The toy stacks are narrow (<= STACKED_FREE_ROWS), whose limit is y's alone, padded or not: here no stack is
+    # free and the MAC budget binds (between 256 tokens and y's limit), so the five padding rows lower the limit.
+    monkeypatch.setattr(layers, "STACKED_FREE_ROWS", 0)
+    monkeypatch.setattr(layers, "STACKED_MAX_EXTRA_MACS", 2 ** 24)
     (plain, stacked), (ctx0, ctx1) = stacked_models()
     layer = stacked.model.layers[0].self_attn.o_proj
     N, K = layer.base.weight.shape
@@ -525,6 +567,7 @@ def test_stack_a_pads_its_buffer_as_the_table_says(monkeypatch):
     assert torch.equal(stack[N + E:], stack.new_zeros(5, K))
     assert stack_bias is None or stack_bias.shape == (N + E + 5,)
     assert layer.stacked_max_tokens == layers.stacked_token_limit(N, K, E, pad_rows=5, dtype=stack.dtype)
+    assert layer.stacked_max_tokens < layers.stacked_token_limit(N, K, E, dtype=stack.dtype)
     requests = [("a", 5), (None, 3), ("b", 4)]
     torch.testing.assert_close(run_batch(stacked, ctx1, requests), run_batch(plain, ctx0, requests), **MODEL_TOL)
     stacked.half().float()
@@ -541,7 +584,7 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
     entries = [dict(kind="stack_pad", pad=128, **shape),
                dict(kind="stack_pad", pad=96, buckets=[1, 16, 64, 256], bucket_pads=[32, 0, 96, 64],
                     **dict(shape, features=6144)),
-               dict(kind="stack_pad", pad=160, buckets=[16, 64, 256, 1024], bucket_pads=[64, 0, 32, 160],
+               dict(kind="stack_pad", pad=160, buckets=[16, 64, 256, 1024], bucket_pads=[64, 0, 96, 160],
                     **dict(shape, layer="down", in_features=14336, rows=128)),
                dict(kind="stack_limit", max_tokens=256, buckets=[16, 64, 256, 1024],
                     **dict(shape, layer="down", in_features=14336, rows=128)),
@@ -558,18 +601,19 @@ def test_stack_entries_apply_to_their_exact_shape(pretend_gpu_table):
         assert configs.stack_pad_rows(6144, 4096, 256, cuda, torch.bfloat16) == 96
         assert [configs.stack_pad_at(M, 6144, 4096, 256, cuda, torch.bfloat16)
                 for M in (1, 2, 16, 17, 64, 200, 256, 1024, 8192)] == [32, 0, 0, 96, 96, 64, 64, 64, 64]
-        # A first bucket above the count: its pad. A stack limit the layer lost past: the stack holds only
-        # the rows of the buckets it serves, and no count takes more.
+        # A first bucket above the count: its pad. A stack limit the layer lost past (256): the stack holds only
+        # the rows of the buckets it serves, the limit's own (256: 96 rows) the most of them, and no count takes more.
         assert configs.stack_pad_at(1, 4096, 14336, 128, cuda, torch.bfloat16) == 64
-        assert configs.stack_pad_rows(4096, 14336, 128, cuda, torch.bfloat16) == 64
-        assert configs.stack_pad_at(1024, 4096, 14336, 128, cuda, torch.bfloat16) == 64
+        assert configs.stack_pad_rows(4096, 14336, 128, cuda, torch.bfloat16) == 96
+        assert configs.stack_pad_at(1024, 4096, 14336, 128, cuda, torch.bfloat16) == 96
         assert configs.stack_pad_at(64, 6144, 4096, 512, cuda, torch.bfloat16) is None   # no entry: all of it
         assert configs.stack_limit_tokens(4096, 4096, 256, cuda, torch.bfloat16) == (1024, 1024)
         # Won at every bucket measured: the rule beyond (2^32 / (4096 * 256)); lost past 64: 64, not the rule's.
         assert layers.stacked_token_limit(4096, 4096, 256, device=cuda, dtype=torch.bfloat16) == rule
         assert layers.stacked_token_limit(4096, 4096, 512, device=cuda, dtype=torch.bfloat16) == 64
         assert layers.stacked_token_limit(4096, 4096, 512) == 2048
-        for N, K, E, device, dtype in [(4096, 4096, 192, cuda, torch.bfloat16), (4096, 14336, 256, cuda, torch.bfloat16),
+        for N, K, E, device, dtype in [(4096, 4096, 192, cuda, torch.bfloat16),
+                                       (4096, 14336, 256, cuda, torch.bfloat16),
                                        (4096, 4096, 256, cuda, torch.float32), (4096, 4096, 256, None, torch.bfloat16)]:
             kw = {} if device is None else dict(device=device, dtype=dtype)   # None: the CPU's defaults
             assert configs.stack_pad_rows(N, K, E, **kw) == 0
