@@ -38,7 +38,7 @@ def signed(shape, case):
 def layer_leaves(case, needs):
     M, K, N = case.shape[:3]
     values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
-              "lora_a": case.lora_a, "lora_b": case.lora_b, "y": signed((M, N), case)}
+              "lora_a": case.lora_a, "lora_b": case.lora_b, "y": signed((M, N), case), "scale": case.scale}
     return {name: t.detach().clone().requires_grad_(name in needs) for name, t in values.items()}
 
 
@@ -48,14 +48,18 @@ def run(op, case, leaves, grad_out):
         args = (leaves["x"], leaves["weight"], leaves["bias"])
     else:
         args = (leaves["y"], leaves["x"])
-    out = ops.call(op, *args, leaves["lora_a"], leaves["lora_b"], case.scale, case.rank, case.slice_widths,
+    out = ops.call(op, *args, leaves["lora_a"], leaves["lora_b"], leaves["scale"], case.rank, case.slice_widths,
                    *case.meta)
     out.backward(grad_out)
     return out.detach(), type(out.grad_fn).__name__, {n: t.grad for n, t in leaves.items() if t.requires_grad}
 
 
-NEEDS = {"lora_linear": [("x",), ("lora_a", "lora_b"), ("weight",), ("x", "weight", "bias", "lora_a", "lora_b")],
-         "add_lora": [("x",), ("lora_a", "lora_b"), ("y",), ("y", "x", "lora_a", "lora_b")]}
+# ("scale",): any argument that requires grad makes autograd need the call, scale too, which the op gives no gradient
+# (its output requires grad all the same, as through the dispatcher: DESIGN §4, bound eager calls).
+NEEDS = {"lora_linear": [("x",), ("lora_a", "lora_b"), ("weight",), ("x", "weight", "bias", "lora_a", "lora_b"),
+                         ("scale",)],
+         "add_lora": [("x",), ("lora_a", "lora_b"), ("y",), ("y", "x", "lora_a", "lora_b"), ("scale",)]}
+NO_GRADIENT = {"scale"}
 
 
 @pytest.mark.parametrize("op, needs", [(op, needs) for op, cases in NEEDS.items() for needs in cases],
@@ -74,7 +78,10 @@ def test_eager_autograd_equals_dispatcher_bit_for_bit(backend, op, needs, dispat
     assert torch.equal(out, ref_out)
     assert set(grads) == set(ref_grads) == set(needs)
     for name in needs:
-        assert grads[name] is not None and torch.equal(grads[name], ref_grads[name]), name
+        if name in NO_GRADIENT:
+            assert grads[name] is None and ref_grads[name] is None, name
+        else:
+            assert grads[name] is not None and torch.equal(grads[name], ref_grads[name]), name
 
 
 def set_slot_ranks(layer):
@@ -85,15 +92,22 @@ def set_slot_ranks(layer):
         layer.scale.copy_(torch.tensor([0.5, -1.25, 2.0]))
 
 
+BOUND_BACKWARD = {"lora_linear": "BoundLoRALinearBackward", "add_lora": "BoundAddLoraBackward"}
+
+
 def test_layer_training_step_takes_eager_autograd(backend):
     """A LoRALinear with trainable adapters (plain nn.Linear base: lora_linear) and one whose base has a hook
-    (base forward, then add_lora) both build their backward from ops.AUTOGRAD."""
+    (base forward, then add_lora) both build their backward from ops.AUTOGRAD. The Triton kernels bind that call:
+    the next step replays it (autograd.BoundLoRALinear, BoundAddLora) with the first step's output and every
+    gradient bit for bit, the trainable base's weight and bias among them; the base's own output, which the hook
+    keeps (activation capture), holds no delta (a bound add_lora adds it into a copy, as the op does)."""
     torch.manual_seed(0)
     dev = backend.device
     ctx = lora_ops.LoRAContext(3, 64, device=dev)
     plain = LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8])
     hooked = LoRALinear(nn.Linear(16, 24).to(dev), ctx, 8, [16, 8])
-    hooked.base.register_forward_hook(lambda module, args, out: out)
+    kept = []   # (the base's output the hook got, a copy taken then)
+    hooked.base.register_forward_hook(lambda module, args, out: kept.append((out, out.detach().clone())))
     for layer in (plain, hooked):
         set_slot_ranks(layer)
         for p in (layer.lora_a, layer.lora_b):
@@ -102,14 +116,25 @@ def test_layer_training_step_takes_eager_autograd(backend):
             p.requires_grad_(True)
     ctx.set_token_slots(torch.tensor([0, 1, -1, 2, 0, 1, 2, -1, 0]))
     x = torch.randn(9, 16, device=dev, requires_grad=True)
+    grad_out = torch.randn(9, 24, device=dev)
     for layer, op in ((plain, "lora_linear"), (hooked, "add_lora")):
-        out = layer(x)
-        fn = out.grad_fn
-        while type(fn).__name__ == "ViewBackward0":     # (add_lora's output viewed back to y's shape)
-            fn = fn.next_functions[0][0]
-        assert type(fn).__name__ == f"Eager_lora_ops_{op}Backward"
-        out.sum().backward()
-        assert layer.lora_a.grad.abs().sum() > 0 and layer.lora_b.grad.abs().sum() > 0
+        leaves = {"x": x, "weight": layer.base.weight, "bias": layer.base.bias, "lora_a": layer.lora_a,
+                  "lora_b": layer.lora_b}
+        steps = []
+        for _ in range(2):     # the op's path (which binds), then the bound call where the kernels are Triton's
+            for t in leaves.values():
+                t.grad = None
+            out = layer(x)
+            out.backward(grad_out)
+            steps.append((out.detach(), type(out.grad_fn).__name__, {n: t.grad for n, t in leaves.items()}))
+        (want_out, want_fn, want_grads), (out, fn, grads) = steps
+        assert want_fn == f"Eager_lora_ops_{op}Backward"
+        assert fn == (BOUND_BACKWARD[op] if backend.name == "triton" else want_fn)
+        assert all(g.abs().sum() > 0 for g in want_grads.values()), "a zero gradient: the comparison could not fail"
+        assert torch.equal(out, want_out)
+        for name in leaves:
+            assert grads[name] is not None and torch.equal(grads[name], want_grads[name]), (op, name)
+    assert len(kept) == 2 and all(torch.equal(y, y_then) for y, y_then in kept)
 
 
 class Tagged(torch.Tensor):
@@ -156,10 +181,15 @@ def test_no_grad_needed_runs_the_kernel_alone(backend):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _save_lora_linear(ctx, op, *args, **kwargs):
-    if op is torch.ops.lora_ops.lora_linear.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def save_lora_linear_policy(seen):
+    """A selective checkpointing policy: lora_linear's outputs saved, the rest recomputed; every op it is asked
+    about noted in the set ``seen``."""
+    def policy(ctx, op, *args, **kwargs):
+        seen.add(op)
+        if op is torch.ops.lora_ops.lora_linear.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 
 
 def two_layers(device):
@@ -207,8 +237,12 @@ def test_activation_checkpointing_gives_the_same_gradients(backend, mode):
         with torch.autograd.set_detect_anomaly(True):
             got = grads(block)
     elif mode == "selective":
-        contexts = functools.partial(create_selective_checkpoint_contexts, _save_lora_linear)
+        seen = set()
+        contexts = functools.partial(create_selective_checkpoint_contexts, save_lora_linear_policy(seen))
         got = grads(lambda inp: checkpoint(block, inp, use_reentrant=False, context_fn=contexts))
+        # Under its TorchDispatchMode a call that needs autograd takes the dispatcher (ops.wrapped), so the
+        # policy meets the op; the eager Function would hide it and the policy would save nothing of ours.
+        assert torch.ops.lora_ops.lora_linear.default in seen, sorted(map(str, seen))
     else:
         got = grads(lambda inp: checkpoint(block, inp, use_reentrant=mode == "reentrant"))
     for i, (a, b) in enumerate(zip(reference, got)):
