@@ -3,8 +3,10 @@ its own device (LoRAContext.serve_device).
 
 On the CPU machine the second device is ``meta``: its layers run the ops' fake kernels, whose device checks
 refuse metadata from another device, so a layer that read the context's CPU buffers fails there; values are
-checked on the CPU part. With a GPU, a model split between the GPU and the CPU (and between two GPUs, where
-there are two) against the same model on one device: outputs, gradients, per_row and a training step.
+checked on the CPU part, and those of a device's copy of the batch on the CPU alone, the context's buffers keyed
+as ``cpu:0`` (test_each_devices_copy_of_the_batch_follows_the_context). With a GPU, a model split between the GPU
+and the CPU (and between two GPUs, where there are two) against the same model on one device: outputs,
+gradients, per_row and a training step.
 """
 import copy
 
@@ -32,7 +34,8 @@ class SplitLM(ToyLM):
 
 def lora_lms(devices, seed=0):
     """(one-device model and its context, split model and its context): the same weights and adapters a
-    (rank 4) and b (rank 2); the split model's block i on ``devices[i]``, its head on the last device."""
+    (rank 4, lora_dropout 0.25: seen in train mode while a trainer is open) and b (rank 2); the split model's
+    block i on ``devices[i]``, its head on the last device."""
     torch.manual_seed(seed)
     one = SplitLM().eval()
     split = copy.deepcopy(one)
@@ -45,7 +48,8 @@ def lora_lms(devices, seed=0):
         ctx = apply_lora(model, PROJECTIONS, max_loras=3, max_rank=4, max_tokens=64)
         for i, (name, r) in enumerate([("a", 4), ("b", 2)]):
             tensors = peft_tensors(module_shapes(model, PROJECTIONS), r, seed=seed + i)
-            ctx.load_adapter_tensors(name, tensors, {"r": r, "lora_alpha": -2.0 * r if i else 3.0})
+            config = {"r": r, "lora_alpha": -2.0 * r if i else 3.0, "lora_dropout": 0.0 if i else 0.25}
+            ctx.load_adapter_tensors(name, tensors, config)
         models.append((model, ctx))
     return models
 
@@ -85,11 +89,85 @@ def test_one_context_serves_a_model_split_with_the_meta_device():
     block(h).sum().backward()
     assert h.grad.shape == h.shape and block.self_attn.q_proj.lora_b.grad.device.type == "meta"
 
+    # Micro-batches interleaved on the meta part: each backward reads its forward's copy of the batch there. A
+    # backward that read the device's buffers, refilled by the second set_batch, is refused.
+    losses = []
+    for requests in (REQUESTS, REQUESTS[::-1]):
+        ctx.set_batch(requests)
+        losses.append(block(torch.randn_like(h, requires_grad=True)).sum())
+    for loss in losses:
+        loss.backward()
+
+    # In train mode under a trainer (adapter a's dropout on) the dropout table, on the context's device, meets
+    # each layer's. (No backward: the trainer's gradient hooks read from a meta gradient whether it is non-zero.)
+    with ctx.train_slots(["a"]):
+        split.train()
+        ctx.set_batch(REQUESTS)
+        assert split(ids).device.type == "meta"
+        split.eval()
+
     ctx.set_token_slots(torch.tensor([0, 1, -1, 1] * 4))
     with torch.no_grad():
         assert split(ids).device.type == "meta"
         with ctx.per_row(["a", None, "b"]):
             assert split(torch.randint(0, 64, (3, 5))).shape[:2] == (3, 5)
+
+
+def test_each_devices_copy_of_the_batch_follows_the_context():
+    """The copy of the batch a layer on another device reads (serve_device's), with values: the same model and
+    adapters reading the context's own buffers give the same logits and gradients after each change of the
+    batch: one set before the device is served, set_token_slots, an unload and a load into the freed slot,
+    micro-batches interleaved under a trainer with dropout, per_row blocks one after another."""
+    (one, one_ctx), (two, ctx) = lora_lms(["cpu", "cpu"])
+    for c in (one_ctx, ctx):
+        c.set_batch(REQUESTS)       # grad mode on: autograd's copy taken before the device is served
+    # The CPU machine has one real device. The context's buffers keyed as cpu:0 (torch.device("cpu", 0) is not
+    # torch.device("cpu"); the tensors stay in CPU memory) make every layer, on "cpu", another device's: each
+    # reads the copy that serve_device keeps on "cpu" as a split model's layers do, and its values can be read.
+    ctx.device = torch.device("cpu", 0)
+    ctx.serve_device("cpu")
+    assert list(ctx._mirrors) == [torch.device("cpu")]
+    ids = torch.randint(0, 64, (2, 8))
+
+    def same_logits(rows=ids):
+        with torch.no_grad():
+            assert torch.equal(two(rows), one(rows))
+
+    same_logits()       # serve_device copied the batch set before it
+
+    # Under a trainer in train mode (dropout reads each token's slot), a forward on each of two batches, then
+    # their backwards: each reads its own batch's copy on the device (taken again when the device was served).
+    grads = []
+    for model, c in ((one, one_ctx), (two, ctx)):
+        with c.train_slots(["a", "b"]):
+            model.train()
+            losses = []
+            for seed, requests in enumerate((REQUESTS, REQUESTS[::-1])):
+                if seed:
+                    c.set_batch(requests)
+                torch.manual_seed(seed)     # the same dropout masks in both models
+                losses.append(model(ids).square().mean())
+            for loss in losses:
+                loss.backward()
+            model.eval()
+            grads.append([stack.grad for layer in c.layers.values() for stack in (layer.lora_a, layer.lora_b)])
+    assert all(want.any() for want in grads[0])     # (every stack has trained tokens in both batches)
+    assert all(torch.equal(got, want) for got, want in zip(*grads[::-1]))
+
+    for c in (one_ctx, ctx):
+        c.set_token_slots(torch.tensor([0, 1, -1, 1] * 4))     # int64 slots, after a batch set per request
+    same_logits()
+    # b's tokens take no adapter after its unload, also once adapter c is loaded into the freed slot.
+    for model, c in ((one, one_ctx), (two, ctx)):
+        c.unload_adapter("b")
+        tensors = peft_tensors(module_shapes(model, PROJECTIONS), 3, seed=7)
+        c.load_adapter_tensors("c", tensors, {"r": 3, "lora_alpha": 5})
+        assert c.slot_of("c") == 1
+    same_logits()
+    rows = torch.randint(0, 64, (3, 5))
+    for adapters in (["a", None, "c"], ["c", "a", None]):       # each block its own rows on each device
+        with one_ctx.per_row(adapters), ctx.per_row(adapters):
+            same_logits(rows)
 
 
 def test_a_split_model_compiles_in_one_graph():
