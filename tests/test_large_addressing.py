@@ -78,6 +78,15 @@ def test_a_transposed_x_past_int32_feature_offsets_is_copied_row_major():
     assert launch._features_addressable(small) is small
 
 
+@pytest.mark.parametrize("features, copied", [(2 ** 11 + 1, True), (2 ** 11, False)],
+                         ids=["last-feature-offset-2^31", "last-feature-offset-2^31-2^20"])
+def test_the_copy_starts_at_the_first_feature_offset_int32_cannot_hold(features, copied):
+    """At the edge: a last feature offset of exactly 2^31 (feature stride 2^20) already overflows int32 and is
+    copied; one stride less fits and is not (meta tensors)."""
+    x = torch.empty_strided((2 ** 20, features), (1, 2 ** 20), device="meta")
+    assert (launch._features_addressable(x) is not x) == copied
+
+
 def test_the_shrink_and_one_launch_kernels_take_the_addressable_x(monkeypatch):
     """Both launchers hand their kernel what _features_addressable gives (launches built, not run)."""
     from conftest import make_case
