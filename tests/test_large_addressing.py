@@ -3,7 +3,8 @@
 Most tokens have no adapter (their programs return at once), the first and last tokens do: the last rows
 sit past the 2**31-element mark. Checked there against float64. On the CPU this runs the real Triton
 kernels through the interpreter, which takes about 7 minutes on 2 cores: opt in with LORA_OPS_SLOW_TESTS=1.
-With LORA_OPS_TEST_DEVICE=cuda it runs on the GPU.
+With LORA_OPS_TEST_DEVICE=cuda it runs on the GPU. test_far_apart_input_rows_past_int32_offsets reaches the
+same mark in the other kernels with 192 tokens (an input's rows 2^24 elements apart), by default, in about a second.
 """
 import os
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from conftest import DEVICE, INTERPRETED, TOLERANCE, rel_err
-from lora_ops import launch, ops
+from lora_ops import launch, launch_grad, ops
 from lora_ops.batch import LoRABatch
 from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig
+from lora_ops.reference import lora_delta_reference, shrink_reference
 
 EDGE_TOKENS = 64
 
@@ -100,3 +102,165 @@ def test_the_shrink_and_one_launch_kernels_take_the_addressable_x(monkeypatch):
     fused = launch.launch_fused(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank,
                                 case.slice_widths, *case.meta, FusedConfig(16, 32, 16, 16, 4, 1), run=False)
     assert shrink.tensors[0] is copies[0] and fused.tensors[0] is copies[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels test_rows_past_int32_offsets never reaches (the one-launch kernel, the backward kernels, the
+# write-first path), fast: an input's token rows FAR_ROW_STRIDE elements apart (a column slice of a wide
+# storage nothing else touches), so the last rows' offsets pass 2^31 elements with only FAR_TOKENS tokens.
+# Only inputs the caller passes can be laid out so; the outputs an op allocates are contiguous.
+# ---------------------------------------------------------------------------------------------
+FAR_TOKENS = 192
+FAR_ROW_STRIDE = 2 ** 24        # row 128 starts at element 2^31: a third of the tokens lie past it
+SMALL = 16                      # K, N and the max rank: few programs for the interpreter
+FAR_SLOTS, FAR_RANKS = 3, [16, 8, 12]
+
+
+def far_apart_rows(cols, dtype, gen, device):
+    """[FAR_TOKENS, cols] random signed values, rows FAR_ROW_STRIDE elements apart. On the CPU only the pages of
+    these rows are ever touched; on a GPU the whole storage is allocated (6.4 GB in fp16, 12.9 GB in fp32)."""
+    rows = torch.empty(FAR_TOKENS, FAR_ROW_STRIDE, dtype=dtype, device=device)[:, :cols]
+    rows.copy_(torch.randn(FAR_TOKENS, cols, generator=gen).to(dtype))
+    return rows
+
+
+def far_problem(device, seed):
+    """A LoRA problem of FAR_TOKENS tokens, every size SMALL, fp16: slots in [-1, L) with each slot and -1
+    among the tokens past 2^31 elements, so each kind of row is checked there."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float16
+
+    def signed(*shape, std=1.0, dtype=dtype):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=device)
+    slots = torch.randint(-1, FAR_SLOTS, (FAR_TOKENS,), generator=gen)
+    past_2_31 = torch.arange(FAR_TOKENS) * FAR_ROW_STRIDE >= 2 ** 31
+    slots[past_2_31.nonzero()[:FAR_SLOTS + 1, 0]] = torch.arange(-1, FAR_SLOTS)
+    batch = LoRABatch(FAR_TOKENS, FAR_SLOTS, device)
+    batch.update(slots.to(device))
+    sign = torch.randint(0, 2, (FAR_SLOTS,), generator=gen) * 2 - 1
+    return dict(gen=gen, dtype=dtype, device=device, signed=signed, slots=slots, meta=batch.meta,
+                lora_a=signed(FAR_SLOTS, 1, SMALL, SMALL, std=SMALL ** -0.5),
+                lora_b=signed(FAR_SLOTS, SMALL, SMALL, std=SMALL ** -0.5),
+                scale=(sign * (0.25 + 1.75 * torch.rand(FAR_SLOTS, generator=gen))).to(device),
+                rank=torch.tensor(FAR_RANKS, dtype=torch.int32, device=device))
+
+
+def operand(p, far, cols, dtype=None):
+    """The problem's [FAR_TOKENS, cols] operand: rows far apart if ``far``, else contiguous."""
+    dtype = dtype or p["dtype"]
+    if far:
+        return far_apart_rows(cols, dtype, p["gen"], p["device"])
+    return p["signed"](FAR_TOKENS, cols, dtype=dtype)
+
+
+def slot_outer_sums(u, v, p):
+    """float64 [L, P, Q]: per slot, the sum over its tokens of u[t, :rank]^T v[t] (zeros past the rank)."""
+    u, v = u.double().cpu(), v.double().cpu()
+    out = torch.zeros(FAR_SLOTS, u.shape[1], v.shape[1], dtype=torch.float64)
+    for slot, r in enumerate(FAR_RANKS):
+        ids = (p["slots"] == slot).nonzero().squeeze(1)
+        out[slot, :r] = u[ids, :r].T @ v[ids]
+    return out
+
+
+def one_launch_add_lora(p, far, request):
+    """add_lora_ on the one-launch kernel (kernels.fused), x or y far apart: y's rows of slot -1 unchanged."""
+    from lora_ops import configs
+    from lora_ops.configs.heuristics import FusedConfig
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setattr(configs, "fused_config", lambda *a, **k: FusedConfig(64, SMALL, SMALL, SMALL, 4, 1))
+    fused_launches = []
+    real_launch_fused = launch.launch_fused
+    monkeypatch.setattr(launch, "launch_fused", lambda *a, **k: fused_launches.append(1) or real_launch_fused(*a, **k))
+    x, y = operand(p, far == "x", SMALL), operand(p, far == "y", SMALL)
+    y_before = y.clone()
+    torch.ops.lora_ops.add_lora_(y, x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], [SMALL], *p["meta"])
+    assert fused_launches, "add_lora_ did not take the one-launch kernel"
+    no_adapter = (p["slots"] < 0).to(y.device)
+    assert torch.equal(y[no_adapter], y_before[no_adapter])
+    delta = y.double() - y_before.double()
+    ref = lora_delta_reference(x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slots"])
+    return delta, ref, TOLERANCE[p["dtype"]] + 2e-3     # + one fp16 rounding of y (non-zero start)
+
+
+def grad_x_of_far_dh(p, path, request):
+    """lora_grad_x with dh [M, 1, R] far apart: dx = dh A at each slot's rank, zero rows for slot -1 (every
+    row written). At FAR_TOKENS tokens the heuristic takes the rank loop; ``one-rank-block`` forces the other."""
+    if path == "one-rank-block":
+        real_config = launch_grad.grad_x_config
+        request.getfixturevalue("monkeypatch").setattr(
+            launch_grad, "grad_x_config", lambda *a, **k: real_config(*a, **k)._replace(one_rank_block=True))
+    else:
+        assert not launch_grad.grad_x_config(FAR_TOKENS, SMALL, SMALL, 1).one_rank_block
+    dh = operand(p, True, SMALL, torch.float32).unsqueeze(1)
+    dx = torch.ops.lora_ops.lora_grad_x(dh, p["lora_a"], p["rank"], *p["meta"])
+    dh64, a64 = dh[:, 0].double().cpu(), p["lora_a"][:, 0].double().cpu()
+    ref = torch.zeros(FAR_TOKENS, SMALL, dtype=torch.float64)
+    for slot, r in enumerate(FAR_RANKS):
+        ids = (p["slots"] == slot).nonzero().squeeze(1)
+        ref[ids] = dh64[ids, :r] @ a64[slot, :r]
+    return dx, ref, TOLERANCE[dx.dtype]
+
+
+def grad_h_of_far_dy(p, far, request):
+    """lora_grad_h with dy far apart (the shrink kernel over each slice's columns): dh = scale dy B."""
+    dy = operand(p, True, SMALL)
+    dh = torch.ops.lora_ops.lora_grad_h(dy, p["lora_b"], p["scale"], p["rank"], [SMALL], *p["meta"])
+    b_t = p["lora_b"].transpose(1, 2).unsqueeze(1)               # B^T [L, 1, R, N]: dh is the shrink of dy by it
+    return dh, shrink_reference(dy, b_t, p["scale"], p["rank"], p["slots"]), TOLERANCE[torch.float32]
+
+
+def grad_a_far(p, far, request):
+    """lora_grad_a (segment_outer) with dh or x far apart: dA[l] = sum of dh[t]^T x[t] over slot l's tokens."""
+    dh = operand(p, far == "dh", SMALL, torch.float32)
+    x = operand(p, far == "x", SMALL)
+    grad_a = torch.ops.lora_ops.lora_grad_a(dh.unsqueeze(1), x, p["rank"], *p["meta"])
+    return grad_a[:, 0], slot_outer_sums(dh, x, p), TOLERANCE[grad_a.dtype]
+
+
+def grad_b_far(p, far, request):
+    """lora_grad_b (segment_outer) with dy or h far apart: dB[l] = sum of dy[t]^T h[t] over slot l's tokens."""
+    dy = operand(p, far == "dy", SMALL)
+    h = operand(p, far == "h", SMALL, torch.float32)
+    grad_b = torch.ops.lora_ops.lora_grad_b(dy, h.unsqueeze(1), p["rank"], [SMALL], *p["meta"])
+    return grad_b.transpose(1, 2), slot_outer_sums(h, dy, p), TOLERANCE[grad_b.dtype]
+
+
+def write_first_lora_linear(p, far, request):
+    """lora_linear's write-first path (the shrink, the expand storing the delta, then y += x W^T) on x far
+    apart; write_calls fills y with NaN first, so a row the store skipped fails."""
+    request.getfixturevalue("write_first_from")(1)
+    write_calls = request.getfixturevalue("write_calls")
+    x = operand(p, True, SMALL)
+    weight = p["signed"](SMALL, SMALL, std=SMALL ** -0.5)
+    y = torch.ops.lora_ops.lora_linear(x, weight, None, p["lora_a"], p["lora_b"], p["scale"], p["rank"], [SMALL],
+                                       *p["meta"])
+    assert len(write_calls) == 1, "lora_linear did not take the write-first path"
+    ref = x.double().cpu() @ weight.double().cpu().T + lora_delta_reference(
+        x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slots"])
+    return y, ref, TOLERANCE[p["dtype"]]
+
+
+FAR_CASES = {
+    "fused-x-past-2^31": (one_launch_add_lora, "x"),
+    "fused-y-past-2^31": (one_launch_add_lora, "y"),
+    "grad_x-dh-past-2^31": (grad_x_of_far_dh, "rank-loop"),
+    "grad_x-one-rank-block-dh-past-2^31": (grad_x_of_far_dh, "one-rank-block"),
+    "grad_h-dy-past-2^31": (grad_h_of_far_dy, "dy"),
+    "grad_a-dh-past-2^31": (grad_a_far, "dh"),
+    "grad_a-x-past-2^31": (grad_a_far, "x"),
+    "grad_b-dy-past-2^31": (grad_b_far, "dy"),
+    "grad_b-h-past-2^31": (grad_b_far, "h"),
+    "write-first-x-past-2^31": (write_first_lora_linear, "x"),
+}
+
+
+@pytest.mark.parametrize("case", FAR_CASES, ids=list(FAR_CASES))
+def test_far_apart_input_rows_past_int32_offsets(case, triton_kernels, request):
+    """Each kernel reads an input's token rows at 64-bit offsets: rows of a caller's strided input lie past 2^31
+    elements with only FAR_TOKENS tokens (the interpreter wraps an int32 offset there, as a GPU would). Checked
+    against float64. lora_linear_stacked is not here: its expand reads only the output its GEMM allocates."""
+    run, far = FAR_CASES[case]
+    p = far_problem(triton_kernels.device, seed=sorted(FAR_CASES).index(case))
+    out, ref, tolerance = run(p, far, request)
+    assert rel_err(out, ref) <= tolerance
