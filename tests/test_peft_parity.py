@@ -415,18 +415,33 @@ def tiny_qwen2_moe():
 MOE_TARGETS = ["q_proj", "v_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"]
 
 
-def peft_one_adapter_a_row(peft_model, rows, run):
-    """``run(peft_model)`` with each adapter of ``rows`` active in turn (none: adapters disabled), each row's
-    output taken from the run of its adapter: PEFT's answer where its mixed batches do not reach (Qwen2-MoE's
+def one_peft_model_per_adapter(base, targets, tmp_path, adapters):
+    """({name: a PeftModel over its own copy of ``base`` holding that adapter alone}, {name: its saved PEFT
+    directory}). Not one PeftModel with every adapter (make_peft_adapters): PEFT 0.22 rewrites the config of an
+    adapter added to a Qwen2-MoE PeftModel (its transformers-v5 MoE conversion takes the wrapped shared expert's
+    projections for fused expert parameters, target_parameters) and saves none of their tensors."""
+    torch.manual_seed(123)
+    models, paths = {}, {}
+    for name, kwargs in adapters.items():
+        config = peft.LoraConfig(target_modules=targets, init_lora_weights=False, **kwargs)
+        models[name] = peft.get_peft_model(copy.deepcopy(base), config, adapter_name=name).eval()
+        models[name].save_pretrained(tmp_path)
+        paths[name] = str(tmp_path / name)
+    return models, paths
+
+
+def peft_one_adapter_a_row(peft_models, rows, run):
+    """``run(model)`` with each adapter of ``rows`` (its model of ``peft_models``; none: adapters disabled), each
+    row's output taken from the run of its adapter: PEFT's answer where its mixed batches do not reach (Qwen2-MoE's
     shared expert sees the tokens flattened, and adapter_names needs a row per input)."""
     outs = {}
     for name in set(rows):
         if name is None:
-            with peft_model.disable_adapter():
-                outs[name] = run(peft_model)
+            model = next(iter(peft_models.values()))
+            with model.disable_adapter():
+                outs[name] = run(model)
         else:
-            peft_model.set_adapter(name)
-            outs[name] = run(peft_model)
+            outs[name] = run(peft_models[name])
     return torch.stack([outs[name][i] for i, name in enumerate(rows)])
 
 
@@ -436,7 +451,7 @@ def test_moe_generate_inside_per_row_eager_and_compiled(tmp_path, kernels):
     with the forward compiled (fullgraph=True, the flattened layers' batches built in the graph) generate gives
     the eager tokens, other adapters compiling nothing new."""
     base = tiny_qwen2_moe()
-    peft_model, paths = make_peft_adapters(base, MOE_TARGETS, tmp_path, adapters=TWO_ADAPTERS)
+    peft_models, paths = one_peft_model_per_adapter(base, MOE_TARGETS, tmp_path, TWO_ADAPTERS)
     model = copy.deepcopy(base)
     ctx = load_ours(model, MOE_TARGETS, paths)
     assert any("shared_expert" in path for path in ctx.layers)
@@ -446,13 +461,13 @@ def test_moe_generate_inside_per_row_eager_and_compiled(tmp_path, kernels):
     with torch.no_grad():
         with ctx.per_row(rows):
             logits = model(input_ids).logits
-        assert_rows_match(logits, peft_one_adapter_a_row(peft_model, rows, lambda m: m(input_ids=input_ids).logits),
+        assert_rows_match(logits, peft_one_adapter_a_row(peft_models, rows, lambda m: m(input_ids=input_ids).logits),
                           rows)
         want = []
         for r in (rows, other):
             with ctx.per_row(r):
                 want.append(model.generate(input_ids, **kwargs))
-            assert torch.equal(want[-1], peft_one_adapter_a_row(peft_model, r, lambda m: m.generate(
+            assert torch.equal(want[-1], peft_one_adapter_a_row(peft_models, r, lambda m: m.generate(
                 input_ids=input_ids, **kwargs)))
         assert not torch.equal(want[0], base.generate(input_ids, **kwargs))     # (the adapters chose other tokens)
         if compile_runs_here(kernels):
