@@ -657,7 +657,7 @@ def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels, monkey
 
 
 def segment_outer_reference(u, v, case):
-    """float64 [L, P, Q], token by token."""
+    """float64 [L, P, Q], token by token (``case``: its rank and token_slots)."""
     L = case.rank.shape[0]
     out = torch.zeros(L, u.shape[1], v.shape[1], dtype=torch.float64)
     ranks = case.rank.tolist()
@@ -669,9 +669,8 @@ def segment_outer_reference(u, v, case):
 
 
 def grad_x_reference(dh, case):
-    """float64 [M, K], token by token."""
-    M, K = case.x.shape
-    out = torch.zeros(M, K, dtype=torch.float64)
+    """float64 [M, K], token by token (``case``: its lora_a, rank and token_slots)."""
+    out = torch.zeros(dh.shape[0], case.lora_a.shape[-1], dtype=torch.float64)
     ranks = case.rank.tolist()
     for t, s in enumerate(case.token_slots.tolist()):
         if s >= 0:

@@ -7,6 +7,7 @@ With LORA_OPS_TEST_DEVICE=cuda it runs on the GPU. test_far_apart_input_rows_pas
 same mark in the other kernels with 192 tokens (an input's rows 2^24 elements apart), by default, in about a second.
 """
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lora_ops import launch, launch_grad, ops
 from lora_ops.batch import LoRABatch
 from lora_ops.configs.heuristics import ExpandConfig, ShrinkConfig
 from lora_ops.reference import lora_delta_reference, shrink_reference
+from test_autograd import grad_x_reference, segment_outer_reference
 
 EDGE_TOKENS = 64
 
@@ -126,7 +128,8 @@ def far_apart_rows(cols, dtype, gen, device):
 
 def far_problem(device, seed):
     """A LoRA problem of FAR_TOKENS tokens, every size SMALL, fp16: slots in [-1, L) with each slot and -1
-    among the tokens past 2^31 elements, so each kind of row is checked there."""
+    among the tokens past 2^31 elements, so each kind of row is checked there. Its fields carry a Case's names
+    (token_slots, lora_a, rank, ...): test_autograd's token-by-token references read it as one."""
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float16
 
@@ -138,29 +141,19 @@ def far_problem(device, seed):
     batch = LoRABatch(FAR_TOKENS, FAR_SLOTS, device)
     batch.update(slots.to(device))
     sign = torch.randint(0, 2, (FAR_SLOTS,), generator=gen) * 2 - 1
-    return dict(gen=gen, dtype=dtype, device=device, signed=signed, slots=slots, meta=batch.meta,
-                lora_a=signed(FAR_SLOTS, 1, SMALL, SMALL, std=SMALL ** -0.5),
-                lora_b=signed(FAR_SLOTS, SMALL, SMALL, std=SMALL ** -0.5),
-                scale=(sign * (0.25 + 1.75 * torch.rand(FAR_SLOTS, generator=gen))).to(device),
-                rank=torch.tensor(FAR_RANKS, dtype=torch.int32, device=device))
+    return SimpleNamespace(gen=gen, dtype=dtype, device=device, signed=signed, token_slots=slots, meta=batch.meta,
+                           lora_a=signed(FAR_SLOTS, 1, SMALL, SMALL, std=SMALL ** -0.5),
+                           lora_b=signed(FAR_SLOTS, SMALL, SMALL, std=SMALL ** -0.5),
+                           scale=(sign * (0.25 + 1.75 * torch.rand(FAR_SLOTS, generator=gen))).to(device),
+                           rank=torch.tensor(FAR_RANKS, dtype=torch.int32, device=device))
 
 
 def operand(p, far, cols, dtype=None):
     """The problem's [FAR_TOKENS, cols] operand: rows far apart if ``far``, else contiguous."""
-    dtype = dtype or p["dtype"]
+    dtype = dtype or p.dtype
     if far:
-        return far_apart_rows(cols, dtype, p["gen"], p["device"])
-    return p["signed"](FAR_TOKENS, cols, dtype=dtype)
-
-
-def slot_outer_sums(u, v, p):
-    """float64 [L, P, Q]: per slot, the sum over its tokens of u[t, :rank]^T v[t] (zeros past the rank)."""
-    u, v = u.double().cpu(), v.double().cpu()
-    out = torch.zeros(FAR_SLOTS, u.shape[1], v.shape[1], dtype=torch.float64)
-    for slot, r in enumerate(FAR_RANKS):
-        ids = (p["slots"] == slot).nonzero().squeeze(1)
-        out[slot, :r] = u[ids, :r].T @ v[ids]
-    return out
+        return far_apart_rows(cols, dtype, p.gen, p.device)
+    return p.signed(FAR_TOKENS, cols, dtype=dtype)
 
 
 def one_launch_add_lora(p, far, request):
@@ -174,13 +167,13 @@ def one_launch_add_lora(p, far, request):
     monkeypatch.setattr(launch, "launch_fused", lambda *a, **k: fused_launches.append(1) or real_launch_fused(*a, **k))
     x, y = operand(p, far == "x", SMALL), operand(p, far == "y", SMALL)
     y_before = y.clone()
-    torch.ops.lora_ops.add_lora_(y, x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], [SMALL], *p["meta"])
+    torch.ops.lora_ops.add_lora_(y, x, p.lora_a, p.lora_b, p.scale, p.rank, [SMALL], *p.meta)
     assert fused_launches, "add_lora_ did not take the one-launch kernel"
-    no_adapter = (p["slots"] < 0).to(y.device)
+    no_adapter = (p.token_slots < 0).to(y.device)
     assert torch.equal(y[no_adapter], y_before[no_adapter])
     delta = y.double() - y_before.double()
-    ref = lora_delta_reference(x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slots"])
-    return delta, ref, TOLERANCE[p["dtype"]] + 2e-3     # + one fp16 rounding of y (non-zero start)
+    ref = lora_delta_reference(x, p.lora_a, p.lora_b, p.scale, p.rank, p.token_slots)
+    return delta, ref, TOLERANCE[p.dtype] + 2e-3     # + one fp16 rounding of y (non-zero start)
 
 
 def grad_x_of_far_dh(p, path, request):
@@ -193,37 +186,32 @@ def grad_x_of_far_dh(p, path, request):
     else:
         assert not launch_grad.grad_x_config(FAR_TOKENS, SMALL, SMALL, 1).one_rank_block
     dh = operand(p, True, SMALL, torch.float32).unsqueeze(1)
-    dx = torch.ops.lora_ops.lora_grad_x(dh, p["lora_a"], p["rank"], *p["meta"])
-    dh64, a64 = dh[:, 0].double().cpu(), p["lora_a"][:, 0].double().cpu()
-    ref = torch.zeros(FAR_TOKENS, SMALL, dtype=torch.float64)
-    for slot, r in enumerate(FAR_RANKS):
-        ids = (p["slots"] == slot).nonzero().squeeze(1)
-        ref[ids] = dh64[ids, :r] @ a64[slot, :r]
-    return dx, ref, TOLERANCE[dx.dtype]
+    dx = torch.ops.lora_ops.lora_grad_x(dh, p.lora_a, p.rank, *p.meta)
+    return dx, grad_x_reference(dh, p), TOLERANCE[dx.dtype]
 
 
 def grad_h_of_far_dy(p, far, request):
     """lora_grad_h with dy far apart (the shrink kernel over each slice's columns): dh = scale dy B."""
     dy = operand(p, True, SMALL)
-    dh = torch.ops.lora_ops.lora_grad_h(dy, p["lora_b"], p["scale"], p["rank"], [SMALL], *p["meta"])
-    b_t = p["lora_b"].transpose(1, 2).unsqueeze(1)               # B^T [L, 1, R, N]: dh is the shrink of dy by it
-    return dh, shrink_reference(dy, b_t, p["scale"], p["rank"], p["slots"]), TOLERANCE[torch.float32]
+    dh = torch.ops.lora_ops.lora_grad_h(dy, p.lora_b, p.scale, p.rank, [SMALL], *p.meta)
+    b_t = p.lora_b.transpose(1, 2).unsqueeze(1)               # B^T [L, 1, R, N]: dh is the shrink of dy by it
+    return dh, shrink_reference(dy, b_t, p.scale, p.rank, p.token_slots), TOLERANCE[torch.float32]
 
 
 def grad_a_far(p, far, request):
     """lora_grad_a (segment_outer) with dh or x far apart: dA[l] = sum of dh[t]^T x[t] over slot l's tokens."""
     dh = operand(p, far == "dh", SMALL, torch.float32)
     x = operand(p, far == "x", SMALL)
-    grad_a = torch.ops.lora_ops.lora_grad_a(dh.unsqueeze(1), x, p["rank"], *p["meta"])
-    return grad_a[:, 0], slot_outer_sums(dh, x, p), TOLERANCE[grad_a.dtype]
+    grad_a = torch.ops.lora_ops.lora_grad_a(dh.unsqueeze(1), x, p.rank, *p.meta)
+    return grad_a[:, 0], segment_outer_reference(dh, x, p), TOLERANCE[grad_a.dtype]
 
 
 def grad_b_far(p, far, request):
     """lora_grad_b (segment_outer) with dy or h far apart: dB[l] = sum of dy[t]^T h[t] over slot l's tokens."""
     dy = operand(p, far == "dy", SMALL)
     h = operand(p, far == "h", SMALL, torch.float32)
-    grad_b = torch.ops.lora_ops.lora_grad_b(dy, h.unsqueeze(1), p["rank"], [SMALL], *p["meta"])
-    return grad_b.transpose(1, 2), slot_outer_sums(h, dy, p), TOLERANCE[grad_b.dtype]
+    grad_b = torch.ops.lora_ops.lora_grad_b(dy, h.unsqueeze(1), p.rank, [SMALL], *p.meta)
+    return grad_b.transpose(1, 2), segment_outer_reference(h, dy, p), TOLERANCE[grad_b.dtype]
 
 
 def write_first_lora_linear(p, far, request):
@@ -232,13 +220,13 @@ def write_first_lora_linear(p, far, request):
     request.getfixturevalue("write_first_from")(1)
     write_calls = request.getfixturevalue("write_calls")
     x = operand(p, True, SMALL)
-    weight = p["signed"](SMALL, SMALL, std=SMALL ** -0.5)
-    y = torch.ops.lora_ops.lora_linear(x, weight, None, p["lora_a"], p["lora_b"], p["scale"], p["rank"], [SMALL],
-                                       *p["meta"])
+    weight = p.signed(SMALL, SMALL, std=SMALL ** -0.5)
+    y = torch.ops.lora_ops.lora_linear(x, weight, None, p.lora_a, p.lora_b, p.scale, p.rank, [SMALL],
+                                       *p.meta)
     assert len(write_calls) == 1, "lora_linear did not take the write-first path"
     ref = x.double().cpu() @ weight.double().cpu().T + lora_delta_reference(
-        x, p["lora_a"], p["lora_b"], p["scale"], p["rank"], p["slots"])
-    return y, ref, TOLERANCE[p["dtype"]]
+        x, p.lora_a, p.lora_b, p.scale, p.rank, p.token_slots)
+    return y, ref, TOLERANCE[p.dtype]
 
 
 FAR_CASES = {
