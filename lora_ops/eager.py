@@ -32,7 +32,7 @@ from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pr
                                      _global_forward_pre_hooks)
 
 from lora_ops import autograd, configs, ops, plan, triton_launch
-from lora_ops.precision import stack_prefix_gemm, stacked_prefix_rows
+from lora_ops.precision import stack_prefix, stack_prefix_gemm, stacked_prefix_rows
 
 MAX_SIGNATURES = 64     # per layer: input signatures seen (token counts, mostly); cleared when full
 _enabled = [True]
@@ -84,13 +84,14 @@ class _Bound:
     to, and for a call autograd needs, the delta's signature for its backward (autograd.delta_signature: a
     function of what the guards hold, taken once)."""
     __slots__ = ("path", "plan", "objects", "shapes", "out_shape", "state", "device", "signature", "base_shapes",
-                 "stack_rows")
+                 "stack_prefix")
 
     def __init__(self, path, bound_plan, objects, shapes, out_shape, device, signature=None, base_shapes=None,
-                 stack_rows=None):
+                 stack_prefix=None):
         self.path, self.plan, self.objects, self.shapes = path, bound_plan, objects, shapes
         self.out_shape, self.state, self.device, self.signature = out_shape, _state(), device, signature
-        self.base_shapes, self.stack_rows = base_shapes, stack_rows   # stack_rows: precision.stacked_prefix_rows
+        self.base_shapes = base_shapes
+        self.stack_prefix = stack_prefix    # precision.stack_prefix, or None: the whole stack
 
 
 class EagerCalls:
@@ -137,8 +138,9 @@ class EagerCalls:
             if not layer._stack_intact(weight, bias, lora_a):
                 return None
             stacked, stacked_bias = layer._stacked
-            rows = bound.stack_rows
-            out = F.linear(x, stacked, stacked_bias) if rows is None else stack_prefix_gemm(x, stacked, rows)
+            prefix_t = bound.stack_prefix
+            out = (F.linear(x, stacked, stacked_bias) if prefix_t is None
+                   else stack_prefix_gemm(x, prefix_t, stacked.shape[0]))
             if (out.shape, out.stride(), out.dtype) != bound.out_shape:
                 return None
             bound.plan.run((out, lora_b, rank, scale, *meta))
@@ -222,13 +224,15 @@ class EagerCalls:
             return
         meta = layer.context.meta_on(x)
         widths = layer.slice_widths
-        stack_rows = None
+        prefix_t = None
         if stacked:
             path, key = "stacked", launch.stacked_plan_key(out, lora_b, scale, rank, widths, *meta)
             L, S, R, _ = lora_a.shape
-            # The rows the GEMM takes at this count (the stack is checked by _stack_intact, the table's answer
-            # by the bound state's configs.generation()): resolved once, off the replay's path.
-            stack_rows = stacked_prefix_rows(x.shape[0], *layer._stacked, weight.shape[0], L * S * R)
+            # The rows the GEMM takes at this count and their view (the stack is checked by the replay's identity
+            # test and _stack_intact, the table's answer by the bound state's configs.generation()): resolved
+            # once, off the replay's path.
+            rows = stacked_prefix_rows(x.shape[0], *layer._stacked, weight.shape[0], L * S * R)
+            prefix_t = None if rows is None else stack_prefix(layer._stacked[0], rows)
         elif launch.writes_first(x, out.shape[1], bias):
             path, key = "write", launch.write_plan_key(out, x, lora_a, lora_b, scale, rank, widths, *meta)
         else:
@@ -242,7 +246,7 @@ class EagerCalls:
             self._keep((*_shaped(x), grad), _Bound(
                 path, found, (weight, bias, lora_a, lora_b, scale, rank, meta, widths, layer._stacked),
                 _adapter_shapes(lora_a, lora_b, scale, rank), _shaped(out), plan.launch_device(x), signature,
-                _base_shapes(weight, bias), stack_rows))
+                _base_shapes(weight, bias), prefix_t))
 
 
 def _adapters(layer):

@@ -106,6 +106,10 @@ def test_bound_calls_give_the_ops_output(triton_kernels, monkeypatch, path):
         call(layer, fresh_input(M, 0))                  # binds this signature
         for seed in (1, 2):
             x = fresh_input(M, seed)
+            if seed == 2:   # weights changed in place replay with their new values (stack_a: W's rows of the stack)
+                with torch.no_grad():
+                    layer.base.weight.mul_(-1.5)
+                    layer.lora_a.mul_(0.5)
             replays = layer._eager.replays
             out = call(layer, x)
             assert layer._eager.replays == replays + 1, (M, seed)
@@ -113,7 +117,10 @@ def test_bound_calls_give_the_ops_output(triton_kernels, monkeypatch, path):
             assert rel_err(out, reference(layer, x)) <= TOLERANCE[torch.float32], (M, seed)
     assert len(layer._eager._calls) == 2      # one per input signature
     if prefix:   # the replays' GEMM took the prefix the table gives these counts, resolved when bound
-        assert {b.stack_rows for b in layer._eager._calls.values()} == {N + L * len(WIDTHS) * R + 2}
+        # (a view of the layer's own stack, taken when bound)
+        stack = layer._stacked[0]
+        assert {(b.stack_prefix.shape, b.stack_prefix.data_ptr()) for b in layer._eager._calls.values()} == {
+            ((K, N + L * len(WIDTHS) * R + 2), stack.data_ptr())}
 
 
 def test_the_torch_cpu_kernels_bind_nothing():

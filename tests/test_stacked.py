@@ -93,7 +93,7 @@ def test_lora_linear_stacked_multiplies_the_prefix_the_table_pads(backend, monke
     # and only the GEMM's shape, the one thing the table chose, would differ.
     prefix_rows, prefix_gemm = [], precision.stack_prefix_gemm
     monkeypatch.setattr(precision, "stack_prefix_gemm",
-                        lambda x, w, rows: prefix_rows.append(rows) or prefix_gemm(x, w, rows))
+                        lambda x, w, columns: prefix_rows.append(w.shape[1]) or prefix_gemm(x, w, columns))
     out = torch.ops.lora_ops.lora_linear_stacked(case.x, stacked, None, case.lora_b, case.scale, case.rank,
                                                  case.slice_widths, *case.meta)
     assert asked and asked[0][:4] == (M, N, K, L * S * 16) and out.shape == (M, E + 5)
