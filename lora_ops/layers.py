@@ -1163,6 +1163,17 @@ class LoRALinear(nn.Module):
             state["_freeze_stacks"] = True
         return state
 
+    def __deepcopy__(self, memo):
+        """copy.deepcopy's own protocol for a module (its class's ``__new__``, then :meth:`__setstate__` with the
+        copied :meth:`__getstate__`), written out: torch's parametrize gives a parametrized module's class a
+        ``__deepcopy__`` that copies the dict and skips ``__setstate__`` unless the class has one, and a layer
+        whose lora_a was parametrized after apply_lora then kept a copy of its stack, unused (W + A held twice)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        # (LoRALinear's, not the object's: a parametrized class's __getstate__ refuses pickling, deep copies too.)
+        new.__setstate__(copy.deepcopy(LoRALinear.__getstate__(self), memo))
+        return new
+
     def __setstate__(self, state):
         freeze = state.pop("_freeze_stacks", False)
         # A layer pickled before session 24 (torch.save of a whole model) has no bound calls yet.
