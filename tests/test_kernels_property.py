@@ -2,7 +2,7 @@
 
 Hypothesis draws the problem: M 0..70 tokens, odd K and N, max rank 1..64 with per-slot ranks at or
 below it (0 included), 1..3 output slices of unequal widths, 1..8 slots, unsorted slots with -1,
-strided x / y / h, metadata capacity above M with stale ids past M. The Triton interpreter gets the
+strided x / y / h / weight stacks, metadata capacity above M with stale ids past M. The Triton interpreter gets the
 smaller shapes (it runs every program in Python) and checks bf16 values only through the test patch
 of its bf16 arithmetic (tests/interp_bf16.py; DESIGN.md §6).
 """
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import interp_bf16
 import lora_ops
-from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, dtype_id,
-                      expand_reference, h_roundoff, make_case, rel_err, ulp)
+from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, add_lora_paths,
+                      dtype_id, expand_reference, force_add_lora_path, h_roundoff, make_case, rel_err, ulp)
 from lora_ops import configs, launch
 from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig
@@ -73,9 +73,36 @@ def problems(draw, limits, min_tokens=0):
     )
 
 
+# How the weight stacks are stored (their values unchanged): contiguous; views of stacks allocated larger ("padded":
+# one slice or output row more a slot, rank R + 3, NaN in the padding, so a read there shows); or feature-major
+# ("feature_major": A stored [L, S, K, R] and B [L, R, N], transposed views). The kernels take every stride of A
+# and B; launchers that passed A's and B's contiguous strides instead passed every test here while all the stacks
+# were contiguous (a mutation audit).
+WEIGHT_LAYOUTS = ("contiguous", "padded", "feature_major")
+
+
+def weights_laid_out(case, layout):
+    """``case`` with lora_a and lora_b re-stored as ``layout`` (:data:`WEIGHT_LAYOUTS`)."""
+    if layout == "contiguous":
+        return case
+    (L, S, R, K), N = case.lora_a.shape, case.lora_b.shape[1]
+    kw = dict(dtype=case.lora_a.dtype, device=case.lora_a.device)
+    if layout == "padded":
+        a = torch.full((L, S + 1, R + 3, K), math.nan, **kw)[:, :S, :R]
+        b = torch.full((L, N + 1, R + 3), math.nan, **kw)[:, :N, :R]
+    elif layout == "feature_major":
+        a = torch.empty(L, S, K, R, **kw).transpose(2, 3)
+        b = torch.empty(L, R, N, **kw).transpose(1, 2)
+    else:
+        raise ValueError(f"layout: unknown {layout!r}")
+    case.lora_a, case.lora_b = a.copy_(case.lora_a), b.copy_(case.lora_b)
+    return case
+
+
 def draw_case(data, backend, dtype, isolation=False, min_tokens=0):
     spec = data.draw(problems(limits_for(backend, isolation), min_tokens), label="problem")
-    return make_case(**spec, dtype=dtype, device=backend.device)
+    case = make_case(**spec, dtype=dtype, device=backend.device)
+    return weights_laid_out(case, data.draw(st.sampled_from(WEIGHT_LAYOUTS), label="weight layout"))
 
 
 @pytest.fixture(params=["fused", "split"], ids=["one_launch", "two_launches"])
@@ -330,6 +357,28 @@ def test_expand_token_loop_covers_every_tile(triton_backend, M, path):
     assert_rows_equal(y, y_in, case.untouched_rows(), "rank-0")
 
 
+@pytest.mark.parametrize("path", TOKEN_LOOP_PATHS, ids=str)
+def test_expand_token_loop_store_mode_writes_every_tile(triton_backend, path):
+    """The store mode (y = the delta, y never read: launch.lora_linear's write-first path) over a program's token
+    tiles: every row the metadata names is written (y NaN before), zeros where a token has no delta. Half of slot
+    0's tokens moved to -1, so the tokens without a delta also fill a program's later tiles (token_tile_slots'
+    few leave them within its first, where a zero fill of the first tile alone passed)."""
+    dtype, M = torch.float32, 150
+    slots = token_tile_slots(M, M)
+    for i in [i for i, s in enumerate(slots) if s == 0][::2]:
+        slots[i] = -1
+    cfg, R, num_parts, case, y_in, parts, ref, _ = expand_path_problem(path, dtype, triton_backend.device, seed=M,
+                                                                       M=M, token_slots=slots)
+    tiles_before_last = cfg.block_m * (cfg.m_loop - 1)
+    assert int(adapted_tokens_per_slot(case).max()) > tiles_before_last
+    assert int(case.no_adapter_rows().sum()) > tiles_before_last
+    y = torch.full_like(y_in, math.nan)
+    launch.launch_expand(y, parts, case.lora_b, case.slice_widths, case.rank, *case.meta, cfg, accumulate=False)
+    assert not torch.isnan(y).any(), "rows the store mode left unwritten"
+    assert_rows_equal(y, torch.zeros_like(y), case.untouched_rows(), "slot -1 / rank-0")
+    assert_delta_close(y, torch.zeros_like(y), ref, dtype)
+
+
 RANK_LOOP_PATHS = [path for path, (cfg, R, _) in EXPAND_PATH_CONFIGS.items() if not launch.takes_partials(cfg, R)]
 
 
@@ -488,6 +537,25 @@ def test_planes_in_turn_match_the_planes_loop_bit_for_bit(triton_backend, bf16_i
     assert torch.equal(outs[True], outs[False])
     ref = case.delta_reference()
     assert_delta_close(outs[True], y_in if accumulate else torch.zeros_like(y_in), ref, torch.bfloat16)
+
+
+def test_float32_inputs_multiply_in_ieee_float32(triton_backend, monkeypatch):
+    """float32 inputs: every product on every add_lora_ path in IEEE float32, never tf32 (the x.A dot's
+    DOT_PRECISION, the h.B dot's H_PRECISION; kernels.work.split_f32). The interpreter multiplies a tf32 dot in
+    float32, so no value here would show one: the launches' constexprs are the check (a GPU run's values too)."""
+    case = make_case(9, 12, 10, num_slots=3, num_slices=2, max_rank=32, seed=18, device=triton_backend.device)
+    seen = set()
+    for name, path in add_lora_paths(32).items():
+        force_add_lora_path(monkeypatch, path)
+        launches, _, _ = launch.add_lora_launches(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale,
+                                                  case.rank, case.slice_widths, *case.meta)
+        for lc in launches:
+            for key in ("DOT_PRECISION", "H_PRECISION"):
+                if key in lc.constexprs:
+                    seen.add((lc.launcher.kernel.__name__, key))
+                    assert lc.constexprs[key] == "ieee", (name, lc.launcher.kernel.__name__, key, lc.constexprs[key])
+    assert {("shrink_kernel", "DOT_PRECISION"), ("expand_kernel", "H_PRECISION"),
+            ("fused_add_lora_kernel", "DOT_PRECISION"), ("fused_add_lora_kernel", "H_PRECISION")} <= seen
 
 
 # ------------------------------------------------------------------------------------------------
@@ -764,6 +832,8 @@ def test_a_negative_slot_start_is_clamped_by_every_backend(backend):
 CORRUPT_METAS = {
     "ids_outside_the_tokens": ([0, -1, 1, 8, 2, 3, 99, 4, 5, -7], [0, 2, 4, 8], [2, 2, 4, 2]),
     "count_past_the_buffer": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 4, 10], [2, 2, 1000, 0]),
+    # Slot 0's count, unclamped, would give it more token tiles than the grid has, and slots 1 and 2 none.
+    "count_past_the_buffer_first": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [6, 0, 2, 4], [1000, 2, 2, 2]),
     "start_past_the_buffer": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 50, 6], [2, 2, 2, 2]),
     "counts_negative": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 2, 4, 6], [2, -5, 2, 2]),
     "runs_overlapping": ([0, 1, 2, 3, 4, 5, 6, 7, -1, -1], [0, 1, 1, 6], [3, 3, 8, 2]),
@@ -813,6 +883,37 @@ def test_corrupt_metadata_stays_in_bounds_on_every_backend(backend, corrupt):
         assert rel_err(y.double().cpu() - before[1:M + 1].double().cpu(), want) < TOLERANCE[torch.float32]
     h = torch.ops.lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, *meta)
     assert h.shape == (M, 2, 4)
+
+
+@pytest.mark.parametrize("path", list(add_lora_paths(32)) + ["shrink_op"])
+def test_ranks_outside_the_stack_are_clamped_by_the_kernels(triton_backend, monkeypatch, path):
+    """A rank above the stack's R, or below 0, which the ops refuse on CPU tensors but nothing checks on a GPU
+    (a device sync): every kernel clamps it into [0, R] (kernels.work.find_slot_tile). The stacks are views of
+    wider ones with NaN past R, so a kernel reading past a slot's R rank entries (the one-launch kernel's second
+    rank block; the rank loop's partial block) shows. The launches are the ops' own, run without the ops' checks."""
+    R = 32
+    case = make_case(9, 12, 10, num_slots=3, num_slices=2, max_rank=R, seed=17, ranks=[R, 3, 7],
+                     token_slots=[0, 1, 2, -1, 0, 2, 1, 0, 2], device=triton_backend.device)
+    weights_laid_out(case, "padded")
+    corrupt = torch.tensor([R + 5, -4, 7], dtype=torch.int32, device=triton_backend.device)
+    clamped = torch.tensor([R, 0, 7], dtype=torch.int32)
+    if path == "shrink_op":
+        (lc,), _, (h, *_) = launch.shrink_launches(case.x, case.lora_a, case.scale, corrupt, *case.meta)
+        lc()
+        ref = shrink_reference(case.x, case.lora_a, case.scale, clamped, case.token_slots)
+        assert not torch.isnan(h).any() and rel_err(h, ref) < H_TOLERANCE
+        return
+    force_add_lora_path(monkeypatch, add_lora_paths(R)[path])
+    y_in = case.new_y("random")
+    y = y_in.clone()
+    launches, _, _ = launch.add_lora_launches(y, case.x, case.lora_a, case.lora_b, case.scale, corrupt,
+                                              case.slice_widths, *case.meta)
+    for lc in launches:
+        lc()
+    ref = lora_delta_reference(case.x, case.lora_a, case.lora_b, case.scale, clamped, case.token_slots,
+                               case.slice_widths)
+    assert_delta_close(y, y_in, ref, torch.float32)
+    assert_rows_bit_identical(y, y_in, (case.token_slots < 0) | (case.token_slots == 1), "slot -1 / rank below 0")
 
 
 @pytest.mark.parametrize("bad_slot", [-2, 3], ids=["below_-1", "equal_to_L"])
