@@ -318,6 +318,31 @@ def laid_out(t, layout, gen):
     return view
 
 
+# How make_case stores the weight stacks (their values unchanged): contiguous; views of stacks allocated larger
+# ("padded": one slice or output row more a slot, rank R + 3, NaN in the padding, so a read there shows); or
+# feature-major ("feature_major": A stored [L, S, K, R] and B [L, R, N], transposed views). The kernels take every
+# stride of A and B; launchers that passed A's and B's contiguous strides instead passed every property test while
+# all the stacks were contiguous (a mutation audit, session 51).
+WEIGHT_LAYOUTS = ("contiguous", "padded", "feature_major")
+
+
+def stacks_laid_out(lora_a, lora_b, layout):
+    """(lora_a [L, S, R, K], lora_b [L, N, R]) copied into ``layout`` (:data:`WEIGHT_LAYOUTS`)."""
+    if layout == "contiguous":
+        return lora_a, lora_b
+    (L, S, R, K), N = lora_a.shape, lora_b.shape[1]
+    kw = dict(dtype=lora_a.dtype, device=lora_a.device)
+    if layout == "padded":
+        a = torch.full((L, S + 1, R + 3, K), math.nan, **kw)[:, :S, :R]
+        b = torch.full((L, N + 1, R + 3), math.nan, **kw)[:, :N, :R]
+    elif layout == "feature_major":
+        a = torch.empty(L, S, K, R, **kw).transpose(2, 3)
+        b = torch.empty(L, R, N, **kw).transpose(1, 2)
+    else:
+        raise ValueError(f"layout: unknown {layout!r}")
+    return a.copy_(lora_a), b.copy_(lora_b)
+
+
 def unequal_widths(n, num_slices, gen):
     """``num_slices`` positive widths summing to ``n``, not all equal where n allows."""
     widths = [n]
@@ -419,9 +444,10 @@ def sentinel_rows(rows, cols, dtype, gen):
 
 def make_case(M, K, N, num_slots, num_slices, max_rank, *, dtype=torch.float32, device="cpu", seed=0,
               ranks=None, token_slots=None, slice_widths=None, x_layout="contiguous", y_layout="contiguous",
-              capacity=None):
+              weight_layout="contiguous", capacity=None):
     """A random problem: signed data scaled so the delta is O(1); anything not given is drawn from
-    ``seed``: ranks (<= max_rank, some 0), unsorted slots with -1, unequal slice widths."""
+    ``seed``: ranks (<= max_rank, some 0), unsorted slots with -1, unequal slice widths. x, y and the weight
+    stacks stored as their layouts say (:data:`LAYOUTS`, :data:`WEIGHT_LAYOUTS`)."""
     gen = torch.Generator().manual_seed(seed)
     L, S, R = num_slots, num_slices, max_rank
     ranks = random_ranks(L, R, gen) if ranks is None else list(ranks)
@@ -436,6 +462,7 @@ def make_case(M, K, N, num_slots, num_slices, max_rank, *, dtype=torch.float32, 
     x = laid_out(rand(M, K, std=1.0), x_layout, gen)
     lora_a = rand(L, S, R, K, std=K ** -0.5)
     lora_b = rand(L, N, R, std=R ** -0.5)
+    lora_a, lora_b = stacks_laid_out(lora_a, lora_b, weight_layout)
     sign = torch.randint(0, 2, (L,), generator=gen) * 2 - 1
     scale = (sign * (0.25 + 1.75 * torch.rand(L, generator=gen))).to(device)
     rank = torch.tensor(ranks, dtype=torch.int32, device=device)

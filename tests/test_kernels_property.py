@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import interp_bf16
 import lora_ops
-from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, add_lora_paths,
-                      dtype_id, expand_reference, force_add_lora_path, h_roundoff, make_case, rel_err, ulp)
+from conftest import (DTYPES, FLOAT32_ROUNDOFF, H_TOLERANCE, INTERPRETED, LAYOUTS, TOLERANCE, WEIGHT_LAYOUTS,
+                      add_lora_paths, dtype_id, expand_reference, force_add_lora_path, h_roundoff, make_case, rel_err,
+                      ulp)
 from lora_ops import configs, launch
 from lora_ops.configs import heuristics
 from lora_ops.configs.heuristics import ExpandConfig
@@ -68,41 +69,15 @@ def problems(draw, limits, min_tokens=0):
         token_slots=draw(st.lists(st.integers(-1, L - 1), min_size=M, max_size=M)),
         slice_widths=[b - a for a, b in zip([0] + cuts, cuts + [N])],
         x_layout=draw(st.sampled_from(LAYOUTS)), y_layout=draw(st.sampled_from(LAYOUTS)),
+        weight_layout=draw(st.sampled_from(WEIGHT_LAYOUTS)),
         capacity=max(M + draw(st.integers(0, 4)), 1),
         seed=draw(st.integers(0, 2 ** 32 - 1)),
     )
 
 
-# How the weight stacks are stored (their values unchanged): contiguous; views of stacks allocated larger ("padded":
-# one slice or output row more a slot, rank R + 3, NaN in the padding, so a read there shows); or feature-major
-# ("feature_major": A stored [L, S, K, R] and B [L, R, N], transposed views). The kernels take every stride of A
-# and B; launchers that passed A's and B's contiguous strides instead passed every test here while all the stacks
-# were contiguous (a mutation audit).
-WEIGHT_LAYOUTS = ("contiguous", "padded", "feature_major")
-
-
-def weights_laid_out(case, layout):
-    """``case`` with lora_a and lora_b re-stored as ``layout`` (:data:`WEIGHT_LAYOUTS`)."""
-    if layout == "contiguous":
-        return case
-    (L, S, R, K), N = case.lora_a.shape, case.lora_b.shape[1]
-    kw = dict(dtype=case.lora_a.dtype, device=case.lora_a.device)
-    if layout == "padded":
-        a = torch.full((L, S + 1, R + 3, K), math.nan, **kw)[:, :S, :R]
-        b = torch.full((L, N + 1, R + 3), math.nan, **kw)[:, :N, :R]
-    elif layout == "feature_major":
-        a = torch.empty(L, S, K, R, **kw).transpose(2, 3)
-        b = torch.empty(L, R, N, **kw).transpose(1, 2)
-    else:
-        raise ValueError(f"layout: unknown {layout!r}")
-    case.lora_a, case.lora_b = a.copy_(case.lora_a), b.copy_(case.lora_b)
-    return case
-
-
 def draw_case(data, backend, dtype, isolation=False, min_tokens=0):
     spec = data.draw(problems(limits_for(backend, isolation), min_tokens), label="problem")
-    case = make_case(**spec, dtype=dtype, device=backend.device)
-    return weights_laid_out(case, data.draw(st.sampled_from(WEIGHT_LAYOUTS), label="weight layout"))
+    return make_case(**spec, dtype=dtype, device=backend.device)
 
 
 @pytest.fixture(params=["fused", "split"], ids=["one_launch", "two_launches"])
@@ -893,8 +868,7 @@ def test_ranks_outside_the_stack_are_clamped_by_the_kernels(triton_backend, monk
     rank block; the rank loop's partial block) shows. The launches are the ops' own, run without the ops' checks."""
     R = 32
     case = make_case(9, 12, 10, num_slots=3, num_slices=2, max_rank=R, seed=17, ranks=[R, 3, 7],
-                     token_slots=[0, 1, 2, -1, 0, 2, 1, 0, 2], device=triton_backend.device)
-    weights_laid_out(case, "padded")
+                     token_slots=[0, 1, 2, -1, 0, 2, 1, 0, 2], weight_layout="padded", device=triton_backend.device)
     corrupt = torch.tensor([R + 5, -4, 7], dtype=torch.int32, device=triton_backend.device)
     clamped = torch.tensor([R, 0, 7], dtype=torch.int32)
     if path == "shrink_op":
