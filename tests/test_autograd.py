@@ -170,10 +170,11 @@ def test_grads_past_1024_tokens_match_float64_reference(triton_kernels, monkeypa
     assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [deep, deep]
 
 
-@pytest.mark.parametrize("needs", [("x",), ("lora_b",), ("lora_a", "lora_b"), ("y", "x", "lora_a")],
+@pytest.mark.parametrize("needs", [("x",), ("lora_b",), ("lora_a", "lora_b"), ("y", "x", "lora_a"), ("y", "lora_b")],
                          ids=lambda n: "+".join(n))
 def test_only_requested_grads(backend, needs):
-    """Frozen inputs get no gradient; the requested ones are still right."""
+    """Frozen inputs get no gradient; the requested ones are still right (y's gradient with x frozen too:
+    dy follows y's own need, not x's)."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=3)
     M, _, N, *_ = case.shape
     run_and_compare(case, signed((M, N), case), torch.float32, needs=needs)
@@ -435,6 +436,19 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
         out.backward(grad_out)
 
 
+def test_bound_backward_keys_the_slice_widths(triton_kernels, monkeypatch):
+    """Two packed layers alike in every shape, stride and dtype but their slices' widths (20 + 12 and 12 + 20
+    columns) bind backwards of their own: one replaying the other's plans would take dh and dB over the
+    other's column ranges. Each, recorded and then replayed, matches float64."""
+    monkeypatch.setattr(lora_ops.autograd, "_BOUND", {})
+    for widths in ([20, 12], [12, 20]):
+        case = make_case(M=21, K=24, N=32, num_slots=2, num_slices=2, max_rank=8, ranks=[8, 5], slice_widths=widths,
+                         dtype=torch.float32, device=triton_kernels.device, seed=59)
+        for _ in range(2):      # records, then replays
+            run_and_compare(case, signed((21, 32), case), torch.float32)
+    assert len(lora_ops.autograd._BOUND) == 2
+
+
 # -- the backward ops on their own ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("wide", [False, True, "deep"], ids=["heuristic", "wide_q_config", "deep_step_config"])
@@ -465,11 +479,13 @@ def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
 def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block, write_all):
     """Poisoned dx: the rows of adapted tokens are written; the others are never touched, or with write_all
     (the op's launch) get zeros, slot -1 and the rank-0 slot alike; both of dx's paths (rank blocks, the whole
-    rank in one block). Also with a program walking three 16-wide column blocks of K = 24 (the third past K)."""
+    rank in one block). Also with a program walking three 16-wide column blocks of K = 24 (the third past K).
+    dh holds NaN past each token's rank (within the rank's vector loads: rank 7 of 20) and in rows without an
+    adapter: never multiplied."""
     backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=23)
     M, K, _, L, S, R = case.shape
-    dh = signed((M, S, R), case, torch.float32)
+    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
     dx = torch.full((M, K), float("nan"), device=case.x.device)
     cfg = launch_grad.grad_x_config(M, K, R, S)
     if one_rank_block:
@@ -502,6 +518,16 @@ def poison_unzeroed_scratch(monkeypatch):
         return buf if spec.zero else buf.fill_(float("nan"))
     monkeypatch.setattr(launch.Scratch, "alloc", poisoned)
     return seen
+
+
+def nan_past_rank(dh, case):
+    """``dh`` [M, S, R] with NaN wherever lora_grad_x (and a segment_outer of its rank side) must not read it: past
+    each token's slot rank, and the whole rows of tokens without an adapter (the kernels zero what they load there
+    or mask it off; the torch CPU kernels never index it)."""
+    slots = case.token_slots.cpu()
+    ranks = torch.cat([case.rank.cpu(), torch.zeros(1, dtype=case.rank.dtype)])[slots]    # (slot -1: rank 0)
+    past = torch.arange(dh.shape[2]) >= ranks[:, None]                                     # [M, R]
+    return dh.masked_fill(past[:, None, :].to(dh.device), float("nan"))
 
 
 def test_lora_grad_x_of_a_rank_zero_stack_is_zero(backend):
@@ -610,15 +636,15 @@ ONE_RANK_BLOCK_CASES = {**GRAD_CASES, "three_slices_rank_64": dict(M=23, K=40, N
 def test_lora_grad_x_one_rank_block_splits_dh_once(triton_kernels, bf16_interpreter, dtype, case_id, n_loop):
     """lora_grad_x's ONE_RANK_BLOCK path (dh of every slice loaded and split once, one dot a column block over
     the slices side by side; three slices take four slices' columns, at rank 64 more than the heuristic gives
-    it): poisoned dx, rows of adapted tokens written and the others never touched; A past each slot's rank NaN
-    (never multiplied); programs walking 16-wide column blocks, the last past K; against float64 token by
+    it): poisoned dx, rows of adapted tokens written and the others never touched; A and dh past each slot's rank
+    NaN (never multiplied); programs walking 16-wide column blocks, the last past K; against float64 token by
     token."""
     case = make_case(**ONE_RANK_BLOCK_CASES[case_id], dtype=dtype, device=triton_kernels.device, seed=41)
     M, K, _, L, S, R = case.shape
     lora_a = case.lora_a.clone()
     for slot, r in enumerate(case.rank.tolist()):
         lora_a[slot, :, r:] = float("nan")
-    dh = signed((M, S, R), case, torch.float32)
+    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
     dx = torch.full((M, K), float("nan"), device=case.x.device, dtype=dtype)
     cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_n=16, n_loop=n_loop, one_rank_block=True)
     assert R <= cfg.block_r
@@ -681,9 +707,11 @@ def grad_x_reference(dh, case):
 
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_backward_ops_match_token_by_token_reference(backend, dtype):
+    """lora_grad_x and segment_outer on both backends, dh NaN where neither reads it (past each token's rank,
+    rows without an adapter)."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=dtype, device=backend.device, seed=29)
     M, K, _, L, S, R = case.shape
-    dh = signed((M, S, R), case, torch.float32)
+    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
     assert dx.dtype == dtype and dx.shape == (M, K)
     assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[dtype]
@@ -883,6 +911,34 @@ def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
         expected = torch.zeros_like(ref[name]) if ref[name].grad is None else ref[name].grad
         err = rel_err(t.grad, expected)
         assert err <= tol, f"d{name}: relative error {err:.3g} > {tol:g}"
+
+
+LINEAR_LEAVES = ("x", "weight", "bias", "lora_a", "lora_b")
+
+
+@pytest.mark.parametrize("needs", [("x", "lora_a", "lora_b"), ("x",), ("weight", "lora_b"), ("bias", "lora_a")],
+                         ids=lambda n: "+".join(n))
+def test_lora_linear_only_requested_grads(backend, needs):
+    """lora_linear with some inputs frozen (PEFT's frozen base layer: x, A and B only): each requested gradient
+    matches float64, dx with the base layer's term in it whether or not the weight trains, and each frozen
+    input gets none (dW, dbias and the delta's gradients each follow their own input's need)."""
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=53)
+    M, K, N = case.shape[:3]
+    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
+              "lora_a": case.lora_a, "lora_b": case.lora_b}
+    leaves = {n: same_layout_copy(v).requires_grad_(n in needs) for n, v in values.items()}
+    grad_out = signed((M, N), case)
+    torch.ops.lora_ops.lora_linear(*[leaves[n] for n in LINEAR_LEAVES], case.scale, case.rank, case.slice_widths,
+                                   *case.meta).backward(grad_out)
+    ref = {n: v.detach().double().requires_grad_(n in needs) for n, v in values.items()}
+    lora_forward_reference(F.linear(ref["x"], ref["weight"], ref["bias"]), ref["x"], ref["lora_a"], ref["lora_b"],
+                           case.scale, case.rank, case.token_slots, case.slice_widths).backward(grad_out.double())
+    for name in LINEAR_LEAVES:
+        if name in needs:
+            err = rel_err(leaves[name].grad, ref[name].grad)
+            assert err <= TOLERANCE[torch.float32], f"d{name}: relative error {err:.3g}"
+        else:
+            assert leaves[name].grad is None, name
 
 
 DOUBLE_BACKWARD_CASES = ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "slot_without_tokens",
