@@ -1,13 +1,15 @@
-"""The op contract: opcheck of every op, launchers on meta tensors (grids from shapes only), and one
-compile of the hot path over many batch sizes."""
+"""The op contract: opcheck of every forward op (the backward ops': tests/test_autograd.py), the schemas' aliasing,
+the fake kernels' checks, launchers on meta tensors (grids from shapes only), and one compile of the hot path over
+many batch sizes."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import lora_ops
 from conftest import make_case
-from csrc_meta.schemas import NOT_DIFFERENTIABLE
+from csrc_meta.schemas import NOT_DIFFERENTIABLE, OPS
 from lora_ops import configs, launch
+from lora_ops.batch import build_batch_meta
 from lora_ops.configs.heuristics import cdiv, max_token_tiles
 
 # (M, K, N, L, S, R): decode-like, fused q/k/v-like with odd sizes, one slot, an empty batch.
@@ -22,37 +24,93 @@ def requiring_grad(t):
 def op_args(op_name, case):
     """Arguments of torch.ops.lora_ops.<op_name>; lora_linear's differentiable inputs require grad (opcheck's
     autograd check needs some); the ops without a gradient refuse such inputs (NOT_DIFFERENTIABLE), so none of
-    theirs does."""
+    theirs does. With one slot (L = 1) the layers have no bias (None); with more, lora_linear_stacked's stack has
+    padding rows (P = 3 of schemas.py), whose columns its output holds too."""
     M, K, N, L, S, R = case.shape
     meta = tuple(case.meta)
     grad = requiring_grad if op_name not in NOT_DIFFERENTIABLE else (lambda t: t)
     x, lora_a, lora_b = grad(case.x), grad(case.lora_a), grad(case.lora_b)
+    dev, dtype, with_bias = case.x.device, case.x.dtype, L > 1
     if op_name == "shrink":
         return (x, lora_a, case.scale, case.rank, *meta)
     if op_name == "expand_":
-        h = torch.randn(M, S, R, generator=case.gen).to(case.x.device)
+        h = torch.randn(M, S, R, generator=case.gen).to(dev)
         return (case.new_y("random"), h, lora_b, case.slice_widths, case.rank, *meta)
     if op_name == "lora_linear":
-        weight = requiring_grad(torch.randn(N, K, generator=case.gen).to(case.x.device))
-        bias = requiring_grad(torch.randn(N, generator=case.gen).to(case.x.device))
+        weight = requiring_grad(torch.randn(N, K, generator=case.gen).to(dev, dtype))
+        bias = requiring_grad(torch.randn(N, generator=case.gen).to(dev, dtype)) if with_bias else None
         return (x, weight, bias, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
     if op_name == "lora_linear_stacked":   # inference only: no input requires grad
-        stacked = torch.cat([torch.randn(N, K, generator=case.gen).to(case.x.device), case.lora_a.reshape(-1, K)])
-        bias = torch.cat([torch.randn(N, generator=case.gen), torch.zeros(L * S * R)]).to(case.x.device)
-        return (case.x, stacked, bias, case.lora_b, case.scale, case.rank, case.slice_widths, *meta)
+        pad = 3 if L > 1 else 0
+        stacked = torch.cat([torch.randn(N, K, generator=case.gen).to(dev, dtype), case.lora_a.reshape(-1, K),
+                             torch.zeros(pad, K, dtype=dtype, device=dev)])
+        bias = torch.cat([torch.randn(N, generator=case.gen), torch.zeros(L * S * R + pad)]).to(dev, dtype)
+        return (case.x, stacked, bias if with_bias else None, case.lora_b, case.scale, case.rank, case.slice_widths,
+                *meta)
     return (case.new_y("random"), x, lora_a, lora_b, case.scale, case.rank, case.slice_widths, *meta)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+# Every shape in float32, and one in float16: the fake kernels' output dtypes (h float32, the layers' outputs in
+# x's dtype) only show where x's dtype is not float32. (Not bf16: the interpreter computes it wrongly unpatched.)
+OPCHECK_CASES = ([pytest.param(shape, torch.float32, id=i) for shape, i in zip(SHAPES, SHAPE_IDS)]
+                 + [pytest.param(SHAPES[0], torch.float16, id=f"{SHAPE_IDS[0]}-fp16")])
+
+
+@pytest.mark.parametrize("shape, dtype", OPCHECK_CASES)
 @pytest.mark.parametrize("op_name", ["shrink", "expand_", "add_lora_", "lora_linear", "lora_linear_stacked"])
-def test_opcheck(backend, op_name, shape):
-    case = make_case(*shape, dtype=torch.float32, device=backend.device, seed=11)
+def test_opcheck(backend, op_name, shape, dtype):
+    case = make_case(*shape, dtype=dtype, device=backend.device, seed=11)
     op = getattr(torch.ops.lora_ops, op_name).default
     # All default test_utils: schema, autograd registration, fake tensor, aot dispatch (dynamic).
     results = torch.library.opcheck(op, op_args(op_name, case))
     assert set(results) == {"test_schema", "test_autograd_registration", "test_faketensor",
                             "test_aot_dispatch_dynamic"}
     assert all(v == "SUCCESS" for v in results.values()), results
+
+
+def test_only_the_in_place_ops_write_and_only_their_y():
+    """expand_ and add_lora_ write y (Tensor(a!)) and return nothing; no other argument of any op is written or
+    aliased, and every other op returns a tensor of its own. opcheck finds a write the schema does not mark, not a
+    mark too many (functionalization would copy such an input back, and ops.MUTATES_FIRST reads the marks)."""
+    for name in OPS:
+        schema = getattr(torch.ops.lora_ops, name).default._schema
+        aliased = [(a.name, a.alias_info.is_write) for a in schema.arguments if a.alias_info is not None]
+        in_place = name in ("expand_", "add_lora_")
+        assert aliased == ([("y", True)] if in_place else []), (name, aliased)
+        assert [r.alias_info for r in schema.returns] == ([] if in_place else [None]), (name, schema.returns)
+
+
+def args_by_name(op_name, device, **replaced):
+    """Arguments of torch.ops.lora_ops.<op_name>, looked up by its schema's names in a small valid problem
+    (M=2, K=8, N=6, L=3, S=2, R=4) of random signed float32 values on ``device`` ("meta": the fake kernels
+    run), with ``replaced``'s values (on ``device`` too) in place of those of their names."""
+    M, K, N, L, S, R = 2, 8, 6, 3, 2, 4
+    gen = torch.Generator().manual_seed(17)
+
+    def signed(*shape):
+        return torch.randn(*shape, generator=gen)
+    rows = N + L * S * R
+    values = dict(x=signed(M, K), y=signed(M, N), lora_a=signed(L, S, R, K), lora_b=signed(L, N, R),
+                  h=signed(M, S, R), dh=signed(M, S, R), u=signed(M, R), v=signed(M, N), grad_out=signed(M, N),
+                  weight=signed(N, K), bias=signed(N), stacked_weight=signed(rows, K), stacked_bias=signed(rows),
+                  scale=signed(L), rank=torch.tensor([R, 1, 0], dtype=torch.int32), slice_widths=[2, N - 2],
+                  **build_batch_meta(torch.tensor([1, -1]), L)._asdict())
+    values.update(replaced)
+    return [values[a.name].to(device) if isinstance(values[a.name], torch.Tensor) else values[a.name]
+            for a in getattr(torch.ops.lora_ops, op_name).default._schema.arguments]
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_fake_kernels_refuse_what_the_kernels_refuse(op_name):
+    """Every fake kernel runs its op's checks: traced (torch.compile, export) a bad argument is refused with the
+    error an eager call gives (here rank in int64), not only once the compiled graph runs the kernel."""
+    op = getattr(torch.ops.lora_ops, op_name).default
+    rank = torch.tensor([4, 1, 0], dtype=torch.int64)
+    with pytest.raises(TypeError, match="^rank: expected dtype torch.int32, got torch.int64") as eager:
+        op(*args_by_name(op_name, "cpu", rank=rank))
+    with pytest.raises(TypeError) as fake:
+        op(*args_by_name(op_name, "meta", rank=rank))
+    assert str(fake.value) == str(eager.value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,10 +175,12 @@ def call_launcher(op_name, p):
         configs.force_path(None)
 
 
-# decode with many slots, odd mid sizes, prefill, one slot: (M, K, N, L, S, R)
+# decode with many slots, odd mid sizes, prefill, one slot, and a rank loop over a B of 7 MiB a slot, whose expand
+# takes its token tiles on grid axis 0 (launch.expand_tokens_first): (M, K, N, L, S, R)
+TOKENS_FIRST_SHAPE = (1024, 4096, 14336, 4, 1, 256)
 LAUNCH_SHAPES = [(1, 4096, 4096, 64, 1, 16), (37, 999, 1533, 8, 3, 48), (5000, 4096, 14336, 16, 2, 64),
-                 (64, 64, 64, 1, 1, 8)]
-LAUNCH_IDS = ["decode-L64", "odd-S3", "prefill", "L1"]
+                 (64, 64, 64, 1, 1, 8), TOKENS_FIRST_SHAPE]
+LAUNCH_IDS = ["decode-L64", "odd-S3", "prefill", "L1", "tokens-first"]
 
 
 @pytest.mark.parametrize("shape", LAUNCH_SHAPES, ids=LAUNCH_IDS)
@@ -137,7 +197,10 @@ def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
         (grid, args), = recorders[kind].launches  # one launch each
         assert all(type(g) is int for g in grid), f"{kind} grid {grid!r} is not plain ints"
         assert all(g >= 1 for g in grid), f"{kind} grid {grid}"
-        token_tiles, block_m = grid[1], args["BLOCK_M"]
+        tokens_first = args.get("TOKENS_FIRST", False)   # the expand's axes swapped: (token tiles, column chunks)
+        if shape == TOKENS_FIRST_SHAPE and kind == "expand":
+            assert tokens_first, f"the expand of {shape} no longer takes its token tiles first: pick another shape"
+        token_tiles, block_m = grid[0 if tokens_first else 1], args["BLOCK_M"]
         assert token_tiles <= cdiv(M, block_m) + L and token_tiles <= M, \
             f"{kind}: {token_tiles} token tiles for M={M}, L={L}, BLOCK_M={block_m}"
         assert type(args["M"]) is int and args["M"] == M
@@ -147,7 +210,8 @@ def test_launch_grids_on_meta_tensors(recorders, op_name, shape):
             assert grid[2] == args["split_k"], f"shrink grid {grid} vs split_k {args['split_k']}"
         else:  # expand and the one-launch kernel: one program per column chunk (N_LOOP blocks) of each slice
             chunk = args["BLOCK_N"] * args.get("N_LOOP", 1)
-            assert grid[0] == sum(cdiv(n, chunk) for n in p["slice_widths"]), f"{kind} grid {grid}"
+            chunks = grid[1 if tokens_first else 0]
+            assert chunks == sum(cdiv(n, chunk) for n in p["slice_widths"]), f"{kind} grid {grid}"
         tensors = [a for a in args.values() if isinstance(a, torch.Tensor)]
         assert len(tensors) >= 7 and all(t.device.type == "meta" for t in tensors)
 
