@@ -49,7 +49,7 @@ def fresh_plans():
     launch.plan.clear()
 
 
-def forced_expand(shape, monkeypatch):
+def forced_configs(shape, monkeypatch):
     """The shape's forced configs (its expand config, SHRINK_CONFIGS); returns the list of the shrink configs
     resolved since, forced or not."""
     cfg = SHAPES[shape][5]
@@ -67,7 +67,7 @@ def forced_expand(shape, monkeypatch):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_add_lora_gives_the_same_bits_every_run(triton_backend, bf16_interpreter, fresh_plans, shape, monkeypatch):
-    shrinks = forced_expand(shape, monkeypatch)
+    shrinks = forced_configs(shape, monkeypatch)
     case = case_for(shape, torch.bfloat16)
     y_in = case.new_y("random")
     outs = []
@@ -84,7 +84,7 @@ def test_add_lora_gives_the_same_bits_every_run(triton_backend, bf16_interpreter
 @pytest.mark.parametrize("shape", ["rank_loop", "one_block", "split_k"])
 def test_gradients_give_the_same_bits_every_run(triton_backend, bf16_interpreter, fresh_plans, shape,
                                                 monkeypatch):
-    shrinks = forced_expand(shape, monkeypatch)
+    shrinks = forced_configs(shape, monkeypatch)
     case = case_for(shape, torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_() for t in (case.x, case.lora_a, case.lora_b)]
     y = case.new_y("random")

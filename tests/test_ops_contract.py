@@ -9,7 +9,6 @@ import lora_ops
 from conftest import make_case
 from csrc_meta.schemas import NOT_DIFFERENTIABLE, OPS
 from lora_ops import configs, launch
-from lora_ops.batch import build_batch_meta
 from lora_ops.configs.heuristics import cdiv, max_token_tiles
 
 # (M, K, N, L, S, R): decode-like, fused q/k/v-like with odd sizes, one slot, an empty batch.
@@ -80,24 +79,29 @@ def test_only_the_in_place_ops_write_and_only_their_y():
         assert [r.alias_info for r in schema.returns] == ([] if in_place else [None]), (name, schema.returns)
 
 
+def arg_names(op_name):
+    """The names of torch.ops.lora_ops.<op_name>'s arguments, in its schema's order."""
+    return [a.name for a in getattr(torch.ops.lora_ops, op_name).default._schema.arguments]
+
+
 def args_by_name(op_name, device, **replaced):
     """Arguments of torch.ops.lora_ops.<op_name>, looked up by its schema's names in a small valid problem
-    (M=2, K=8, N=6, L=3, S=2, R=4) of random signed float32 values on ``device`` ("meta": the fake kernels
-    run), with ``replaced``'s values (on ``device`` too) in place of those of their names."""
+    (make_case's, M=2, K=8, N=6, L=3, S=2, R=4, float32, and random signed values for the rest) on ``device``
+    ("meta": the fake kernels run), with ``replaced``'s values (on ``device`` too) in place of those of their
+    names."""
     M, K, N, L, S, R = 2, 8, 6, 3, 2, 4
-    gen = torch.Generator().manual_seed(17)
+    case = make_case(M, K, N, L, S, R, seed=17, ranks=[R, 1, 0], token_slots=[1, -1], slice_widths=[2, N - 2])
 
     def signed(*shape):
-        return torch.randn(*shape, generator=gen)
+        return torch.randn(*shape, generator=case.gen)
     rows = N + L * S * R
-    values = dict(x=signed(M, K), y=signed(M, N), lora_a=signed(L, S, R, K), lora_b=signed(L, N, R),
-                  h=signed(M, S, R), dh=signed(M, S, R), u=signed(M, R), v=signed(M, N), grad_out=signed(M, N),
-                  weight=signed(N, K), bias=signed(N), stacked_weight=signed(rows, K), stacked_bias=signed(rows),
-                  scale=signed(L), rank=torch.tensor([R, 1, 0], dtype=torch.int32), slice_widths=[2, N - 2],
-                  **build_batch_meta(torch.tensor([1, -1]), L)._asdict())
+    values = dict(x=case.x, y=case.new_y("random"), lora_a=case.lora_a, lora_b=case.lora_b, h=signed(M, S, R),
+                  dh=signed(M, S, R), u=signed(M, R), v=signed(M, N), grad_out=signed(M, N), weight=signed(N, K),
+                  bias=signed(N), stacked_weight=signed(rows, K), stacked_bias=signed(rows), scale=case.scale,
+                  rank=case.rank, slice_widths=case.slice_widths, **case.meta._asdict())
     values.update(replaced)
-    return [values[a.name].to(device) if isinstance(values[a.name], torch.Tensor) else values[a.name]
-            for a in getattr(torch.ops.lora_ops, op_name).default._schema.arguments]
+    return [values[name].to(device) if isinstance(values[name], torch.Tensor) else values[name]
+            for name in arg_names(op_name)]
 
 
 @pytest.mark.parametrize("op_name", list(OPS))

@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE, TOLERANCE, add_lora_paths, force_add_lora_path, make_case, rel_err
 from csrc_meta import OPS, checks
 from lora_ops import launch, launch_grad
-from test_ops_contract import args_by_name
+from test_ops_contract import arg_names, args_by_name
 
 R = 32      # add_lora_paths' split_k_summed takes rank blocks of R // 2: tl.dot needs K >= 16 on a GPU
 PATHS = add_lora_paths(R)
@@ -146,7 +146,7 @@ def test_the_grad_kernels_see_strided_metadata_through_autograd(triton_kernels):
 
 # Each op's 1-D tensors among scale, rank and the metadata: "op-tensor".
 FAR_CASES = [(op, name) for op in OPS for name in ("scale", "rank", "sorted_token_ids", "slot_starts", "slot_counts")
-             if name in [a.name for a in getattr(torch.ops.lora_ops, op).default._schema.arguments]]
+             if name in arg_names(op)]
 
 
 @pytest.mark.parametrize("op_name, name", FAR_CASES, ids=[f"{op}-{name}" for op, name in FAR_CASES])
@@ -155,7 +155,7 @@ def test_every_op_refuses_a_stride_past_int32(op_name, name):
     elements or more past its first refuses it, naming it (its checks on meta tensors: the fake kernel's, which
     the real kernels share), where a quick check that took any stride would hand it to the kernels."""
     op = getattr(torch.ops.lora_ops, op_name)
-    t = args_by_name(op_name, "meta")[[a.name for a in op.default._schema.arguments].index(name)]
+    t = args_by_name(op_name, "meta")[arg_names(op_name).index(name)]
     n = t.shape[0]
     step = -(-2 ** 31 // (n - 1))   # the least stride that puts the last element 2**31 or more past the first
     far = torch.empty_strided((n,), (step,), dtype=t.dtype, device="meta")
