@@ -886,34 +886,39 @@ def test_compile_one_graph_with_backward_for_every_token_count(backend):
 
 # ---- lora_linear (the whole layer in one op): its gradients are the base layer's plus the delta's ----
 
-@pytest.mark.parametrize("case_id", ["qkv_3_slices", "strided_x", "all_minus_one", "no_tokens"])
-@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
-def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
-    case = make_case(**GRAD_CASES[case_id], dtype=dtype, device=backend.device, seed=23)
+LINEAR_LEAVES = ("x", "weight", "bias", "lora_a", "lora_b")
+
+
+def check_lora_linear_grads(case, dtype, needs=LINEAR_LEAVES):
+    """lora_linear's forward and the gradients of ``needs`` (the other inputs frozen) against float64; each
+    frozen input gets none."""
     M, K, N = case.shape[:3]
-    weight = signed((N, K), case) * K ** -0.5
-    bias = signed((N,), case)
-    leaves = {"x": same_layout_copy(case.x), "weight": weight, "bias": bias, "lora_a": case.lora_a.clone(),
-              "lora_b": case.lora_b.clone()}
-    for t in leaves.values():
-        t.requires_grad_(True)
-    out = torch.ops.lora_ops.lora_linear(leaves["x"], leaves["weight"], leaves["bias"], leaves["lora_a"],
-                                         leaves["lora_b"], case.scale, case.rank, case.slice_widths, *case.meta)
+    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
+              "lora_a": case.lora_a, "lora_b": case.lora_b}
+    leaves = {n: same_layout_copy(v).requires_grad_(n in needs) for n, v in values.items()}
+    out = torch.ops.lora_ops.lora_linear(*[leaves[n] for n in LINEAR_LEAVES], case.scale, case.rank,
+                                         case.slice_widths, *case.meta)
     grad_out = signed((M, N), case)
     out.backward(grad_out)
-    ref = {n: t.detach().double().requires_grad_(True) for n, t in leaves.items()}
+    ref = {n: v.detach().double().requires_grad_(n in needs) for n, v in values.items()}
     ref_out = lora_forward_reference(F.linear(ref["x"], ref["weight"], ref["bias"]), ref["x"], ref["lora_a"],
                                      ref["lora_b"], case.scale, case.rank, case.token_slots, case.slice_widths)
     ref_out.backward(grad_out.double())
     tol = TOLERANCE[dtype]
     assert rel_err(out, ref_out) <= tol, "forward"
-    for name, t in leaves.items():
+    for name in LINEAR_LEAVES:
+        if name not in needs:
+            assert leaves[name].grad is None, name
+            continue
         expected = torch.zeros_like(ref[name]) if ref[name].grad is None else ref[name].grad
-        err = rel_err(t.grad, expected)
+        err = rel_err(leaves[name].grad, expected)
         assert err <= tol, f"d{name}: relative error {err:.3g} > {tol:g}"
 
 
-LINEAR_LEAVES = ("x", "weight", "bias", "lora_a", "lora_b")
+@pytest.mark.parametrize("case_id", ["qkv_3_slices", "strided_x", "all_minus_one", "no_tokens"])
+@pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
+def test_lora_linear_grads_match_float64_reference(backend, dtype, case_id):
+    check_lora_linear_grads(make_case(**GRAD_CASES[case_id], dtype=dtype, device=backend.device, seed=23), dtype)
 
 
 @pytest.mark.parametrize("needs", [("x", "lora_a", "lora_b"), ("x",), ("weight", "lora_b"), ("bias", "lora_a")],
@@ -923,22 +928,7 @@ def test_lora_linear_only_requested_grads(backend, needs):
     matches float64, dx with the base layer's term in it whether or not the weight trains, and each frozen
     input gets none (dW, dbias and the delta's gradients each follow their own input's need)."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=53)
-    M, K, N = case.shape[:3]
-    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
-              "lora_a": case.lora_a, "lora_b": case.lora_b}
-    leaves = {n: same_layout_copy(v).requires_grad_(n in needs) for n, v in values.items()}
-    grad_out = signed((M, N), case)
-    torch.ops.lora_ops.lora_linear(*[leaves[n] for n in LINEAR_LEAVES], case.scale, case.rank, case.slice_widths,
-                                   *case.meta).backward(grad_out)
-    ref = {n: v.detach().double().requires_grad_(n in needs) for n, v in values.items()}
-    lora_forward_reference(F.linear(ref["x"], ref["weight"], ref["bias"]), ref["x"], ref["lora_a"], ref["lora_b"],
-                           case.scale, case.rank, case.token_slots, case.slice_widths).backward(grad_out.double())
-    for name in LINEAR_LEAVES:
-        if name in needs:
-            err = rel_err(leaves[name].grad, ref[name].grad)
-            assert err <= TOLERANCE[torch.float32], f"d{name}: relative error {err:.3g}"
-        else:
-            assert leaves[name].grad is None, name
+    check_lora_linear_grads(case, torch.float32, needs)
 
 
 DOUBLE_BACKWARD_CASES = ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "slot_without_tokens",
