@@ -415,6 +415,11 @@ class Case:
     def no_adapter_rows(self):
         return self.token_slots.cpu() < 0
 
+    def signed(self, shape, dtype=None):
+        """Fresh random signed values of ``shape`` from the case's generator, in the case's dtype (or ``dtype``)
+        on its device: y, grad_out, h, a base weight, ... beside the case's own tensors."""
+        return torch.randn(*shape, generator=self.gen).to(dtype=dtype or self.x.dtype, device=self.x.device)
+
     def new_y(self, fill):
         """y [M, N] in the case's layout: 'zero', or 'random' (signed values at the delta's scale for
         tokens with an adapter; NaN-free sentinels such as -0.0, +-max and subnormals for slot -1)."""

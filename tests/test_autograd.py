@@ -46,10 +46,6 @@ GRAD_CASES = {
 LEAVES = ("y", "x", "lora_a", "lora_b")
 
 
-def signed(shape, case, dtype=None):
-    return torch.randn(*shape, generator=case.gen).to(dtype=dtype or case.x.dtype, device=case.x.device)
-
-
 def same_layout_copy(t):
     """A copy of ``t`` with its exact strides (a column slice or transposed storage stays one)."""
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
@@ -109,7 +105,7 @@ def record_grad_launches(monkeypatch):
 
 def run_and_compare(case, grad_out, dtype, needs=LEAVES, y=None):
     if y is None:
-        y = laid_out(signed(case.x.shape[:1] + case.lora_b.shape[1:2], case), case.y_layout, case.gen)
+        y = laid_out(case.signed(case.x.shape[:1] + case.lora_b.shape[1:2]), case.y_layout, case.gen)
     leaves = leaves_of(case, y, needs)
     out = forward(case, leaves)
     out.backward(grad_out)
@@ -130,7 +126,7 @@ def test_reference_passes_float64_gradcheck():
     """The float64 reference's autograd against finite differences (slices, mixed ranks, -1, empty slot)."""
     case = make_case(M=11, K=5, N=7, num_slots=4, num_slices=2, max_rank=3, dtype=torch.float64, seed=1,
                      ranks=[3, 1, 0, 2], token_slots=[0, 1, -1, 2, 0, 1, 1, -1, 0, 2, 0])
-    y = signed((11, 7), case)
+    y = case.signed((11, 7))
 
     def fn(y, x, lora_a, lora_b):
         return lora_forward_reference(y, x, lora_a, lora_b, case.scale, case.rank, case.token_slots,
@@ -145,7 +141,7 @@ def test_reference_passes_float64_gradcheck():
 def test_grads_match_float64_reference(backend, checked_dtype, case_id):
     case = make_case(**GRAD_CASES[case_id], dtype=checked_dtype, device=backend.device, seed=7)
     M, _, N, *_ = case.shape
-    run_and_compare(case, signed((M, N), case), checked_dtype)
+    run_and_compare(case, case.signed((M, N)), checked_dtype)
 
 
 def large_bucket_dtype(backend):
@@ -164,7 +160,7 @@ def test_grads_past_1024_tokens_match_float64_reference(triton_kernels, monkeypa
                      dtype=dtype, device=triton_kernels.device, seed=37)
     M, K, N, L, S, R = case.shape
     launched = record_grad_launches(monkeypatch)
-    run_and_compare(case, signed((M, N), case), dtype)
+    run_and_compare(case, case.signed((M, N)), dtype)
     assert launched["lora_grad_x"] and all(cfg.n_loop > 1 for cfg in launched["lora_grad_x"])
     deep = launch_grad.DEEP_STEP["block_t"]
     assert [cfg.block_t for cfg in launched["lora_grad_a"] + launched["lora_grad_b"]] == [deep, deep]
@@ -177,7 +173,7 @@ def test_only_requested_grads(backend, needs):
     dy follows y's own need, not x's)."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=3)
     M, _, N, *_ = case.shape
-    run_and_compare(case, signed((M, N), case), torch.float32, needs=needs)
+    run_and_compare(case, case.signed((M, N)), torch.float32, needs=needs)
 
 
 GRAD_LAYOUTS = ("column_slice", "transposed", "row_expanded", "scalar_expanded")
@@ -187,10 +183,10 @@ def incoming_grad(layout, case):
     """A strided or expanded gradient of the [M, N] output (an expanded one has stride 0)."""
     M, _, N, *_ = case.shape
     if layout == "row_expanded":
-        return signed((1, N), case).expand(M, N)
+        return case.signed((1, N)).expand(M, N)
     if layout == "scalar_expanded":   # what out.sum().backward() passes down
-        return signed((1, 1), case).expand(M, N)
-    return laid_out(signed((M, N), case), layout, case.gen)
+        return case.signed((1, 1)).expand(M, N)
+    return laid_out(case.signed((M, N)), layout, case.gen)
 
 
 @pytest.mark.parametrize("layout", GRAD_LAYOUTS)
@@ -207,7 +203,7 @@ def test_strided_and_expanded_incoming_grads(backend, dtype, layout, monkeypatch
         return real_grad_h(grad, *args)
 
     monkeypatch.setattr(lora_ops.autograd, "grad_h", recording_grad_h)
-    leaves = leaves_of(case, signed(grad_out.shape, case))
+    leaves = leaves_of(case, case.signed(grad_out.shape))
     out = forward(case, leaves)
     x, a, b = torch.autograd.grad(out, [leaves["x"], leaves["lora_a"], leaves["lora_b"]], grad_outputs=grad_out)
     assert seen == [grad_out.stride()], "the backward did not receive the strided gradient itself"
@@ -226,7 +222,7 @@ def test_no_adapter_and_padding_contribute_nothing(backend, dtype):
     case = make_case(**spec, dtype=dtype, device=backend.device, seed=5)
     M, _, N, L, _, R = case.shape
     none = case.token_slots < 0
-    grad_out = signed((M, N), case)
+    grad_out = case.signed((M, N))
     clean = run_and_compare(case, grad_out, dtype, needs=("x", "lora_a", "lora_b"))
 
     past_rank = torch.arange(R, device=case.x.device) >= case.rank[:, None]            # [L, R]
@@ -235,7 +231,7 @@ def test_no_adapter_and_padding_contribute_nothing(backend, dtype):
     case.lora_b.masked_fill_(past_rank[:, None, :], float("nan"))
     poisoned = grad_out.clone()
     poisoned[none] = float("nan")
-    leaves = leaves_of(case, signed((M, N), case))
+    leaves = leaves_of(case, case.signed((M, N)))
     forward(case, leaves).backward(poisoned)
 
     for name in ("x", "lora_a", "lora_b"):   # rel_err is inf on any NaN
@@ -253,7 +249,7 @@ def test_frozen_base_and_dropout_follow_peft(backend):
     base = torch.nn.Linear(K, N, device=case.x.device).requires_grad_(False)
     x = case.x.clone().requires_grad_()
     a, b = case.lora_a.clone().requires_grad_(), case.lora_b.clone().requires_grad_()
-    grad_out = signed((M, N), case)
+    grad_out = case.signed((M, N))
     p = 0.5
 
     torch.manual_seed(123)
@@ -288,7 +284,7 @@ def test_lora_dropout_rejects_bad_p():
 def test_metadata_refilled_before_backward_raises(backend):
     """Saved metadata is the caller's buffers: refilling them makes autograd refuse the stale backward."""
     case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=17)
-    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    leaves = leaves_of(case, case.signed((case.shape[0], case.shape[2])))
     out = forward(case, leaves)
     case.batch.update(case.token_slots.flip(0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -302,8 +298,8 @@ def test_copying_saved_tensor_hooks_keep_hand_built_metadata(backend):
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=23)
     own = BatchMeta(*(torch.empty_like(t).copy_(t) for t in case.meta))
     assert all(t._version > 0 for t in own)
-    grad_out = signed((case.shape[0], case.shape[2]), case)
-    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    grad_out = case.signed((case.shape[0], case.shape[2]))
+    leaves = leaves_of(case, case.signed((case.shape[0], case.shape[2])))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
         out = lora_ops.lora_forward(leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale,
                                     case.rank, batch=own, slice_widths=case.slice_widths)
@@ -338,11 +334,11 @@ def test_backward_skips_its_checks_only_on_the_forwards_inputs(backend, monkeypa
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=19)
     M, K, N = case.shape[:3]
     trusted = _record_trusted_calls(monkeypatch, "cuda" if case.x.is_cuda else "cpu")
-    weight = signed((N, K), case)
-    grad_out = signed((M, N), case)
+    weight = case.signed((N, K))
+    grad_out = case.signed((M, N))
 
     def grads(swap=None):
-        leaves = leaves_of(case, signed((M, N), case))
+        leaves = leaves_of(case, case.signed((M, N)))
         if op == "lora_forward":
             out = forward(case, leaves)
         else:
@@ -375,11 +371,11 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=triton_kernels.device,
                      seed=23)
     M, K, N = case.shape[:3]
-    weight = signed((N, K), case)
+    weight = case.signed((N, K))
     calls = _record_trusted_calls(monkeypatch, "cuda" if case.x.is_cuda else "cpu")
 
     def grads(grad_out, needs=LEAVES[1:], swap=None):
-        leaves = leaves_of(case, signed((M, N), case), needs)
+        leaves = leaves_of(case, case.signed((M, N)), needs)
         if swap:
             swap(leaves)
         out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
@@ -400,7 +396,7 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
 
     monkeypatch.setattr(lora_ops.autograd, "_BOUND", {})
     bound = lora_ops.autograd._BOUND
-    grad_out = signed((M, N), case)
+    grad_out = case.signed((M, N))
     first = grads(grad_out=grad_out)
     assert len(bound) == 1 and sorted(calls) == ["lora_grad_a", "lora_grad_b", "lora_grad_h", "lora_grad_x", "shrink"]
     calls.clear()
@@ -428,7 +424,7 @@ def test_bound_backward_replays_the_op_calls_bit_for_bit(triton_kernels, monkeyp
     check(first, grads(grad_out=grad_out))
     assert "shrink" in calls and len(bound) == 5
 
-    leaves = leaves_of(case, signed((M, N), case))
+    leaves = leaves_of(case, case.signed((M, N)))
     out = torch.ops.lora_ops.lora_linear(leaves["x"], weight, None, leaves["lora_a"], leaves["lora_b"],
                                          case.scale, case.rank, case.slice_widths, *case.meta)
     _halve_b_rank(leaves)      # after the forward: the checked calls refuse it
@@ -445,7 +441,7 @@ def test_bound_backward_keys_the_slice_widths(triton_kernels, monkeypatch):
         case = make_case(M=21, K=24, N=32, num_slots=2, num_slices=2, max_rank=8, ranks=[8, 5], slice_widths=widths,
                          dtype=torch.float32, device=triton_kernels.device, seed=59)
         for _ in range(2):      # records, then replays
-            run_and_compare(case, signed((21, 32), case), torch.float32)
+            run_and_compare(case, case.signed((21, 32)), torch.float32)
     assert len(lora_ops.autograd._BOUND) == 2
 
 
@@ -460,7 +456,7 @@ def test_segment_outer_kernel_writes_every_output_element(triton_kernels, wide):
     spec = dict(GRAD_CASES["gate_up_mixed_ranks"], K=200 if wide == "deep" else 24)   # (deep: 128-column blocks)
     case = make_case(**spec, dtype=torch.float32, device=backend.device, seed=19)
     M, K, _, L, _, R = case.shape
-    u, v = signed((M, R), case, torch.float32), signed((M, K), case)
+    u, v = case.signed((M, R), torch.float32), case.signed((M, K))
     out = torch.full((L, R, K), float("nan"), device=case.x.device)
     if wide == "deep":
         cfg = launch_grad.segment_outer_config(R, K, L, num_tokens=1024)
@@ -485,7 +481,7 @@ def test_lora_grad_x_kernel_rows_written(triton_kernels, n_loop, one_rank_block,
     backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=23)
     M, K, _, L, S, R = case.shape
-    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
+    dh = nan_past_rank(case.signed((M, S, R), torch.float32), case)
     dx = torch.full((M, K), float("nan"), device=case.x.device)
     cfg = launch_grad.grad_x_config(M, K, R, S)
     if one_rank_block:
@@ -547,7 +543,7 @@ def test_lora_grad_x_op_needs_no_zeroed_output(triton_kernels, monkeypatch):
     seen = poison_unzeroed_scratch(monkeypatch)
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=triton_kernels.device, seed=29)
     M, K, _, L, S, R = case.shape
-    dh = signed((M, S, R), case, torch.float32)
+    dh = case.signed((M, S, R), torch.float32)
     for _ in range(2):   # the call that keeps the plan, then its replay
         dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
         untouched = case.untouched_rows().to(dx.device)
@@ -579,7 +575,7 @@ def test_lora_grad_x_op_writes_groups_of_many_tiles(triton_kernels, monkeypatch,
     M = case.shape[0]
     cfg = launch_grad.grad_x_config(M, 24, 8, 2)._replace(block_m=block_m)
     monkeypatch.setattr(launch_grad, "grad_x_config", lambda *a, **k: cfg)
-    dh = signed((M, 2, 8), case, torch.float32)
+    dh = case.signed((M, 2, 8), torch.float32)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
     assert launch.Scratch((M, 24), torch.float32, zero=False) in seen and not dx.isnan().any()
     assert (dx[case.untouched_rows().to(dx.device)] == 0).all()
@@ -614,7 +610,7 @@ def test_shrink_ops_return_h_written_whole(triton_kernels, monkeypatch, op, slic
         keep = torch.arange(M) != inf_token
         h, want, untouched = h[keep.to(h.device)], want[keep], untouched[keep]
     else:
-        grad_out = signed((M, N), case)
+        grad_out = case.signed((M, N))
         h = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths,
                                            *case.meta)
         want = grad_h_reference(grad_out, case)
@@ -644,7 +640,7 @@ def test_lora_grad_x_one_rank_block_splits_dh_once(triton_kernels, bf16_interpre
     lora_a = case.lora_a.clone()
     for slot, r in enumerate(case.rank.tolist()):
         lora_a[slot, :, r:] = float("nan")
-    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
+    dh = nan_past_rank(case.signed((M, S, R), torch.float32), case)
     dx = torch.full((M, K), float("nan"), device=case.x.device, dtype=dtype)
     cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_n=16, n_loop=n_loop, one_rank_block=True)
     assert R <= cfg.block_r
@@ -661,7 +657,7 @@ def test_lora_grad_x_one_rank_block_refuses_a_rank_past_its_block():
     M, K, _, L, S, R = case.shape
     cfg = launch_grad.grad_x_config(M, K, R, S)._replace(block_r=16, one_rank_block=True)
     with pytest.raises(ValueError, match="rank \\(20\\) within block_r \\(16\\)"):
-        launch_grad.launch_lora_grad_x(torch.zeros(M, K), signed((M, S, R), case, torch.float32), case.lora_a,
+        launch_grad.launch_lora_grad_x(torch.zeros(M, K), case.signed((M, S, R), torch.float32), case.lora_a,
                                        case.rank, *case.meta, cfg, run=False)
 
 
@@ -674,7 +670,7 @@ def test_lora_grad_x_past_1024_tokens_walks_column_blocks(triton_kernels, monkey
                      dtype=dtype, device=backend.device, seed=31)
     M, K, _, L, S, R = case.shape
     launched = record_grad_launches(monkeypatch)
-    dh = signed((M, S, R), case, torch.float32)
+    dh = case.signed((M, S, R), torch.float32)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
     assert [cfg.n_loop for cfg in launched["lora_grad_x"]] == [2]
     untouched = case.untouched_rows().to(dx.device)
@@ -711,11 +707,11 @@ def test_backward_ops_match_token_by_token_reference(backend, dtype):
     rows without an adapter)."""
     case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=dtype, device=backend.device, seed=29)
     M, K, _, L, S, R = case.shape
-    dh = nan_past_rank(signed((M, S, R), case, torch.float32), case)
+    dh = nan_past_rank(case.signed((M, S, R), torch.float32), case)
     dx = torch.ops.lora_ops.lora_grad_x(dh, case.lora_a, case.rank, *case.meta)
     assert dx.dtype == dtype and dx.shape == (M, K)
     assert rel_err(dx, grad_x_reference(dh, case)) <= TOLERANCE[dtype]
-    v = laid_out(signed((M, K), case), "column_slice", case.gen)
+    v = laid_out(case.signed((M, K)), "column_slice", case.gen)
     out = torch.ops.lora_ops.segment_outer(dh[:, 1], v, case.rank, *case.meta)
     assert out.dtype == dtype and out.shape == (L, R, K)
     assert rel_err(out, segment_outer_reference(dh[:, 1], v, case)) <= TOLERANCE[dtype]
@@ -771,14 +767,14 @@ def test_slice_ops_match_token_by_token_reference(backend, monkeypatch, checked_
     case = make_case(**SLICE_OP_CASES[case_id], dtype=dtype, device=backend.device, seed=41)
     launched = record_grad_launches(monkeypatch)
     M, K, N, L, S, R = case.shape
-    grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
+    grad_out = laid_out(case.signed((M, N)), "transposed", case.gen)
     dh = torch.ops.lora_ops.lora_grad_h(grad_out, case.lora_b, case.scale, case.rank, case.slice_widths, *case.meta)
     assert dh.dtype == torch.float32 and dh.shape == (M, S, R)
     # dh is float32 from 16-bit operands whose products are exact: float32's tolerance at every dtype (a dh
     # rounded to 16 bits on the way passed float16's, session 48's test audit).
     assert rel_err(dh, grad_h_reference(grad_out, case)) <= H_TOLERANCE
-    x = laid_out(signed((M, K), case), "column_slice", case.gen)
-    u = signed((M, S, R), case, torch.float32)
+    x = laid_out(case.signed((M, K)), "column_slice", case.gen)
+    u = case.signed((M, S, R), torch.float32)
     da = torch.ops.lora_ops.lora_grad_a(u, x, case.rank, *case.meta)
     assert da.dtype == dtype and da.shape == (L, S, R, K)
     assert rel_err(da, grad_a_reference(u, x, case)) <= TOLERANCE[dtype]
@@ -799,7 +795,7 @@ def test_slice_ops_kernels_write_every_output_element(triton_kernels):
     backend = triton_kernels
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=torch.float32, device=backend.device, seed=43)
     M, K, N, L, S, R = case.shape
-    x, grad_out, u = signed((M, K), case), signed((M, N), case), signed((M, S, R), case, torch.float32)
+    x, grad_out, u = case.signed((M, K)), case.signed((M, N)), case.signed((M, S, R), torch.float32)
     da = torch.full((L, S, R, K), float("nan"), device=x.device)
     launch_grad.launch_lora_grad_a(da, u, x, case.rank, *case.meta, launch_grad.segment_outer_config(R, K, L * S))
     assert not da.isnan().any() and rel_err(da, grad_a_reference(u, x, case)) <= TOLERANCE[torch.float32]
@@ -836,7 +832,7 @@ def test_slice_ops_kernels_write_every_output_element(triton_kernels):
 @pytest.mark.parametrize("dtype", FP16_FP32, ids=dtype_id)
 def test_opcheck_add_lora_with_grad(backend, dtype):
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=dtype, device=backend.device, seed=31)
-    leaves = leaves_of(case, signed((case.shape[0], case.shape[2]), case))
+    leaves = leaves_of(case, case.signed((case.shape[0], case.shape[2])))
     args = (leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale, case.rank,
             case.slice_widths, *case.meta)
     torch.library.opcheck(torch.ops.lora_ops.add_lora.default, args)
@@ -846,9 +842,9 @@ def test_opcheck_add_lora_with_grad(backend, dtype):
 def test_opcheck_backward_ops(backend, dtype):
     case = make_case(**GRAD_CASES["gate_up_mixed_ranks"], dtype=dtype, device=backend.device, seed=37)
     M, K, N, L, S, R = case.shape
-    dh = signed((M, S, R), case, torch.float32)
+    dh = case.signed((M, S, R), torch.float32)
     torch.library.opcheck(torch.ops.lora_ops.lora_grad_x.default, (dh, case.lora_a, case.rank, *case.meta))
-    grad_out = laid_out(signed((M, N), case), "transposed", case.gen)
+    grad_out = laid_out(case.signed((M, N)), "transposed", case.gen)
     torch.library.opcheck(torch.ops.lora_ops.segment_outer.default,
                           (dh[:, 1], grad_out[:, 5:], case.rank, *case.meta))
     torch.library.opcheck(torch.ops.lora_ops.lora_grad_h.default,
@@ -872,10 +868,10 @@ def test_compile_one_graph_with_backward_for_every_token_count(backend):
 
     for M in (2, 7, 33):
         case = make_case(M=M, **base, dtype=torch.float32, device=backend.device, seed=M, slice_widths=[20, 12])
-        leaves = leaves_of(case, signed((M, 32), case))
+        leaves = leaves_of(case, case.signed((M, 32)))
         torch._dynamo.mark_dynamic(leaves["x"], 0)
         torch._dynamo.mark_dynamic(leaves["y"], 0)
-        grad_out = signed((M, 32), case)
+        grad_out = case.signed((M, 32))
         out = layer(leaves["y"], leaves["x"], leaves["lora_a"], leaves["lora_b"], case.scale, case.rank, case.meta)
         out.backward(grad_out)
         _, ref = reference_grads(case, leaves, 2.0 * grad_out)
@@ -893,12 +889,12 @@ def check_lora_linear_grads(case, dtype, needs=LINEAR_LEAVES):
     """lora_linear's forward and the gradients of ``needs`` (the other inputs frozen) against float64; each
     frozen input gets none."""
     M, K, N = case.shape[:3]
-    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
+    values = {"x": case.x, "weight": case.signed((N, K)) * K ** -0.5, "bias": case.signed((N,)),
               "lora_a": case.lora_a, "lora_b": case.lora_b}
     leaves = {n: same_layout_copy(v).requires_grad_(n in needs) for n, v in values.items()}
     out = torch.ops.lora_ops.lora_linear(*[leaves[n] for n in LINEAR_LEAVES], case.scale, case.rank,
                                          case.slice_widths, *case.meta)
-    grad_out = signed((M, N), case)
+    grad_out = case.signed((M, N))
     out.backward(grad_out)
     ref = {n: v.detach().double().requires_grad_(n in needs) for n, v in values.items()}
     ref_out = lora_forward_reference(F.linear(ref["x"], ref["weight"], ref["bias"]), ref["x"], ref["lora_a"],
@@ -961,7 +957,7 @@ def test_double_backward_matches_float64_reference(backend, op, case_id):
                      device=backend.device, seed=31, capacity=64)
     M, K, N = case.shape[:3]
     values = {"x": same_layout_copy(case.x), "lora_a": case.lora_a, "lora_b": case.lora_b,
-              "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case), "y": signed((M, N), case)}
+              "weight": case.signed((N, K)) * K ** -0.5, "bias": case.signed((N,)), "y": case.signed((M, N))}
     wrt = ("x", "lora_a", "lora_b") + (("weight",) if op == "lora_linear" else ())
 
     def ours(t):
@@ -975,7 +971,7 @@ def test_double_backward_matches_float64_reference(backend, op, case_id):
         return lora_forward_reference(y, t["x"], t["lora_a"], t["lora_b"], case.scale, case.rank, case.token_slots,
                                       case.slice_widths)
 
-    grad_out = signed((M, N), case)
+    grad_out = case.signed((M, N))
     grads = set(wrt) | {"y"}        # (y: so the reference's output needs grad where no token has an adapter)
     leaves = {n: same_layout_copy(v).requires_grad_(n in grads) for n, v in values.items()}
     ref_leaves = {n: v.detach().double().requires_grad_(n in grads) for n, v in values.items()}
@@ -1003,7 +999,7 @@ def test_double_backward_keeps_a_slots_nan_in_its_own_gradients(backend, poisone
     multiplied the poisoned slot's weights into every row (zero cotangents times NaN), and the gradient through
     grad_out carried it to every slot."""
     case = make_case(**GRAD_CASES["slot_without_tokens"], dtype=torch.float32, device=backend.device, seed=33)
-    y = signed((case.x.shape[0], case.lora_b.shape[1]), case)
+    y = case.signed((case.x.shape[0], case.lora_b.shape[1]))
 
     def grads(poison):
         leaves = {"y": y, "x": same_layout_copy(case.x).requires_grad_(),
@@ -1030,8 +1026,8 @@ def test_create_graph_gradients_of_a_slot_without_tokens_are_zero_despite_its_na
     without (the kernels' backward), not NaN. The graph's dense products met its NaN weights on rows no
     token of it owns (0 @ NaN), in its h and so in both its gradients."""
     case = make_case(**GRAD_CASES["slot_without_tokens"], dtype=torch.float32, device=backend.device, seed=34)
-    y = signed((case.x.shape[0], case.lora_b.shape[1]), case)
-    grad_out = signed(y.shape, case)
+    y = case.signed((case.x.shape[0], case.lora_b.shape[1]))
+    grad_out = case.signed(y.shape)
     empty = 1                                       # (the case's slot without tokens)
     assert not (case.token_slots == empty).any()
 
@@ -1060,9 +1056,9 @@ def test_forward_mode_ad_matches_float64_reference(backend, op, case_id, how):
     M, K, N = case.shape[:3]
     names = ("x", "weight", "bias", "lora_a", "lora_b") if op == "lora_linear" else ("y", "x", "lora_a", "lora_b")
     values = {"x": same_layout_copy(case.x), "lora_a": case.lora_a, "lora_b": case.lora_b,
-              "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case), "y": signed((M, N), case)}
+              "weight": case.signed((N, K)) * K ** -0.5, "bias": case.signed((N,)), "y": case.signed((M, N))}
     primals = [values[n] for n in names]
-    tangents = [signed(values[n].shape, case) for n in names]
+    tangents = [case.signed(values[n].shape) for n in names]
 
     def ours(*t):
         v = dict(zip(names, t))
@@ -1094,7 +1090,7 @@ def test_forward_mode_ad_refuses_what_it_cannot_differentiate(backend):
     a forward-mode formula (the in-place add_lora_, shrink) raises naming the op and the argument."""
     case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=43)
     M, _, N = case.shape[:3]
-    y = signed((M, N), case)
+    y = case.signed((M, N))
     with fwAD.dual_level():
         with pytest.raises(NotImplementedError, match=r"lora_ops::add_lora: forward-mode AD .* argument 4"):
             lora_ops.lora_forward(y, case.x, case.lora_a, case.lora_b, fwAD.make_dual(case.scale, case.scale),
@@ -1146,7 +1142,7 @@ def test_float32_gpu_tiles_compute_the_same_gradients(triton_kernels, monkeypatc
     spec = GRAD_CASES.get(case_id) or dict(M=9, K=24, N=20, num_slots=3, num_slices=2, max_rank=80, ranks=[80, 33, 0])
     case = make_case(**spec, dtype=torch.float32, device=triton_kernels.device, seed=47)
     M, _, N, *_ = case.shape
-    run_and_compare(case, signed((M, N), case), torch.float32)
+    run_and_compare(case, case.signed((M, N)), torch.float32)
     assert any(c is not None and c.num_warps == heuristics.F32_WARPS for c in resolved), resolved
     # The backward's launches took the float32 tiles too: each config is the float32 one for its call's
     # arguments, and differs from the other tiles' (both real functions asked here).

@@ -31,14 +31,10 @@ def dispatcher_autograd():
     ops.set_eager_autograd(True)
 
 
-def signed(shape, case):
-    return torch.randn(*shape, generator=case.gen).to(case.x.device, case.x.dtype)
-
-
 def layer_leaves(case, needs):
     M, K, N = case.shape[:3]
-    values = {"x": case.x, "weight": signed((N, K), case) * K ** -0.5, "bias": signed((N,), case),
-              "lora_a": case.lora_a, "lora_b": case.lora_b, "y": signed((M, N), case), "scale": case.scale}
+    values = {"x": case.x, "weight": case.signed((N, K)) * K ** -0.5, "bias": case.signed((N,)),
+              "lora_a": case.lora_a, "lora_b": case.lora_b, "y": case.signed((M, N)), "scale": case.scale}
     return {name: t.detach().clone().requires_grad_(name in needs) for name, t in values.items()}
 
 
@@ -66,7 +62,7 @@ NO_GRADIENT = {"scale"}
                          ids=[f"{op}-{'+'.join(needs)}" for op, cases in NEEDS.items() for needs in cases])
 def test_eager_autograd_equals_dispatcher_bit_for_bit(backend, op, needs, dispatcher_autograd):
     case = make_case(**CASE, dtype=torch.float32, device=backend.device, seed=5)
-    grad_out = signed(case.x.shape[:1] + (case.shape[2],), case)
+    grad_out = case.signed(case.x.shape[:1] + (case.shape[2],))
     leaves = layer_leaves(case, needs)
     results = {}
     for through_dispatcher in (False, True):

@@ -11,6 +11,7 @@ import torch
 
 import lora_ops
 from conftest import make_case
+from test_ops_contract import arg_names
 from lora_ops.batch import BatchMeta
 
 M, K, N, L, S, R = 4, 6, 10, 3, 2, 4
@@ -36,13 +37,7 @@ def call_public(op, a):
 
 
 def call_torch_ops(op, a):
-    meta = (a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
-    if op == "add_lora_":
-        return torch.ops.lora_ops.add_lora_(a["y"], a["x"], a["lora_a"], a["lora_b"], a["scale"], a["rank"],
-                                            a["slice_widths"], *meta)
-    if op == "shrink":
-        return torch.ops.lora_ops.shrink(a["x"], a["lora_a"], a["scale"], a["rank"], *meta)
-    return torch.ops.lora_ops.expand_(a["y"], a["h"], a["lora_b"], a["slice_widths"], a["rank"], *meta)
+    return getattr(torch.ops.lora_ops, op)(*[a[name] for name in arg_names(op)])
 
 
 ENTRY_POINTS = {"api": call_public, "torch.ops": call_torch_ops}
@@ -67,12 +62,7 @@ class Bad:
         return [op for op in OPS if self.arg in USES[op]]
 
 
-USES = {
-    "add_lora_": {"y", "x", "lora_a", "lora_b", "scale", "rank", "slice_widths", "sorted_token_ids", "slot_starts",
-                  "slot_counts"},
-    "shrink": {"x", "lora_a", "scale", "rank", "sorted_token_ids", "slot_starts", "slot_counts"},
-    "expand_": {"y", "h", "lora_b", "slice_widths", "rank", "sorted_token_ids", "slot_starts", "slot_counts"},
-}
+USES = {op: set(arg_names(op)) for op in OPS}
 FLOATS = "expected dtype float16, bfloat16 or float32"
 META = "(slots + 1 for 'no adapter')"
 

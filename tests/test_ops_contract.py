@@ -91,14 +91,13 @@ def args_by_name(op_name, device, **replaced):
     names."""
     M, K, N, L, S, R = 2, 8, 6, 3, 2, 4
     case = make_case(M, K, N, L, S, R, seed=17, ranks=[R, 1, 0], token_slots=[1, -1], slice_widths=[2, N - 2])
-
-    def signed(*shape):
-        return torch.randn(*shape, generator=case.gen)
+    signed = case.signed
     rows = N + L * S * R
-    values = dict(x=case.x, y=case.new_y("random"), lora_a=case.lora_a, lora_b=case.lora_b, h=signed(M, S, R),
-                  dh=signed(M, S, R), u=signed(M, R), v=signed(M, N), grad_out=signed(M, N), weight=signed(N, K),
-                  bias=signed(N), stacked_weight=signed(rows, K), stacked_bias=signed(rows), scale=case.scale,
-                  rank=case.rank, slice_widths=case.slice_widths, **case.meta._asdict())
+    values = dict(x=case.x, y=case.new_y("random"), lora_a=case.lora_a, lora_b=case.lora_b, h=signed((M, S, R)),
+                  dh=signed((M, S, R)), u=signed((M, R)), v=signed((M, N)), grad_out=signed((M, N)),
+                  weight=signed((N, K)), bias=signed((N,)), stacked_weight=signed((rows, K)),
+                  stacked_bias=signed((rows,)), scale=case.scale, rank=case.rank, slice_widths=case.slice_widths,
+                  **case.meta._asdict())
     values.update(replaced)
     return [values[name].to(device) if isinstance(values[name], torch.Tensor) else values[name]
             for name in arg_names(op_name)]
