@@ -62,6 +62,12 @@ class BatchCopy(NamedTuple):
     on_devices: dict
 
 
+def _check_capacity(name, value):
+    """A capacity (max_loras, max_tokens, max_rank) is an int >= 1: not a float silently truncated, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
 def _device(device):
     """``device`` as a torch.device, "cuda" with the current GPU's index (the key the context's buffers have)."""
     device = torch.device(device if device is not None else "cpu")
@@ -205,9 +211,8 @@ class LoRAContext:
     def __init__(self, max_loras, max_tokens, device=None):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))
         self._register_traced()
-        for name, value in (("max_loras", max_loras), ("max_tokens", max_tokens)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        _check_capacity("max_loras", max_loras)
+        _check_capacity("max_tokens", max_tokens)
         self.device = _device(device)
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
@@ -818,8 +823,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base: expected an nn.Linear, got {type(base).__name__}")
-        if max_rank < 1:
-            raise ValueError(f"max_rank: expected >= 1, got {max_rank}")
+        _check_capacity("max_rank", max_rank)
         N, K = base.out_features, base.in_features
         widths = tuple(int(w) for w in (slice_widths if slice_widths is not None else (N,)))
         if not widths or any(w <= 0 for w in widths) or sum(widths) != N:
@@ -1334,6 +1338,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     Apply after moving the model to its device and dtype (``.to()`` later works but moves the stacks).
     ``stack_a``: each layer's base weight and ``lora_a`` in one buffer (opt-in; :class:`LoRALinear`).
     """
+    _check_capacity("max_rank", max_rank)     # (before any layer is wrapped, as the context's capacities are)
     packed = _normalise_packed(packed_modules)
     selected, wrapped = _select_targets(model, target_modules, packed)
     if selected and wrapped:

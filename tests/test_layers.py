@@ -6,6 +6,7 @@ dtype, with packed slices, per-slot ranks (one at the capacity) and signed scale
 requests of no adapter, and an empty slot. Rows without an adapter must equal the base layer bit for bit.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -270,12 +271,14 @@ def test_apply_lora_refuses_what_it_cannot_serve(what, match):
             apply_lora(model, ["0"], max_loras=1, max_rank=2, max_tokens=4)
 
 
-@pytest.mark.parametrize("argument", ["max_loras", "max_tokens"])
+@pytest.mark.parametrize("argument", ["max_loras", "max_tokens", "max_rank"])
 def test_apply_lora_names_a_capacity_below_one(argument):
     """They reached LoRABatch, whose message named neither the argument nor which number was which."""
     kw = {**dict(max_loras=2, max_rank=2, max_tokens=4), argument: 0}
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with pytest.raises(ValueError, match=f"^{argument}: expected an int >= 1, got 0$"):
-        apply_lora(nn.Sequential(nn.Linear(8, 8)), ["0"], **kw)
+        apply_lora(model, ["0", "1"], **kw)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]      # no layer wrapped
 
 
 def test_an_assigning_load_of_a_half_checkpoint_keeps_scale_and_rank_dtypes():
@@ -937,8 +940,9 @@ def test_lora_linear_argument_errors():
         LoRALinear(nn.Conv1d(2, 2, 1), ctx, max_rank=4)
     with pytest.raises(ValueError, match=r"slice_widths: expected positive widths summing to out_features=40"):
         LoRALinear(nn.Linear(K, N), ctx, max_rank=4, slice_widths=[20, 10])
-    with pytest.raises(ValueError, match="max_rank: expected >= 1"):
-        LoRALinear(nn.Linear(K, N), ctx, max_rank=0)
+    for max_rank in (0, 2.5, True, "8", None):
+        with pytest.raises(ValueError, match=f"^max_rank: expected an int >= 1, got {re.escape(repr(max_rank))}$"):
+            LoRALinear(nn.Linear(K, N), ctx, max_rank=max_rank)
 
 
 def test_public_exports():
