@@ -24,7 +24,7 @@ Unsupported (an :class:`UnsupportedAdapterError` naming the feature): DoRA, LoRA
 ``bias != "none"``), ``modules_to_save``, trainable tokens, ``target_parameters``, layer replication,
 and the variants that change the forward (aLoRA, QALoRA, MonteCLoRA, BD-LoRA, Arrow, KaSA); layer types
 other than Linear (embeddings, convolutions), and base-layer weights saved with the adapter; adapters saved
-with ``init_lora_weights`` PiSSA, CorDA, OLoRA, LoftQ or LoRA-GA, which subtract the initial factors from the
+with ``init_lora_weights`` PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA or Astra, which subtract the initial factors from the
 base weights (convert them to plain LoRA when saving). VeLoRA (a backward-only change) and the initialisations
 that leave the base weights alone (MiCA, EVA, orthogonal, Gaussian) compute LoRA's own forward, so they
 load. A factor that is finite in its file but overflows the layer's dtype is refused, as NaN is.
@@ -73,9 +73,9 @@ _UNSUPPORTED_FIELDS = (
     ("kasa_config", "KaSA (kasa_config)"),
 )
 
-# init_lora_weights values whose reload in PEFT rewrites the base weights (PiSSA, CorDA, OLoRA, LoftQ): the
-# adapter's factors are meant for that residual base, not for the model's own weights.
-_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# init_lora_weights values whose reload in PEFT rewrites the base weights (PiSSA, CorDA, OLoRA, LoftQ, LoRA-GA,
+# Astra): the adapter's factors are meant for that residual base, not for the model's own weights.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga", "astra")
 
 # Tensor keys of unsupported features, tried before the plain lora_A / lora_B pattern.
 _UNSUPPORTED_KEYS = (
@@ -341,6 +341,9 @@ def _check_factor(key, t, source):
     if t.dim() != 2:
         raise UnsupportedAdapterError(f"layer type other than Linear is not supported ({source}: {key!r} has "
                                       f"shape {tuple(t.shape)}; a Linear layer's LoRA factors are 2-D)")
+    if t.is_meta:       # (a state dict of a model built without memory: torch's own error named no key)
+        raise AdapterError(f"{source}: {key!r} is on the meta device (shape only, no values); expected a tensor "
+                           f"holding the adapter's values")
     if not bool(torch.isfinite(t).all()):
         raise AdapterError(f"{source}: {key!r} holds NaN or infinite values")
 
@@ -598,8 +601,8 @@ def save_peft_adapter(ctx, name, directory):
     the same ``lora_A`` (as loaded), else at the slices' ranks summed, ``lora_A`` the slices' stacked and
     ``lora_B`` block-diagonal (the same function; reloading it here needs that rank's capacity).
     ``adapter_config.json``: ``r`` / ``lora_alpha`` the most common rank and alpha across modules, with
-    ``rank_pattern`` / ``alpha_pattern`` (exact module paths) for the others; ``use_rslora`` and
-    ``lora_dropout`` as loaded. Each module's alpha is its slot scale times r (or sqrt(r) for rsLoRA),
+    ``rank_pattern`` / ``alpha_pattern`` for the others (keys ``^`` + the escaped module path: each matches its
+    module alone, under PEFT's suffix matching too); ``use_rslora`` and ``lora_dropout`` as loaded. Each module's alpha is its slot scale times r (or sqrt(r) for rsLoRA),
     so PEFT computes the scale the slot computes with. A packed layer stores one rank for all its slices
     (the largest), so its slices are saved at that rank, zero-padded, with the folded scale; the function
     is the same. Reloading the directory with :func:`load_peft_adapter` reproduces the slot.
@@ -619,8 +622,8 @@ def save_peft_adapter(ctx, name, directory):
         "peft_type": "LORA", "task_type": loaded.get("task_type"),
         "base_model_name_or_path": loaded.get("base_model_name_or_path"),
         "r": r, "lora_alpha": alpha, "use_rslora": use_rslora,
-        "rank_pattern": {re.escape(p): v for p, v in ranks.items() if v != r},
-        "alpha_pattern": {re.escape(p): v for p, v in alphas.items() if v != alpha},
+        "rank_pattern": {_exact_path_key(p): v for p, v in ranks.items() if v != r},
+        "alpha_pattern": {_exact_path_key(p): v for p, v in alphas.items() if v != alpha},
         "target_modules": sorted(modules), "lora_dropout": float(loaded.get("lora_dropout") or 0.0),
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
     }
@@ -635,6 +638,13 @@ def save_peft_adapter(ctx, name, directory):
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     return directory
+
+
+def _exact_path_key(path):
+    """A rank_pattern / alpha_pattern key that matches module ``path`` alone. PEFT (and _pattern_value) match a
+    key against every path that ends in it at a dot, so a bare path would also claim the paths it ends
+    (``0`` those of ``2.0``, ``o_proj`` those of ``x.o_proj``); ``^`` pins the match to the path's start."""
+    return "^" + re.escape(path)
 
 
 def _saved_modules(ctx, slot):

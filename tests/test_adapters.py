@@ -477,7 +477,7 @@ ERROR_CASES = {
     # Initialisations whose reload in PEFT rewrites the base weights: the factors are for that residual base.
     **{f"{init}_init": ({"init_lora_weights": init}, None, UnsupportedAdapterError,
                         f"init_lora_weights='{init}' is not supported: its factors go with base weights PEFT rewrote")
-       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga")},
+       for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga", "astra")},
     "rank_zero_in_config": ({"r": 0}, None, AdapterError, r"gives r=0 \(r / rank_pattern\); expected a positive"),
     "rank_nan_in_config": ({"r": float("nan")}, None, AdapterError, r"gives r=nan \(r / rank_pattern\); expected a "),
     "negative_dropout": ({"lora_dropout": -0.1}, None, AdapterError,
@@ -513,6 +513,18 @@ def test_invalid_adapter_is_refused_and_no_slot_changes(tmp_path, case, source):
             ctx.load_adapter("new", write_adapter_dir(tmp_path / "new", config, tensors))
         else:
             ctx.load_adapter_tensors("new", tensors, config)
+    assert_state_unchanged(before, ctx)
+
+
+def test_meta_tensors_are_refused_by_name_and_no_slot_changes():
+    """A state dict taken from a model built without memory (on the meta device): the key is named, as for
+    any other factor that holds no usable values (torch's own error named none)."""
+    model, ctx = lora_model()
+    ctx.load_adapter_tensors("kept", _tensors(model, seed=1), {"r": 4, "lora_alpha": 8})
+    tensors = _edit(_tensors(model), "lora_B.weight", lambda b: b.to("meta"))
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=r"lora_B.weight' is on the meta device \(shape only, no values\)"):
+        ctx.load_adapter_tensors("new", tensors, lora_config(4, 8))
     assert_state_unchanged(before, ctx)
 
 

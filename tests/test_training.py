@@ -317,6 +317,37 @@ def test_trained_llama_adapters_round_trip_through_peft(tmp_path):
         assert_reload_identical(ctx, name, directory)
 
 
+def nested_net():
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), inner, torch.nn.Linear(8, 8))
+
+
+def test_saved_patterns_match_their_own_module_alone(tmp_path):
+    """Module paths where one ends another ("0" and "2.0"): a path's rank_pattern / alpha_pattern key must not
+    also claim the longer path (PEFT matches keys as dotted suffixes, first key wins), so the directory
+    reloads here and in PEFT at every module's own rank and alpha."""
+    paths, ranks = ["0", "2.0", "2.2", "3"], [2, 4, 4, 4]
+    model = nested_net()
+    ctx = apply_lora(model, paths, max_loras=2, max_rank=8, max_tokens=16)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for path, r in zip(paths, ranks):
+        tensors[f"{path}.lora_A.weight"] = torch.randn(r, 8, generator=gen)
+        tensors[f"{path}.lora_B.weight"] = torch.randn(8, r, generator=gen)
+    ctx.load_adapter_tensors("a", tensors, {"r": 4, "lora_alpha": 8, "rank_pattern": {"^0": 2},
+                                            "alpha_pattern": {"^0": 3}})
+    directory = save_peft_adapter(ctx, "a", tmp_path / "a")
+    saved = json.load(open(os.path.join(directory, "adapter_config.json")))
+    assert saved["r"] == 4 and len(saved["rank_pattern"]) == 1 and len(saved["alpha_pattern"]) == 1, saved
+    assert_reload_identical(ctx, "a", directory)
+    x = torch.randn(3, 8, generator=gen)
+    ctx.set_batch([("a", 3)])
+    peft_model = peft.PeftModel.from_pretrained(nested_net(), directory).eval()
+    with torch.no_grad():
+        assert rel_err(model(x), peft_model(x)) <= TOL
+
+
 def test_fresh_adapter_is_peft_initialised_and_reproducible():
     """add_trainable_adapter as PEFT's LoraConfig: scale lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), A uniform
     in +-1/sqrt(in_features) (nn.Linear's kaiming-uniform bound, nearly reached by this many draws), B zero; with
