@@ -138,12 +138,14 @@ def _masked_delta(x, lora_a, lora_b, scale, rank, widths, meta):
     # at every step, x's rows going in, h's and the delta's coming out: its weights meet every row in the
     # dense products, and a slot's NaN weight made NaN of the other slots' rows there, which the gradients of
     # higher orders (the cotangents through grad_out) carried to every slot, and of its own weight gradients
-    # where it has no tokens (0 @ NaN; the kernels' first order gives zeros there).
+    # where it has no tokens (0 @ NaN; the kernels' first order gives zeros there). Its scale too is selected
+    # per token: h's gradient, zero off its tokens, times a NaN scale (an unused slot's) was NaN.
     for slot in range(L):
         mine = (slots == slot)[:, None]
         a = torch.where(in_rank[slot][None, :, None], lora_a[slot].float(), 0.0)     # [S, R, K]
         b = torch.where(in_rank[slot], lora_b[slot].float(), 0.0)                    # [N, R]
-        h = torch.einsum("mk,srk->msr", torch.where(mine, xf, 0.0), a) * scales[slot]
+        token_scale = torch.where(mine, scales[slot], 0.0)[:, :, None]             # [M, 1, 1]
+        h = torch.einsum("mk,srk->msr", torch.where(mine, xf, 0.0), a) * token_scale
         h = torch.where(mine[:, :, None], h, 0.0)
         term = torch.cat([h[:, i] @ b[bounds[i]:bounds[i + 1]].T for i in range(S)], dim=1)
         delta = delta + torch.where(mine, term, 0.0)

@@ -1020,11 +1020,12 @@ def test_double_backward_keeps_a_slots_nan_in_its_own_gradients(backend, poisone
     assert torch.isnan(poisoned_da[poisoned]).any() == (poisoned == 2)     # (slot 2 has tokens: its own NaN)
 
 
-@pytest.mark.parametrize("weight", ["lora_a", "lora_b"])
+@pytest.mark.parametrize("weight", ["lora_a", "lora_b", "scale"])
 def test_create_graph_gradients_of_a_slot_without_tokens_are_zero_despite_its_nan(backend, weight):
-    """A slot with no tokens and NaN in its weights: its weight gradients are zeros with create_graph=True as
-    without (the kernels' backward), not NaN. The graph's dense products met its NaN weights on rows no
-    token of it owns (0 @ NaN), in its h and so in both its gradients."""
+    """A slot with no tokens and NaN in its weights or its scale (a scale buffer from torch.empty, the slot
+    unused): its weight gradients are zeros with create_graph=True as without (the kernels' backward), not NaN.
+    The graph's dense products met its NaN weights on rows no token of it owns (0 @ NaN), in its h and so in
+    both its gradients; its scale multiplied h's masked gradient (0 * NaN)."""
     case = make_case(**GRAD_CASES["slot_without_tokens"], dtype=torch.float32, device=backend.device, seed=34)
     y = case.signed((case.x.shape[0], case.lora_b.shape[1]))
     grad_out = case.signed(y.shape)
@@ -1034,8 +1035,10 @@ def test_create_graph_gradients_of_a_slot_without_tokens_are_zero_despite_its_na
     def grads(create_graph):
         leaves = {"y": y, "x": case.x, "lora_a": case.lora_a.clone().requires_grad_(),
                   "lora_b": case.lora_b.clone().requires_grad_()}
+        if weight == "scale":
+            case.scale = case.scale.clone()
         with torch.no_grad():
-            leaves[weight][empty] = float("nan")
+            (case.scale if weight == "scale" else leaves[weight])[empty] = float("nan")
         return torch.autograd.grad(forward(case, leaves), (leaves["lora_a"], leaves["lora_b"]), grad_out,
                                    create_graph=create_graph)
 
