@@ -2,29 +2,37 @@
 import operator
 
 import torch
+from torch.autograd import forward_ad
 
 from csrc_meta import checks
 from lora_ops import ops
 from lora_ops.batch import BatchMeta, LoRABatch, batch_meta_of, build_batch_meta, check_token_slots, first_outside
 
 
-def _meta(x, lora_a, token_slots, batch):
+def _tensor(name, t):
+    """The functional API reads shapes before the op's checks: a non-tensor is named here, not met as an
+    AttributeError or IndexError."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _meta(x, lora_a, token_slots, batch, names=("x", "lora_a")):
     """The batch metadata for x [M, K] (or h [M, S, R]: expand checks it first), whose first dimension is the
-    tokens."""
-    if isinstance(x, torch.Tensor) and x.dim() == 3 and lora_a.dim() == 4:  # (before the token counts)
+    tokens; ``names``: those of x and lora_a in the caller's signature."""
+    _tensor(names[0], x)
+    _tensor(names[1], lora_a)
+    if x.dim() == 3 and lora_a.dim() == 4:  # (before the token counts)
         raise ValueError(f"x: expected a 2-D tensor, got shape {tuple(x.shape)} (x [M, K]: its tokens flattened "
                          f"into the first dimension)")
-    if isinstance(x, torch.Tensor) and x.dim() < 2 and lora_a.dim() == 4:   # (else the token counts name token_slots)
+    if x.dim() < 2 and lora_a.dim() == 4:   # (else the token counts name token_slots)
         raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
-    if isinstance(lora_a, torch.Tensor) and lora_a.dim() >= 3 and lora_a.shape[0] == 0:
-        stack = "lora_a" if lora_a.dim() == 4 else "lora_b"      # (expand passes its lora_b)
-        raise ValueError(f"{stack}: expected at least one slot, got shape {tuple(lora_a.shape)}")
+    if lora_a.dim() >= 3 and lora_a.shape[0] == 0:
+        raise ValueError(f"{names[1]}: expected at least one slot, got shape {tuple(lora_a.shape)}")
     if (token_slots is None) == (batch is None):
         raise ValueError("token_slots / batch: pass exactly one of them (per-token slots, or the metadata "
                          "built from them by LoRABatch.update / build_batch_meta)")
     if batch is None:
-        if (isinstance(token_slots, torch.Tensor) and isinstance(x, torch.Tensor)
-                and token_slots.device != x.device):
+        if isinstance(token_slots, torch.Tensor) and token_slots.device != x.device:
             # Slots made on the host for tensors on a GPU (set_token_slots takes them too): checked there, moved.
             check_token_slots(token_slots, lora_a.shape[0], device=x.device)
             token_slots = token_slots.to(x.device)
@@ -72,9 +80,20 @@ def _check_rank_values(rank, lora):
 
 
 def _widths(y, slice_widths):
-    if slice_widths is None and isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[1] == 0:
+    """The slice widths as ints: ``slice_widths``, or one slice of y's width."""
+    _tensor("y", y)
+    if slice_widths is not None:
+        try:
+            return [_width(w) for w in slice_widths]
+        except TypeError as e:
+            if "slice_widths" in str(e):
+                raise
+            raise TypeError(f"slice_widths: expected a sequence of integers, got {slice_widths!r}") from None
+    if y.dim() != 2:
+        raise ValueError(f"y: expected a 2-D tensor, got shape {tuple(y.shape)}")
+    if y.shape[1] == 0:
         raise ValueError("y: expected N >= 1 columns, got shape " + str(tuple(y.shape)))
-    return [y.shape[1]] if slice_widths is None else [_width(w) for w in slice_widths]
+    return [y.shape[1]]
 
 
 def _width(w):
@@ -96,10 +115,15 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
+    _tensor("lora_b", lora_b)
     _check_rank_values(rank, lora_a)
-    # (requires_grad read tensor by tensor: Dynamo cannot trace ops.any_requires_grad's C call)
-    if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad or lora_a.requires_grad
-                                    or lora_b.requires_grad):
+    # (requires_grad read tensor by tensor: Dynamo cannot trace ops.any_requires_grad's C call.) Under
+    # torch.func transforms and forward-mode AD too, as LoRALinear does: add_lora has their rules (a vmap batch
+    # rule, ops.FORWARD_AD), the in-place op has none.
+    if ((torch.is_grad_enabled() and (y.requires_grad or x.requires_grad or lora_a.requires_grad
+                                      or lora_b.requires_grad))
+            or (not torch.compiler.is_compiling()
+                and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))):
         out = ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta)     # (checks y's shape)
         # (y's memory checked as add_lora_ checks it: torch's copy_ refuses a stride 0 but writes rows that
         # overlap, one token's delta over another's)
@@ -122,7 +146,7 @@ def expand(y, h, lora_b, rank, *, token_slots=None, batch=None, slice_widths=Non
     if (isinstance(y, torch.Tensor) and y.dim() == 2 and not torch.compiler.is_compiling()
             and h.shape[0] != y.shape[0]):   # (before the token count: _meta counts h's rows)
         raise ValueError(f"h: expected {y.shape[0]} rows (y's tokens), got shape {tuple(h.shape)}")
-    meta = _meta(h, lora_b, token_slots, batch)
+    meta = _meta(h, lora_b, token_slots, batch, names=("h", "lora_b"))
     widths = _widths(y, slice_widths)
     _check_rank_values(rank, lora_b)
     ops.call("expand_", y, h, lora_b, widths, rank, *meta)

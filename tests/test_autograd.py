@@ -1050,11 +1050,12 @@ def test_create_graph_gradients_of_a_slot_without_tokens_are_zero_despite_its_na
 
 @pytest.mark.parametrize("how", ["func_jvp", "dual_level"])
 @pytest.mark.parametrize("case_id", ["qkv_3_slices", "gate_up_mixed_ranks", "strided_x", "all_minus_one"])
-@pytest.mark.parametrize("op", ["lora_forward", "lora_linear"])
+@pytest.mark.parametrize("op", ["lora_forward", "lora_linear", "add_lora"])
 def test_forward_mode_ad_matches_float64_reference(backend, op, case_id, how):
     """torch.func.jvp and forward_ad dual tensors through both ops, a tangent on every differentiable input:
     the output's tangent matches the float64 reference's (ops.FORWARD_AD; torch's custom-op autograd had
-    returned the output without the delta's tangent)."""
+    returned the output without the delta's tangent). The functional in-place add_lora takes the op add_lora
+    there and copies its result into y (the in-place op has no formula: it raised)."""
     case = make_case(**GRAD_CASES[case_id], dtype=torch.float32, device=backend.device, seed=41)
     M, K, N = case.shape[:3]
     names = ("x", "weight", "bias", "lora_a", "lora_b") if op == "lora_linear" else ("y", "x", "lora_a", "lora_b")
@@ -1068,6 +1069,9 @@ def test_forward_mode_ad_matches_float64_reference(backend, op, case_id, how):
         if op == "lora_linear":
             return lora_ops.ops.call("lora_linear", v["x"], v["weight"], v["bias"], v["lora_a"], v["lora_b"],
                                      case.scale, case.rank, case.slice_widths, *case.meta)
+        if op == "add_lora":
+            return lora_ops.add_lora(v["y"].clone(), v["x"], v["lora_a"], v["lora_b"], case.scale, case.rank,
+                                     batch=case.meta, slice_widths=case.slice_widths)
         return forward(case, v)
 
     def reference(*t):
@@ -1088,9 +1092,28 @@ def test_forward_mode_ad_matches_float64_reference(backend, op, case_id, how):
     assert rel_err(out, want_out) <= tol and rel_err(tangent, want_tangent) <= tol, rel_err(tangent, want_tangent)
 
 
+def test_in_place_add_lora_under_vmap_adds_each_elements_delta(backend):
+    """torch.func.vmap over the functional in-place add_lora (no grad): torch's loop over the op add_lora, the
+    result copied into y, element by element as calls one by one give (the in-place op has no batching rule:
+    torch's raw error)."""
+    case = make_case(**GRAD_CASES["qkv_3_slices"], dtype=torch.float32, device=backend.device, seed=44)
+    M, _, N = case.shape[:3]
+    xs, ys = torch.stack([case.x, -2 * case.x]), torch.stack([case.signed((M, N)), case.signed((M, N))])
+
+    def add(y, x):
+        return lora_ops.add_lora(y, x, case.lora_a, case.lora_b, case.scale, case.rank, batch=case.meta,
+                                 slice_widths=case.slice_widths)
+    want = torch.stack([add(y.clone(), x) for y, x in zip(ys, xs)])
+    got = ys.clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*batching rule.*")
+        torch.func.vmap(add)(got, xs)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_forward_mode_ad_refuses_what_it_cannot_differentiate(backend):
     """A tangent on scale (no formula: reverse mode gives scale no gradient either) or through an op without
-    a forward-mode formula (the in-place add_lora_, shrink) raises naming the op and the argument."""
+    a forward-mode formula (expand_, shrink) raises naming the op and the argument."""
     case = make_case(**GRAD_CASES["one_slice"], dtype=torch.float32, device=backend.device, seed=43)
     M, _, N = case.shape[:3]
     y = case.signed((M, N))
@@ -1098,9 +1121,9 @@ def test_forward_mode_ad_refuses_what_it_cannot_differentiate(backend):
         with pytest.raises(NotImplementedError, match=r"lora_ops::add_lora: forward-mode AD .* argument 4"):
             lora_ops.lora_forward(y, case.x, case.lora_a, case.lora_b, fwAD.make_dual(case.scale, case.scale),
                                   case.rank, batch=case.meta)
-        with pytest.raises(NotImplementedError, match=r"lora_ops::add_lora_: .* no forward-mode formula"):
-            lora_ops.add_lora(y, fwAD.make_dual(case.x, case.x), case.lora_a, case.lora_b, case.scale, case.rank,
-                              batch=case.meta)
+        h = lora_ops.shrink(case.x, case.lora_a, case.scale, case.rank, batch=case.meta)
+        with pytest.raises(NotImplementedError, match=r"lora_ops::expand_: .* no forward-mode formula"):
+            lora_ops.expand(y, fwAD.make_dual(h, h), case.lora_b, case.rank, batch=case.meta)
         with pytest.raises(NotImplementedError, match=r"lora_ops::shrink: .* argument 0"):
             lora_ops.shrink(fwAD.make_dual(case.x, case.x), case.lora_a, case.scale, case.rank, batch=case.meta)
         # The ops called through the dispatcher would return the output without the tangent: refused there too.
