@@ -231,6 +231,8 @@ def call(name, *args):
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
+        if torch.compiler.is_compiling():   # (torch.compile(jvp(...)): the graph breaks, the call runs eagerly)
+            return _call_eagerly(name, *args)
         if torch._C._are_functorch_transforms_active():
             _refuse_vmapped_tangents(name)
         tangents = [forward_ad.unpack_dual(a).tangent if isinstance(a, torch.Tensor) else None for a in args]
@@ -251,6 +253,20 @@ def call(name, *args):
     return kernel(*args)
 
 
+# Never compiled, either: under forward-mode AD around torch.compile (jvp(torch.compile(model)),
+# torch.compile(jvp(...))) Dynamo skipped the frames above, but compiled the ones below (the op's kernel, the CPU
+# kernels' helpers) with dual fake tensors, and torch's unpacking of them failed an INTERNAL ASSERT (_fw_primal),
+# or traced the transforms' stack (get_interpreter_stack), which it cannot. They run as in eager mode; under
+# fullgraph=True, Dynamo refuses the graph break naming this reason.
+_NOT_COMPILED = "lora_ops: forward-mode AD runs the ops eagerly, carrying their tangents itself"
+
+
+@torch.compiler.disable(reason=_NOT_COMPILED)
+def _call_eagerly(name, *args):
+    return call(name, *args)
+
+
+@torch.compiler.disable(reason=_NOT_COMPILED)
 def _call_with_tangents(name, args, tangents):
     """Forward-mode AD (``forward_ad.dual_level``, torch.func.jvp): the op on the primals, its output made dual
     with the tangent its :data:`FORWARD_AD` formula gives. torch's custom-op autograd has no forward mode: it

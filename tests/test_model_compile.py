@@ -18,6 +18,7 @@ step (metadata refill + replay) makes no host sync under torch.cuda.set_sync_deb
 import contextlib
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -611,3 +612,27 @@ def test_torchscript_and_fx_are_refused_naming_the_supported_tracers(tracer):
             "fx_symbolic_trace": "torch.fx.symbolic_trace"}[tracer]
     with pytest.raises(TypeError, match=rf"LoRALinear: {what} is not supported .*use torch.compile or torch.export"):
         run()
+
+
+def test_forward_mode_ad_around_or_inside_compile_runs_the_ops_eagerly():
+    """jvp(torch.compile(model)) and torch.compile(jvp(model)) give eager jvp's output and tangent (Dynamo had
+    compiled the ops' kernels with dual fake tensors: a torch INTERNAL ASSERT on _fw_primal); under
+    fullgraph=True Dynamo refuses the graph break naming lora_ops' reason."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    ctx = apply_lora(model, ["0", "2"], max_loras=2, max_rank=4, max_tokens=16)
+    ctx.load_adapter_tensors("a", peft_tensors({"0": (16, 16), "2": (16, 16)}, 4, seed=1, prefix=""))
+    ctx.set_batch([("a", 3), (None, 3)])
+    x, tangent = torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    want = torch.func.jvp(model, (x,), (tangent,))
+    assert rel_err(want[1], torch.func.jvp(lambda v: model[2](model[1](model[0].base(v))), (x,), (tangent,))[1]) > 1e-3
+    runs = {"jvp_of_compile": lambda: torch.func.jvp(torch.compile(model), (x,), (tangent,)),
+            "compile_of_jvp": lambda: torch.compile(lambda v: torch.func.jvp(model, (v,), (tangent,)))(x)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # (Dynamo's about the frames it skips)
+        for how, run in runs.items():
+            for got, expected in zip(run(), want):
+                assert rel_err(got, expected) <= 1e-6, how
+            torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="lora_ops: forward-mode AD runs the ops eagerly"):
+            torch.compile(lambda v: torch.func.jvp(model, (v,), (tangent,)), fullgraph=True)(x)
