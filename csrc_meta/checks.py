@@ -338,8 +338,10 @@ def check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token
     check_same_dtype("x", x, y=y)
     check_same_device("x", x, y=y, lora_b=lora_b, scale=scale, rank=rank, sorted_token_ids=sorted_token_ids,
                       slot_starts=slot_starts, slot_counts=slot_counts)
-    if y.shape[0] != x.shape[0]:
-        _fail(ValueError, f"y: expected {x.shape[0]} rows (x's tokens), got shape {tuple(y.shape)}")
+    # (torch._check_with: traced with independently unbacked token counts (mark_unbacked on y and x) a plain
+    # comparison could not be guarded on; this one becomes a runtime assert there, the ValueError in eager mode)
+    torch._check_with(ValueError, y.shape[0] == x.shape[0],
+                      lambda: f"y: expected {x.shape[0]} rows (x's tokens), got shape {tuple(y.shape)}")
     L, S, R, _ = lora_a.shape
     check_lora_b(y, lora_b, slice_widths, L, S, R, y_name=y_name)
     check_slot_params(lora_a, scale, rank)
