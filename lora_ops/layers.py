@@ -62,8 +62,9 @@ class BatchCopy(NamedTuple):
     on_devices: dict
 
 
-def _check_capacity(name, value):
-    """A capacity (max_loras, max_tokens, max_rank) is an int >= 1: not a float silently truncated, not a bool."""
+def _check_positive_int(name, value):
+    """A capacity (max_loras, max_tokens, max_rank) or a fresh adapter's rank (training.add_trainable_adapter's r)
+    is an int >= 1: not a float silently truncated, not a bool."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 
@@ -211,8 +212,8 @@ class LoRAContext:
     def __init__(self, max_loras, max_tokens, device=None):
         _never_traced(LoRAContext, ("set_batch", "set_token_slots"))
         self._register_traced()
-        _check_capacity("max_loras", max_loras)
-        _check_capacity("max_tokens", max_tokens)
+        _check_positive_int("max_loras", max_loras)
+        _check_positive_int("max_tokens", max_tokens)
         self.device = _device(device)
         self.max_loras = int(max_loras)
         self.max_tokens = int(max_tokens)
@@ -823,7 +824,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base: expected an nn.Linear, got {type(base).__name__}")
-        _check_capacity("max_rank", max_rank)
+        _check_positive_int("max_rank", max_rank)
         N, K = base.out_features, base.in_features
         widths = tuple(int(w) for w in (slice_widths if slice_widths is not None else (N,)))
         if not widths or any(w <= 0 for w in widths) or sum(widths) != N:
@@ -1338,7 +1339,7 @@ def apply_lora(model, target_modules, *, max_loras, max_rank, max_tokens, packed
     Apply after moving the model to its device and dtype (``.to()`` later works but moves the stacks).
     ``stack_a``: each layer's base weight and ``lora_a`` in one buffer (opt-in; :class:`LoRALinear`).
     """
-    _check_capacity("max_rank", max_rank)     # (before any layer is wrapped, as the context's capacities are)
+    _check_positive_int("max_rank", max_rank)     # (before any layer is wrapped, as the context's capacities are)
     packed = _normalise_packed(packed_modules)
     selected, wrapped = _select_targets(model, target_modules, packed)
     if selected and wrapped:

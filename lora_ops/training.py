@@ -84,11 +84,14 @@ def slot_dropout(x2d, dropout_p, token_slots):
     dropout_p = _on(dropout_p, x2d.device)     # (a split model's layer: on another device than the context)
     slots = token_slots[:M].long()
     slots = torch.where(slots < 0, dropout_p.shape[0] - 1, slots)
-    p = dropout_p[slots].to(x2d.dtype)[:, None]                        # [M, 1]
-    keep = torch.rand_like(x2d) >= p
-    # p == 1 drops everything (1 / (1 - p) would be inf times zero).
-    factor = torch.where(p < 1, 1.0 / (1.0 - p).clamp(min=torch.finfo(x2d.dtype).tiny), 0.0)
-    return x2d * keep * factor
+    p = dropout_p[slots][:, None]                                       # [M, 1] float32
+    # Drawn and compared in float32, as torch's dropout draws: a bfloat16 draw (8 bits) against p rounded to
+    # bfloat16 dropped p = 0.05 at ~0.052.
+    keep = torch.rand(x2d.shape, device=x2d.device, dtype=torch.float32) >= p
+    # p == 1 drops everything (1 / (1 - p) would be inf times zero). The kept rows scaled in float32, rounded
+    # once (1 / (1 - p) rounded to bfloat16 first scaled them ~0.2% off at p = 0.05).
+    factor = torch.where(p < 1, 1.0 / (1.0 - p).clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return (x2d * keep * factor).to(x2d.dtype)
 
 
 def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_rslora=False, lora_dropout=0.0,
@@ -105,8 +108,9 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     sqrt(r) instead of lora_alpha / r; ``lora_dropout``: the adapter's dropout probability in training
     (PEFT's); ``generator``: a torch.Generator for A's initialisation (reproducible adapters).
     """
-    from lora_ops.layers import _matches     # layers imports this module
+    from lora_ops.layers import _check_positive_int, _matches     # layers imports this module
 
+    _check_positive_int("r", r)     # (2.7 was truncated to 2; -1 failed inside torch.empty)
     config = {"peft_type": "LORA", "r": int(r), "lora_alpha": lora_alpha, "use_rslora": bool(use_rslora),
               "lora_dropout": float(lora_dropout), "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
     tensors, done = {}, set()
