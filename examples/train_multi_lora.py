@@ -184,7 +184,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or tmp
         directories = {name: ctx.save_adapter(name, os.path.join(out, name)) for name in TASKS}
-        print(f"\nsaved as PEFT adapters in {out}")
+        print(f"\nsaved as PEFT adapters in {out}" if args.out else
+              "\nsaved as PEFT adapters in a temporary folder (--out DIR keeps them)")
         errors = check_with_peft(base, model, ctx, directories, vocab, args.device)
     for name, err in errors.items():
         good = err <= PARITY_TOLERANCE

@@ -602,10 +602,11 @@ def save_peft_adapter(ctx, name, directory):
     ``lora_B`` block-diagonal (the same function; reloading it here needs that rank's capacity).
     ``adapter_config.json``: ``r`` / ``lora_alpha`` the most common rank and alpha across modules, with
     ``rank_pattern`` / ``alpha_pattern`` for the others (keys ``^`` + the escaped module path: each matches its
-    module alone, under PEFT's suffix matching too); ``use_rslora`` and ``lora_dropout`` as loaded. Each module's alpha is its slot scale times r (or sqrt(r) for rsLoRA),
-    so PEFT computes the scale the slot computes with. A packed layer stores one rank for all its slices
-    (the largest), so its slices are saved at that rank, zero-padded, with the folded scale; the function
-    is the same. Reloading the directory with :func:`load_peft_adapter` reproduces the slot.
+    module alone, under PEFT's suffix matching too); ``use_rslora`` and ``lora_dropout`` as loaded. Each module's
+    alpha is its slot scale times r (or sqrt(r) for rsLoRA), so PEFT computes the scale the slot computes with.
+    A packed layer stores one rank for all its slices (the largest), so its slices are saved at that rank,
+    zero-padded, with the folded scale; the function is the same. Reloading the directory with
+    :func:`load_peft_adapter` reproduces the slot.
     """
     slot = ctx.slot_of(name) if name is not None else None
     if slot is None:

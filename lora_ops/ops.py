@@ -21,10 +21,14 @@ _cpu_backend = os.environ.get("LORA_OPS_CPU_BACKEND", "torch")
 
 
 def set_cpu_backend(name):
-    """Run CPU tensors through 'torch' (default) or 'triton' (the Triton interpreter)."""
+    """Run CPU tensors through 'torch' (default) or 'triton' (Triton's interpreter: TRITON_INTERPRET=1 must be
+    set in the environment before anything imports Triton; the first call on CPU tensors says so otherwise)."""
     global _cpu_backend
     if name not in _CPU_BACKENDS:
         raise ValueError(f"name: expected one of {_CPU_BACKENDS}, got {name!r}")
+    if name != _cpu_backend:
+        from lora_ops import plan
+        plan.clear()    # (a layer's bound eager calls replay plans of the other backend's kernels: lora_ops.eager)
     _cpu_backend = name
 
 
@@ -232,12 +236,12 @@ def call(name, *args):
     first = args[0]
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
         if torch.compiler.is_compiling():   # (torch.compile(jvp(...)): the graph breaks, the call runs eagerly)
-            return _call_eagerly(name, *args)
+            return _not_compiled(_call_eagerly)(name, *args)
         if torch._C._are_functorch_transforms_active():
             _refuse_vmapped_tangents(name)
         tangents = [forward_ad.unpack_dual(a).tangent if isinstance(a, torch.Tensor) else None for a in args]
         if any(t is not None for t in tangents):
-            return _call_with_tangents(name, args, tangents)
+            return _not_compiled(_call_with_tangents)(name, args, tangents)
     kernel = kernel_for(name, first)
     if kernel is None or wrapped(first):
         if torch._C._are_functorch_transforms_active():
@@ -257,16 +261,24 @@ def call(name, *args):
 # torch.compile(jvp(...))) Dynamo skipped the frames above, but compiled the ones below (the op's kernel, the CPU
 # kernels' helpers) with dual fake tensors, and torch's unpacking of them failed an INTERNAL ASSERT (_fw_primal),
 # or traced the transforms' stack (get_interpreter_stack), which it cannot. They run as in eager mode; under
-# fullgraph=True, Dynamo refuses the graph break naming this reason.
+# fullgraph=True, Dynamo refuses the graph break (naming this reason where an earlier call made the wrapper).
 _NOT_COMPILED = "lora_ops: forward-mode AD runs the ops eagerly, carrying their tangents itself"
+_NOT_COMPILED_WRAPPERS = {}
 
 
-@torch.compiler.disable(reason=_NOT_COMPILED)
+def _not_compiled(fn):
+    """``fn`` under torch.compiler.disable, wrapped on first use: the decorator imports torch._dynamo, which imports
+    Triton, and importing lora_ops must import neither (the tuner sets TRITON_INTERPRET after importing it)."""
+    wrapper = _NOT_COMPILED_WRAPPERS.get(fn)
+    if wrapper is None:
+        wrapper = _NOT_COMPILED_WRAPPERS[fn] = torch.compiler.disable(fn, reason=_NOT_COMPILED)
+    return wrapper
+
+
 def _call_eagerly(name, *args):
     return call(name, *args)
 
 
-@torch.compiler.disable(reason=_NOT_COMPILED)
 def _call_with_tangents(name, args, tangents):
     """Forward-mode AD (``forward_ad.dual_level``, torch.func.jvp): the op on the primals, its output made dual
     with the tangent its :data:`FORWARD_AD` formula gives. torch's custom-op autograd has no forward mode: it

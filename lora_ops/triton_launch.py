@@ -57,6 +57,17 @@ def interpreter_problem():
     if _triton_version() < (3, 7) and int(numpy.__version__.split(".")[0]) >= 2:
         return (f"Triton {triton.__version__}'s interpreter cannot run the lora_ops kernels with numpy "
                 f"{numpy.__version__}: install numpy<2 or Triton >= 3.7 (compiled kernels on a GPU are not affected)")
+    # Triton takes TRITON_INTERPRET when a kernel is defined: its own helpers (tl.cumsum) when triton.language is
+    # first imported, ours when lora_ops.kernels is. Defined without it, they fail on CPU tensors with errors
+    # that do not name it (no CUDA device; "Cannot call @triton.jit'd outside of the scope of a kernel").
+    from triton.runtime.interpreter import InterpretedFunction
+    from lora_ops.kernels import shrink
+    if not (isinstance(shrink.shrink_kernel, InterpretedFunction)
+            and isinstance(getattr(triton.language, "cumsum", None), InterpretedFunction)):
+        return ("Triton's interpreter is off (TRITON_INTERPRET=" + repr(os.environ.get("TRITON_INTERPRET")) +
+                " when Triton or lora_ops' kernels were imported): set TRITON_INTERPRET=1 in the environment "
+                "before anything imports Triton (torch.compile and torch.utils.flop_counter do), then "
+                "set_cpu_backend('triton')")
     return None
 
 

@@ -447,10 +447,24 @@ def _use_the_interpreter():
     TRITON_INTERPRET when each kernel is defined: set it here, before the kernels are imported."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return
-    if any(name.startswith("lora_ops.kernels") for name in sys.modules):
-        sys.exit("lora_ops.tune --dry-run: lora_ops' kernels were imported without Triton's interpreter; "
+    # (Triton's own helpers, tl.cumsum, are defined when triton.language is imported: by then too late, and the
+    # check of every candidate failed, silently leaving the kernels' entries out of the table)
+    if "triton" in sys.modules or any(name.startswith("lora_ops.kernels") for name in sys.modules):
+        sys.exit("lora_ops.tune --dry-run: Triton or lora_ops' kernels were imported without Triton's interpreter; "
                  "set TRITON_INTERPRET=1 before importing them")
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _check_writable(out):
+    """Before any tuning: the table's folder made (a new $LORA_OPS_TUNED_DIR folder) and the path writable, else
+    an error naming --out (it was found after the whole run, its results lost to os.makedirs' traceback)."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        if os.path.isdir(out) or not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK) or (
+                os.path.exists(out) and not os.access(out, os.W_OK)):
+            raise OSError("not a writable file path")
+    except OSError as e:
+        sys.exit(f"lora_ops.tune: --out {out!r}: cannot write the table there ({e})")
 
 
 def main(argv=None):
@@ -477,6 +491,7 @@ def main(argv=None):
     if args.dry_run and not args.out and not os.environ.get("LORA_OPS_TUNED_DIR"):
         # (a dry run's table, timed on the interpreter, has no place among the tables the library looks up)
         out = os.path.join(tempfile.mkdtemp(prefix="lora_ops_dry_run_"), os.path.basename(out))
+    _check_writable(out)
     jobs = _shape_jobs(args, buckets)
     todo = {kind: set(jobs) for kind in args.kinds}   # the shapes each kind tunes
     for kind in _PER_LAYER:   # once per layer and rank: its first (smallest) bucket's job
@@ -525,7 +540,6 @@ def main(argv=None):
     progress(len(jobs), len(jobs), "done")
     sys.stderr.write("\n")
     table = _table(args, out, gpu, entries, compile_s, t0)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)     # (a new $LORA_OPS_TUNED_DIR folder)
     with open(out, "w") as f:
         json.dump(table, f, indent=1)
     # The speed-ups are the search's: entries that kept the table's configs (--min-gain) hold the search's

@@ -312,8 +312,10 @@ def test_a_base_weight_kept_as_a_buffer_serves(triton_kernels):
         assert rel_err(call(layer, x), reference(layer, x)) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("change", ["configs", "plans", "base_hook", "train_with_dropout"])
+@pytest.mark.parametrize("change", ["configs", "plans", "base_hook", "train_with_dropout", "cpu_backend"])
 def test_state_changes_take_the_op_path(triton_kernels, change):
+    """(cpu_backend: a layer bound under the Triton backend kept replaying its Triton plan after
+    set_cpu_backend('torch'), silently: the switch drops the plans now.)"""
     layer = make_layer(6)
     x = fresh_input(10, 0)
     hooked = []
@@ -325,6 +327,8 @@ def test_state_changes_take_the_op_path(triton_kernels, change):
             plan.clear()
         elif change == "base_hook":
             layer.base.register_forward_hook(lambda *a: hooked.append(1))
+        elif change == "cpu_backend":
+            ops.set_cpu_backend("torch")
         else:
             layer.train()
             layer.context.dropout_p = torch.zeros(L + 1, device=DEVICE)

@@ -1,5 +1,6 @@
 """Every bad input raises ValueError or TypeError with a message that names the argument, through the
 public API and through torch.ops directly, on both CPU backends."""
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -549,6 +550,26 @@ def test_interpreter_too_old_for_numpy_names_the_fix(monkeypatch):
                           batch=case.meta, slice_widths=case.slice_widths)
     monkeypatch.setattr(numpy, "__version__", "1.26.4")
     assert triton_launch.interpreter_problem() is None
+
+
+@pytest.mark.parametrize("when", ["never", "after_triton"])
+def test_triton_backend_without_the_interpreter_names_it(when):
+    """set_cpu_backend('triton') where Triton's interpreter is off (never set, or set after Triton was imported:
+    its kernels and helpers were defined for the GPU compiler): the first call names TRITON_INTERPRET, where it
+    had raised torch's missing _cuda_getDevice or "Cannot call @triton.jit'd outside of the scope of a
+    kernel"."""
+    import subprocess
+    import sys
+    code = ("import os, torch, triton\n" + ("os.environ['TRITON_INTERPRET'] = '1'\n" if when == "after_triton" else "")
+            + "import lora_ops\nlora_ops.ops.set_cpu_backend('triton')\n"
+            "a, b = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4)\n"
+            "lora_ops.add_lora(torch.zeros(3, 6), torch.randn(3, 8), a, b, torch.ones(2), "
+            "torch.tensor([4, 4], dtype=torch.int32), token_slots=torch.tensor([0, 1, -1]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1 and "RuntimeError: set_cpu_backend('triton'): Triton's interpreter is off" in (
+        done.stderr), done.stderr[-2000:]
+    assert "set TRITON_INTERPRET=1 in the environment before anything imports Triton" in done.stderr
 
 
 def test_too_many_token_tiles_raise_before_any_launch(monkeypatch):

@@ -468,3 +468,28 @@ def test_bad_arguments_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit):
         tune.parse_args(["--dry-run", *argv])
     assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder"])
+def test_an_out_path_that_cannot_be_written_is_refused_before_tuning(tmp_path, monkeypatch, where):
+    """An --out the table cannot be written to was found after every shape was tuned (os.makedirs' traceback,
+    the run's results lost): refused first, naming --out."""
+    (tmp_path / "afile").write_text("")
+    out = str(tmp_path / "afile" / "t.json") if where == "under_a_file" else str(tmp_path)
+    monkeypatch.setattr(tune, "_shape_jobs", lambda *a: pytest.fail("tuned before --out was checked"))
+    with pytest.raises(SystemExit, match=f"^lora_ops.tune: --out {re.escape(repr(out))}: cannot write the table"):
+        tune.main(DRY + ["--tokens", "1", "--out", out])
+
+
+def test_dry_run_after_triton_was_imported_without_the_interpreter_exits_naming_it():
+    """Triton imported before the tuner could set TRITON_INTERPRET (by the caller, or torch.compile's imports): its
+    helpers are built for the GPU compiler, every candidate's check failed and the table left the kernels out,
+    silently. An exit naming the flag instead."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import triton\nfrom lora_ops import tune\ntune.main({DRY + ['--tokens', '1', '--kinds', 'pair']!r})\n"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Triton or lora_ops' kernels were imported without Triton's interpreter; set TRITON_INTERPRET=1" in (
+        run.stderr)
