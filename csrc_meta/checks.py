@@ -6,6 +6,7 @@ expected. The one data-dependent check (slot ids in range) lives in lora_ops.bat
 for CPU tensors.
 """
 import math
+import sys
 
 import torch
 
@@ -207,6 +208,25 @@ def _lora_grad_b_ok(grad_out, h, rank, slice_widths, sorted_token_ids, slot_star
 
 def _fail(exc, msg):
     raise exc(msg)
+
+
+def refuse_frozen_graphs():
+    """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
+    inference) and grad mode off, where Inductor freezes: the parameters and the static-address inputs, the
+    adapter stacks and the batch's metadata among them, become constants of the compiled code, which then ignored
+    every later set_batch, load and unload, silently. Refused while tracing (LoRALinear's traced checks, and the
+    forward ops' fake kernels: without fullgraph Dynamo compiled the ops' own frames below a layer it ran
+    eagerly). Read only where Inductor's config is imported (importing it costs ~0.8 s); the backend is not known
+    here, so another backend under that flag and no_grad is refused too; torch.export freezes nothing."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if (inductor_config is not None and inductor_config.freezing and not torch.is_grad_enabled()
+            and not torch.compiler.is_exporting()):
+        # (torch._check, not a raise: Dynamo reports its message; a raise made it run the frame eagerly and compile
+        # the frames below, which froze the same tensors)
+        torch._check_with(RuntimeError, False, lambda: (
+            "lora_ops under torch.compile with torch._inductor.config.freezing on: freezing makes the adapter stacks "
+            "and the batch's metadata constants of the compiled code, which then ignores set_batch, loads and "
+            "unloads. Turn freezing off for models served by lora_ops"))
 
 
 def check_float(name, t, dims):

@@ -44,6 +44,7 @@ from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from csrc_meta import checks
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
 from lora_ops.precision import autocast_cast, autocast_dtype
@@ -523,7 +524,7 @@ class LoRAContext:
             raise RuntimeError(f"{self._name(layer)}: torch.export inside ctx.per_row: the program would keep this "
                                f"block's adapters a row as a constant and ignore later blocks and set_batch; export "
                                f"outside per_row (the program then serves the batch set_batch sets)")
-        _refuse_frozen_graphs()
+        checks.refuse_frozen_graphs()
         rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
@@ -730,7 +731,7 @@ class LoRAContext:
         inputs are its own, the batch's buffers a constant of it."""
         if torch.compiler._is_exporting_flag:
             return
-        _refuse_frozen_graphs()
+        checks.refuse_frozen_graphs()
         # torch._check, not a raise: Dynamo runs it on the retrace's fake tensors and reports its message, the
         # compiled frame kept (a raise inside the trace made Dynamo skip the frame for good without
         # fullgraph); the message a constant (a closure over the counts does not trace).
@@ -753,20 +754,6 @@ class LoRAContext:
 # (Their errors came from deep inside: an assertion in the op checks, "try blocks aren't supported", a TraceError.)
 _TRACERS_REFUSED = ("LoRALinear: {what} is not supported (the batch is the context's state, and the ops read it "
                     "through Python); use torch.compile or torch.export, which trace it")
-
-
-def _refuse_frozen_graphs():
-    """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
-    inference): freezing makes the parameters and the static-address inputs, the adapter stacks and the batch's
-    metadata among them, constants of the compiled code, which then ignored every later set_batch, load and
-    unload, silently. Refused while tracing with grad mode off, where Inductor freezes (read only where
-    Inductor's config is imported: importing it costs ~0.8 s). The backend is not known here: another backend
-    under that flag and no_grad is refused too."""
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None and inductor_config.freezing and not torch.is_grad_enabled():
-        raise RuntimeError("LoRALinear under torch.compile with torch._inductor.config.freezing on: freezing makes "
-                           "the adapter stacks and the batch's metadata constants of the compiled code, which then "
-                           "ignores set_batch, loads and unloads. Turn freezing off for models served by lora_ops")
 
 
 _TOKEN_COUNT_REMEDY = ("call set_batch / set_token_slots for this step's tokens, or run code that steps the model "

@@ -234,6 +234,8 @@ def call(name, *args):
     wrapper (its redispatch and argument re-binding cost ~45 µs of host time per training step on this
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
+    if torch.compiler.is_dynamo_compiling():     # (not AOT tracing a backward formula, under no_grad)
+        checks.refuse_frozen_graphs()       # (Dynamo compiling this frame below a layer it runs eagerly)
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
         if torch.compiler.is_compiling():   # (torch.compile(jvp(...)): the graph breaks, the call runs eagerly)
             return _not_compiled(_call_eagerly)(name, *args)
