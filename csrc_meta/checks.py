@@ -214,8 +214,8 @@ def refuse_frozen_graphs():
     """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
     inference) and grad mode off, where Inductor freezes: the parameters and the static-address inputs, the
     adapter stacks and the batch's metadata among them, become constants of the compiled code, which then ignored
-    every later set_batch, load and unload, silently. Refused while tracing (LoRALinear's traced checks, and the
-    forward ops' fake kernels: without fullgraph Dynamo compiled the ops' own frames below a layer it ran
+    every later set_batch, load and unload, silently. Refused while tracing (LoRALinear's traced checks, and
+    lora_ops.ops.call while Dynamo traces it: without fullgraph Dynamo compiled the frames below a layer it ran
     eagerly). Read only where Inductor's config is imported (importing it costs ~0.8 s); the backend is not known
     here, so another backend under that flag and no_grad is refused too; torch.export freezes nothing."""
     inductor_config = sys.modules.get("torch._inductor.config")
