@@ -549,7 +549,7 @@ def test_interpreter_too_old_for_numpy_names_the_fix(monkeypatch):
         lora_ops.add_lora(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank,
                           batch=case.meta, slice_widths=case.slice_widths)
     monkeypatch.setattr(numpy, "__version__", "1.26.4")
-    assert triton_launch.interpreter_problem() is None
+    assert "numpy" not in (triton_launch.interpreter_problem() or "")    # (a GPU run's: the interpreter is off)
 
 
 @pytest.mark.parametrize("when", ["never", "after_triton"])
@@ -560,6 +560,13 @@ def test_triton_backend_without_the_interpreter_names_it(when):
     kernel"."""
     import subprocess
     import sys
+
+    import numpy
+
+    from lora_ops import triton_launch
+    if triton_launch._triton_version() < (3, 7) and int(numpy.__version__.split(".")[0]) >= 2:
+        pytest.skip("this Triton's interpreter cannot take numpy 2, which it names first "
+                    "(test_interpreter_too_old_for_numpy_names_the_fix)")
     code = ("import os, torch, triton\n" + ("os.environ['TRITON_INTERPRET'] = '1'\n" if when == "after_triton" else "")
             + "import lora_ops\nlora_ops.ops.set_cpu_backend('triton')\n"
             "a, b = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4)\n"
