@@ -214,10 +214,11 @@ def refuse_frozen_graphs():
     """Under torch.compile with Inductor's freezing on (``torch._inductor.config.freezing``, common for CPU
     inference) and grad mode off, where Inductor freezes: the parameters and the static-address inputs, the
     adapter stacks and the batch's metadata among them, become constants of the compiled code, which then ignored
-    every later set_batch, load and unload, silently. Refused while tracing (LoRALinear's traced checks, and
-    lora_ops.ops.call while Dynamo traces it: without fullgraph Dynamo compiled the frames below a layer it ran
-    eagerly). Read only where Inductor's config is imported (importing it costs ~0.8 s); the backend is not known
-    here, so another backend under that flag and no_grad is refused too; torch.export freezes nothing."""
+    every later set_batch, load and unload, silently. Refused while Dynamo traces lora_ops.ops.call, which every
+    traced LoRALinear path reaches (without fullgraph Dynamo runs a layer eagerly but compiles the frames below
+    it, call's among them). Read only where Inductor's config is imported (importing it costs ~0.8 s); the
+    backend is not known here, so another backend under that flag and no_grad is refused too; torch.export
+    freezes nothing."""
     inductor_config = sys.modules.get("torch._inductor.config")
     if (inductor_config is not None and inductor_config.freezing and not torch.is_grad_enabled()
             and not torch.compiler.is_exporting()):

@@ -84,11 +84,10 @@ def _widths(y, slice_widths):
     _tensor("y", y)
     if slice_widths is not None:
         try:
-            return [_width(w) for w in slice_widths]
-        except TypeError as e:
-            if "slice_widths" in str(e):
-                raise
+            widths = list(slice_widths)
+        except TypeError:
             raise TypeError(f"slice_widths: expected a sequence of integers, got {slice_widths!r}") from None
+        return [_width(w) for w in widths]
     if y.dim() != 2:
         raise ValueError(f"y: expected a 2-D tensor, got shape {tuple(y.shape)}")
     if y.shape[1] == 0:

@@ -44,7 +44,6 @@ from torch.autograd import forward_ad
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from csrc_meta import checks
 from lora_ops import adapters, configs, ops, training
 from lora_ops import eager as eager_ops
 from lora_ops.precision import autocast_cast, autocast_dtype
@@ -524,7 +523,6 @@ class LoRAContext:
             raise RuntimeError(f"{self._name(layer)}: torch.export inside ctx.per_row: the program would keep this "
                                f"block's adapters a row as a constant and ignore later blocks and set_batch; export "
                                f"outside per_row (the program then serves the batch set_batch sets)")
-        checks.refuse_frozen_graphs()
         rows, tokens = self._row_shape_of(x, layer)
         token_slots = self._row_token_slots(self._rows[x.device], rows, tokens, layer)
         return batch_meta_of(token_slots, self.max_loras), token_slots
@@ -731,7 +729,6 @@ class LoRAContext:
         inputs are its own, the batch's buffers a constant of it."""
         if torch.compiler._is_exporting_flag:
             return
-        checks.refuse_frozen_graphs()
         # torch._check, not a raise: Dynamo runs it on the retrace's fake tensors and reports its message, the
         # compiled frame kept (a raise inside the trace made Dynamo skip the frame for good without
         # fullgraph); the message a constant (a closure over the counts does not trace).

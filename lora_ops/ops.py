@@ -235,7 +235,7 @@ def call(name, *args):
     repository's CPU machine, benchmarks/host_python.py)."""
     first = args[0]
     if torch.compiler.is_dynamo_compiling():     # (not AOT tracing a backward formula, under no_grad)
-        checks.refuse_frozen_graphs()       # (Dynamo compiling this frame below a layer it runs eagerly)
+        checks.refuse_frozen_graphs()       # (every traced layer path; and this frame below a layer run eagerly)
     if forward_ad._current_level >= 0:      # in torch.autograd.forward_ad.dual_level or torch.func.jvp
         if torch.compiler.is_compiling():   # (torch.compile(jvp(...)): the graph breaks, the call runs eagerly)
             return _not_compiled(_call_eagerly)(name, *args)

@@ -458,13 +458,13 @@ def _use_the_interpreter():
 def _check_writable(out):
     """Before any tuning: the table's folder made (a new $LORA_OPS_TUNED_DIR folder) and the path writable, else
     an error naming --out (it was found after the whole run, its results lost to os.makedirs' traceback)."""
+    folder = os.path.dirname(os.path.abspath(out))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        if os.path.isdir(out) or not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK) or (
-                os.path.exists(out) and not os.access(out, os.W_OK)):
-            raise OSError("not a writable file path")
+        os.makedirs(folder, exist_ok=True)
     except OSError as e:
         sys.exit(f"lora_ops.tune: --out {out!r}: cannot write the table there ({e})")
+    if os.path.isdir(out) or not os.access(folder, os.W_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        sys.exit(f"lora_ops.tune: --out {out!r}: cannot write the table there (not a writable file path)")
 
 
 def main(argv=None):

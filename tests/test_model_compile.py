@@ -568,7 +568,7 @@ def test_inductor_freezing_is_refused_while_tracing(fullgraph):
     static-address inputs constants where grad mode is off: the compiled model kept the batch and adapters of
     its first call and ignored set_batch, loads and unloads, silently. Refused while tracing with grad mode off;
     with graph breaks allowed Dynamo runs the layers eagerly (it had compiled the ops' own frames below them,
-    which kept serving the first batch: ops.call refuses there too now), and the model follows the batch and
+    which kept serving the first batch: ops.call refuses it now, on every path), and the model follows the batch and
     the loads. Grad mode on (Inductor freezes nothing there) compiles and follows the batch."""
     import torch._inductor.config as inductor_config
     model, ctx, _ = toy_model()
