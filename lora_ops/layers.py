@@ -1121,6 +1121,14 @@ class LoRALinear(nn.Module):
         if module._stacked is not None and not module._stack_intact(module.base.weight, module.base.bias,
                                                                      module.lora_a):
             module._stack()
+        module._follow_trainer()
+
+    def _follow_trainer(self):
+        """An open trainer's gradient hooks onto this layer's stacks where they were replaced (load_state_dict
+        with assign=True, a conversion that overwrote the parameters): SlotTrainer.follow_stacks."""
+        trainer = getattr(getattr(self, "context", None), "trainer", None)
+        if trainer is not None and any(layer is self for layer in trainer._layers):
+            trainer.follow_stacks(self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
@@ -1211,6 +1219,7 @@ class LoRALinear(nn.Module):
             self._note_stack_ptrs()
             if not self._stack_intact(self.base.weight, self.base.bias, self.lora_a):
                 self._stack()
+        self._follow_trainer()
         return self
 
     def extra_repr(self):

@@ -30,7 +30,12 @@ parameter whose gradient is zero. So the trainer does both:
    on anyway all count, while an evaluation between steps does not, whatever grad mode its ``set_batch`` ran
    under (a server's ``set_batch`` then ``no_grad`` forward once counted: slots were noted when set with grad
    mode on). A chosen slot absent from the batches trained stays put, as it would with its own optimizer and
-   ``zero_grad(set_to_none=True)``; so does one whose tokens all fell out of the loss (a zero gradient).
+   ``zero_grad(set_to_none=True)``; so does one whose tokens all fell out of the loss (a zero gradient), and
+   so does a slot in a layer none of its tokens reached (an expert its router skipped): noted per layer.
+
+The hooks follow the stacks: ``load_state_dict(assign=True)`` and a conversion that overwrites parameters
+(``torch.__future__.set_overwrite_module_params_on_conversion``) hook the new ones
+(:meth:`SlotTrainer.follow_stacks`); a stack replaced by hand is named at ``step``.
 
 The cost is one copy of the stacks per step (small next to the base weights). Not claimed: equality with
 one optimizer per adapter for stateful optimizers; the step count and moments are per stack, so a slot
@@ -99,8 +104,9 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     """Load a fresh adapter ``name`` with PEFT's default initialisation (A uniform in ±1/sqrt(in_features),
     as nn.Linear's kaiming-uniform init, B zero: the adapter starts as a no-op); returns its slot.
 
-    ``target_modules``: PEFT-style names or paths among the context's modules; default all of them, a packed
-    layer's slices as their projections. A packed layer's own name (Phi-3's ``qkv_proj``), matched by
+    ``target_modules``: PEFT-style names or paths among the context's modules (a list; a string is a regex
+    matching whole paths, ``"all-linear"`` every module but the model's output layer, as in PEFT); default all
+    of them, a packed layer's slices as their projections. A packed layer's own name (Phi-3's ``qkv_proj``), matched by
     ``target_modules``, makes the adapter target that module as PEFT on that model does: one ``lora_A`` for
     all its slices (trained tied; saved as that module, which PEFT loads into the packed model). Its
     projections' names (``q_proj``, ...) give one A a slice, saved under the projections' names (the unpacked
@@ -108,9 +114,12 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
     sqrt(r) instead of lora_alpha / r; ``lora_dropout``: the adapter's dropout probability in training
     (PEFT's); ``generator``: a torch.Generator for A's initialisation (reproducible adapters).
     """
-    from lora_ops.layers import _check_positive_int, _matches     # layers imports this module
+    from lora_ops.layers import ALL_LINEAR, _check_positive_int, _matches     # layers imports this module
 
     _check_positive_int("r", r)     # (2.7 was truncated to 2; -1 failed inside torch.empty)
+    asked = target_modules
+    if isinstance(target_modules, str) and target_modules == ALL_LINEAR:
+        target_modules = _all_linear_paths(ctx)
     config = {"peft_type": "LORA", "r": int(r), "lora_alpha": lora_alpha, "use_rslora": bool(use_rslora),
               "lora_dropout": float(lora_dropout), "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
     tensors, done = {}, set()
@@ -136,9 +145,24 @@ def add_trainable_adapter(ctx, name, r, lora_alpha, *, target_modules=None, use_
         tensors[f"{path}.lora_A.weight"] = a
         tensors[f"{path}.lora_B.weight"] = torch.zeros(out_features, int(r))
     if not tensors:
-        raise ValueError(f"target_modules: {target_modules!r} selects none of the context's modules")
+        as_name = (isinstance(asked, str) and asked != ALL_LINEAR
+                   and any(_matches([asked], path) for path in ctx.targets))
+        hint = (f" (a string is a regex that must match a whole module path, as in PEFT; for the modules of that "
+                f"name pass a list: [{asked!r}])") if as_name else ""
+        raise ValueError(f"target_modules: {asked!r} selects none of the context's modules{hint}")
     config["target_modules"] = sorted({key.rsplit(".", 2)[0].rpartition(".")[2] for key in tensors})
     return ctx.load_adapter_tensors(name, tensors, config)
+
+
+def _all_linear_paths(ctx):
+    """PEFT's ``"all-linear"`` among the context's modules: every one (a packed layer's slices as their
+    projections) but the model's output layer (``get_output_embeddings``), which PEFT leaves out."""
+    from lora_ops.layers import _output_layer     # layers imports this module
+    model = ctx.model()
+    output = _output_layer(model) if model is not None else None
+    return [path for path, (layer, index) in ctx.targets.items()
+            if (index is not None or len(layer.slice_widths) == 1)
+            and (output is None or output not in (layer, layer.base))]
 
 
 class SlotTrainer:
@@ -177,23 +201,38 @@ class SlotTrainer:
         L = ctx.max_loras
         self._chosen = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self._chosen[self.slots] = True
-        # Slots trained since the last step: given a gradient that is not all zero (the hooks).
-        self._has_grad = torch.zeros(L, dtype=torch.bool, device=ctx.device)
         self.process_group = process_group     # resolved at each step: the group may be set up later
         if freeze_base:
             _freeze_base(ctx)
         self._layers = list(ctx.layers.values())
+        # Slots trained since the last step, per layer: given a gradient there that is not all zero (the hooks).
+        # Per layer, not per slot alone: a layer none of a slot's tokens reached (an expert its router skipped,
+        # served through set_token_slots) keeps that slot as it was, as its own optimizer would (no gradient).
+        self._has_grad = torch.zeros(len(self._layers), L, dtype=torch.bool, device=ctx.device)
         self._tied = {}     # layer -> [L] bool: slots whose adapter targeted the packed layer as one module
         self.refresh_ties()
-        self._hooks = []
+        self._hooks = {}    # (layer, "lora_a" / "lora_b") -> (the stack hooked, its hook's handle)
         for layer in self._layers:
-            for stack in (layer.lora_a, layer.lora_b):
-                stack.requires_grad_(True)
-                self._hooks.append(stack.register_hook(self._grad_hook(layer, stack)))
+            self.follow_stacks(layer)
         ctx.dropout_p = _dropout_table(ctx)
         ctx.trainer = self
 
     # ---- public ----------------------------------------------------------------------------------------
+
+    def follow_stacks(self, layer):
+        """Hook ``layer``'s stacks where they are new tensors: ``load_state_dict(assign=True)`` and a conversion
+        under ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` replace a layer's parameters,
+        and the replacements had no hook: every slot took gradients, unmasked, and :meth:`step`, seeing no slot
+        trained, restored them all (training did nothing, silently). The layer calls this after either."""
+        for role in ("lora_a", "lora_b"):
+            stack = getattr(layer, role)
+            held = self._hooks.get((layer, role))
+            if held is not None and held[0] is stack:
+                continue
+            if held is not None:
+                held[1].remove()
+            stack.requires_grad_(True)
+            self._hooks[(layer, role)] = (stack, stack.register_hook(self._grad_hook(layer, role)))
 
     def parameters(self):
         """The stacks of every layer (each holds all slots; only the chosen ones ever change)."""
@@ -208,6 +247,7 @@ class SlotTrainer:
         had tokens since the last step is restored bit for bit. Returns what the optimizer's step returns (the
         closure's loss)."""
         _check_elementwise(optimizer, len(self.slots))
+        self._check_hooked()
         snapshots = [p.detach().clone() for p in self.parameters()]
         # (closure= by keyword: GradScaler.step refuses a closure only by that name)
         kwargs = {} if closure is None else {"closure": closure}
@@ -221,8 +261,8 @@ class SlotTrainer:
             seen = seen.to(torch.uint8)
             torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX, group=group)
             seen = seen.bool()
-        for layer in self._layers:
-            updatable = self._trainable(layer) & _on(seen, layer.rank.device)[:, None]   # [L, R]
+        for layer, layer_seen in zip(self._layers, seen):
+            updatable = self._trainable(layer) & _on(layer_seen, layer.rank.device)[:, None]   # [L, R]
             for stack, mask in ((layer.lora_a, updatable[:, None, :, None]), (layer.lora_b, updatable[:, None, :])):
                 stack.copy_(torch.where(mask, stack, snapshots.pop(0)))
             tied = self._tied.get(layer)
@@ -235,9 +275,9 @@ class SlotTrainer:
     def close(self):
         """Stop training: remove the gradient hooks and freeze the stacks again (the context
         takes a new trainer after this)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks = {}
         freeze_stacks(self.parameters())
         self.ctx.dropout_p = None
         if getattr(self.ctx, "trainer", None) is self:
@@ -295,8 +335,21 @@ class SlotTrainer:
         columns = torch.arange(layer.max_rank, device=device)
         return _on(self._chosen, device)[:, None] & (columns < layer.rank[:, None])
 
-    def _grad_hook(self, layer, stack):
-        is_a = stack is layer.lora_a
+    def _check_hooked(self):
+        """Every layer's stacks still the ones hooked (:meth:`follow_stacks`): a parameter replaced some other way
+        (assigned by hand) took its gradients unmasked."""
+        for layer in self._layers:
+            for role in ("lora_a", "lora_b"):
+                if self._hooks[(layer, role)][0] is not getattr(layer, role):
+                    path = next((p for p, l in self.ctx.layers.items() if l is layer), "?")
+                    raise RuntimeError(f"SlotTrainer.step: layer {path!r}'s {role} was replaced since the trainer "
+                                       f"opened, and its gradients were not masked to the trained slots; call "
+                                       f"trainer.follow_stacks(layer) after replacing it (load_state_dict and "
+                                       f"module conversions do), then run the forward and backward again")
+
+    def _grad_hook(self, layer, role):
+        is_a = role == "lora_a"
+        seen = self._has_grad[self._layers.index(layer)]
 
         def hook(grad):
             mask = self._trainable(layer)
@@ -308,7 +361,7 @@ class SlotTrainer:
             if tied is not None:   # (refresh_ties: the first slice's copy takes the one A's gradient)
                 lead = torch.cat([grad.sum(1, keepdim=True), torch.zeros_like(grad[:, 1:])], 1)
                 grad = torch.where(tied[:, None, None, None], lead, grad)
-            self._has_grad |= _on(grad.flatten(1).any(1), self._has_grad.device)   # (any: non-zero, no temporary)
+            seen.logical_or_(_on(grad.flatten(1).any(1), seen.device))   # (any: non-zero, no temporary)
             return grad
         return hook
 

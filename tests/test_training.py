@@ -361,6 +361,21 @@ def test_fresh_adapter_names_a_bad_rank_and_takes_no_slot(r):
     assert not ctx.adapters and all(not layer.lora_a.any() for layer in ctx.layers.values())
 
 
+def test_fresh_adapter_takes_all_linear_as_peft_does():
+    """target_modules="all-linear" (PEFT's, and apply_lora's) was matched as a regex and refused as selecting
+    nothing; it takes every module of the context but the output layer, as PEFT's does. A bare name as a string
+    (a whole-path regex, as in PEFT) selects nothing here, and the message says how to name the modules."""
+    model = toy_lm(seed=2)
+    ctx = apply_lora(model, [*PROJECTIONS, "lm_head"], max_loras=2, max_rank=8, max_tokens=16)
+    slot = training.add_trainable_adapter(ctx, "a", r=4, lora_alpha=8, target_modules="all-linear")
+    held = {path for path, layer in ctx.layers.items() if layer.lora_a[slot].any()}
+    assert held == set(ctx.layers) - {"lm_head"} and len(held) == len(PROJECTIONS) * 2
+    assert ctx.adapter_configs[slot]["target_modules"] == sorted(PROJECTIONS)
+    with pytest.raises(ValueError, match=r"'q_proj' selects none of the context's modules \(a string is a regex "
+                                         r"that must match a whole module path.*pass a list: \['q_proj'\]\)"):
+        training.add_trainable_adapter(ctx, "b", r=4, lora_alpha=8, target_modules="q_proj")
+
+
 def test_fresh_adapter_is_peft_initialised_and_reproducible():
     """add_trainable_adapter as PEFT's LoraConfig: scale lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), A uniform
     in +-1/sqrt(in_features) (nn.Linear's kaiming-uniform bound, nearly reached by this many draws), B zero; with
@@ -664,6 +679,88 @@ def test_a_copy_of_a_model_in_training_has_no_trainer():
         assert copy_trainer.slots == [copy_ctx.slot_of("b")]
     assert ctx.trainer is trainer
     trainer.close()
+
+
+def _two_layer_trainer(trained=("a", "b")):
+    """Two layers (called on their own tokens, as a router calls experts), adapters "a" and "b" (non-zero B), a
+    trainer of ``trained`` open."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"e0": torch.nn.Linear(8, 16), "e1": torch.nn.Linear(8, 16)})
+    ctx = apply_lora(model, ["e0", "e1"], max_loras=2, max_rank=4, max_tokens=16)
+    gen = torch.Generator().manual_seed(1)
+    for name in ("a", "b"):
+        training.add_trainable_adapter(ctx, name, r=4, lora_alpha=8, generator=gen)
+    with torch.no_grad():
+        for layer in ctx.layers.values():
+            layer.lora_b.normal_(generator=gen)
+    return model, ctx, ctx.train_slots(list(trained))
+
+
+def _expert_step(model, ctx, trainer, optimizer, routes, check_grads=lambda: None):
+    """One step: layer ``path`` of ``routes`` takes tokens of the adapters it lists (``check_grads`` called
+    before the optimizer's step)."""
+    loss = 0
+    for path, names in routes.items():
+        ctx.set_token_slots(torch.tensor([ctx.slot_of(n) for n in names], dtype=torch.int32))
+        loss = loss + model[path](torch.randn(len(names), 8)).square().sum()
+    loss.backward()
+    check_grads()
+    trainer.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_layer_no_token_of_a_slot_reached_keeps_that_slot():
+    """A trained slot whose tokens all skipped a layer this step (an expert its router did not pick) was moved
+    there by weight decay: the trainer noted one "had a gradient" flag per slot for the whole model. With its
+    own optimizer that expert never ran for the adapter (no gradient, no decay); the flag is per layer now."""
+    model, ctx, trainer = _two_layer_trainer()
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1, weight_decay=0.5)
+    a, b = ctx.slot_of("a"), ctx.slot_of("b")
+    before = slot_factors(ctx, a), slot_factors(ctx, b)
+    _expert_step(model, ctx, trainer, optimizer, {"e0": ["a", "b"], "e1": ["b", "b"]})
+    assert_slot_kept(ctx, a, {"e1": before[0]["e1"]})
+    assert_slot_moved(ctx, a, {"e0": before[0]["e0"]})
+    assert_slot_moved(ctx, b, before[1])
+    trainer.close()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "conversion_overwriting_params", "by_hand"])
+def test_an_open_trainer_follows_stacks_a_load_or_conversion_replaced(how):
+    """load_state_dict(assign=True) (resuming from torch.load(..., mmap=True)) and a dtype round trip under
+    torch's overwrite_module_params_on_conversion replace the stacks: the replacements had none of the trainer's
+    gradient hooks, every slot took gradients unmasked and step(), seeing none trained, restored all of them
+    (training did nothing, silently). The trainer now follows them; a stack replaced by hand is named at step()."""
+    model, ctx, trainer = _two_layer_trainer(["a"])
+    old = model["e1"].lora_a
+    if how == "load_state_dict_assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    elif how == "conversion_overwriting_params":
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            model.to(torch.float64).to(torch.float32)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+    else:
+        model["e1"].lora_a = torch.nn.Parameter(old.detach().clone())
+    assert model["e1"].lora_a is not old
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    a, b = ctx.slot_of("a"), ctx.slot_of("b")
+    before = slot_factors(ctx, a), slot_factors(ctx, b)
+    if how == "by_hand":
+        with pytest.raises(RuntimeError, match=r"layer 'e1''s lora_a was replaced since the trainer opened"):
+            _expert_step(model, ctx, trainer, optimizer, {"e0": ["a", "a"], "e1": ["a", "a"]})
+        trainer.follow_stacks(model["e1"])
+        optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+        optimizer.zero_grad(set_to_none=True)
+
+    def b_masked():
+        assert all(not layer.lora_b.grad[b].any() for layer in ctx.layers.values()), "b's gradients not masked"
+
+    _expert_step(model, ctx, trainer, optimizer, {"e0": ["a", "b"], "e1": ["a", "b"]}, b_masked)
+    assert_slot_moved(ctx, a, before[0])
+    assert_slot_kept(ctx, b, before[1])
+    trainer.close()
+    assert not any(s.requires_grad for layer in ctx.layers.values() for s in (layer.lora_a, layer.lora_b))
 
 
 def test_a_second_contexts_trainer_leaves_the_first_ones_stacks_trainable():
