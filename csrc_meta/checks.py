@@ -9,6 +9,7 @@ import math
 import sys
 
 import torch
+import torch._guards     # (TracingContext: refuse_frozen_fakes)
 
 from csrc_meta.schemas import NOT_DIFFERENTIABLE
 
@@ -219,15 +220,35 @@ def refuse_frozen_graphs():
     it, call's among them). Read only where Inductor's config is imported (importing it costs ~0.8 s); the
     backend is not known here, so another backend under that flag and no_grad is refused too; torch.export
     freezes nothing."""
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if (inductor_config is not None and inductor_config.freezing and not torch.is_grad_enabled()
-            and not torch.compiler.is_exporting()):
+    if _freezing(torch.is_grad_enabled()):
         # (torch._check, not a raise: Dynamo reports its message; a raise made it run the frame eagerly and compile
         # the frames below, which froze the same tensors)
-        torch._check_with(RuntimeError, False, lambda: (
-            "lora_ops under torch.compile with torch._inductor.config.freezing on: freezing makes the adapter stacks "
-            "and the batch's metadata constants of the compiled code, which then ignores set_batch, loads and "
-            "unloads. Turn freezing off for models served by lora_ops"))
+        torch._check_with(RuntimeError, False, lambda: FROZEN_GRAPHS)
+
+
+def refuse_frozen_fakes():
+    """:func:`refuse_frozen_graphs` from the fake kernels, which Dynamo runs as plain Python while it traces:
+    torch 2.11's Dynamo put ops.call's ``torch._check_with(..., False, ...)`` in the graph, which dropped it
+    (session 54, an H100: freezing served the first batch, silently). Grad mode as the compiled frame was entered,
+    which Dynamo keeps and Inductor's freezing reads (an op with autograd runs its fake kernel with grad mode
+    off); not known outside Dynamo's tracing, where nothing is refused."""
+    tracing = torch._guards.TracingContext.try_get()
+    state = getattr(getattr(tracing, "global_context", None), "global_state", None) or {}
+    grad_enabled = state.get("grad_enabled")
+    if grad_enabled is not None and _freezing(grad_enabled[1]):
+        raise RuntimeError(FROZEN_GRAPHS)
+
+
+FROZEN_GRAPHS = ("lora_ops under torch.compile with torch._inductor.config.freezing on: freezing makes the adapter "
+                 "stacks and the batch's metadata constants of the compiled code, which then ignores set_batch, "
+                 "loads and unloads. Turn freezing off for models served by lora_ops")
+
+
+def _freezing(grad_enabled):
+    """Inductor's freezing on (its config imported) where grad mode is off, outside torch.export."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    return (inductor_config is not None and inductor_config.freezing and not grad_enabled
+            and not torch.compiler.is_exporting())
 
 
 def check_float(name, t, dims):

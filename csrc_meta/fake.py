@@ -6,6 +6,7 @@ from csrc_meta import checks
 
 @torch.library.register_fake("lora_ops::shrink")
 def shrink_fake(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts)
     _, S, R, _ = lora_a.shape
     return x.new_empty((x.shape[0], S, R), dtype=torch.float32)
@@ -13,11 +14,13 @@ def shrink_fake(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_coun
 
 @torch.library.register_fake("lora_ops::expand_")
 def expand_fake(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_starts, slot_counts)
 
 
 @torch.library.register_fake("lora_ops::add_lora_")
 def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                            slot_counts)
 
@@ -25,6 +28,7 @@ def add_lora_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_
 @torch.library.register_fake("lora_ops::lora_linear")
 def lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                      slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_lora_linear(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids,
                              slot_starts, slot_counts)
     return x.new_empty((x.shape[0], weight.shape[0]))
@@ -33,6 +37,7 @@ def lora_linear_fake(x, weight, bias, lora_a, lora_b, scale, rank, slice_widths,
 @torch.library.register_fake("lora_ops::lora_linear_stacked")
 def lora_linear_stacked_fake(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                              slot_starts, slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths,
                                      sorted_token_ids, slot_starts, slot_counts)
     return x.new_empty((x.shape[0], stacked_weight.shape[0]))
@@ -41,6 +46,7 @@ def lora_linear_stacked_fake(x, stacked_weight, stacked_bias, lora_b, scale, ran
 @torch.library.register_fake("lora_ops::add_lora")
 def add_lora_functional_fake(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                              slot_counts):
+    checks.refuse_frozen_fakes()
     checks.check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,
                           slot_counts)
     return y.new_empty(y.shape)
