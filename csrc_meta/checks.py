@@ -414,7 +414,7 @@ def check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_toke
                     slot_counts):
     """add_lora_'s arguments: add_lora's, and y writable in place (check_written_in_place); none requiring grad
     under grad mode (check_no_gradient)."""
-    check_no_gradient("add_lora_", y=y, x=x, lora_a=lora_a, lora_b=lora_b)
+    check_no_gradient("add_lora_", y=y, x=x, lora_a=lora_a, lora_b=lora_b, scale=scale)
     check_add_lora(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts)
     check_written_in_place("y", y)
 
@@ -541,7 +541,7 @@ def check_lora_linear_stacked(x, stacked_weight, stacked_bias, lora_b, scale, ra
     lora_linear checks, on the base weight, bias and lora_a the stack holds; none requiring grad under grad
     mode (check_no_gradient)."""
     check_no_gradient("lora_linear_stacked", x=x, stacked_weight=stacked_weight, stacked_bias=stacked_bias,
-                      lora_b=lora_b)
+                      lora_b=lora_b, scale=scale)
     if _lora_linear_stacked_ok(x, stacked_weight, stacked_bias, lora_b, scale, rank, slice_widths, sorted_token_ids,
                                slot_starts, slot_counts):
         return
@@ -564,7 +564,7 @@ _STACKED_VIEWS = {"weight": "stacked_weight (its first N rows: the base weight)"
 
 
 def check_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
-    check_no_gradient("shrink", x=x, lora_a=lora_a)
+    check_no_gradient("shrink", x=x, lora_a=lora_a, scale=scale)
     if _shrink_ok(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_counts):
         return
     check_lora_a(x, lora_a)

@@ -109,8 +109,9 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     x [M, K]; y [M, N]; lora_a [L, S, R, K]; lora_b [L, N, R]; scale [L] float32; rank [L] int32;
     slice_widths: S widths summing to N (default: one slice [N]); token_slots [M] int32/int64 in
     [-1, L) (-1: no adapter), or batch: the metadata built from them.
-    Where autograd needs the call (grad mode on, y, x, lora_a or lora_b requiring grad), y is written by a
-    differentiable copy of :func:`lora_forward`'s result, so gradients flow as through y + delta.
+    Where autograd needs the call (grad mode on, y, x, lora_a, lora_b or scale requiring grad), y is written by
+    a differentiable copy of :func:`lora_forward`'s result, so gradients flow as through y + delta (the scale
+    takes none, as in lora_forward).
     """
     meta = _meta(x, lora_a, token_slots, batch)
     widths = _widths(y, slice_widths)
@@ -120,7 +121,7 @@ def add_lora(y, x, lora_a, lora_b, scale, rank, *, token_slots=None, batch=None,
     # torch.func transforms and forward-mode AD too, as LoRALinear does: add_lora has their rules (a vmap batch
     # rule, ops.FORWARD_AD), the in-place op has none.
     if ((torch.is_grad_enabled() and (y.requires_grad or x.requires_grad or lora_a.requires_grad
-                                      or lora_b.requires_grad))
+                                      or lora_b.requires_grad or getattr(scale, "requires_grad", False)))
             or (not torch.compiler.is_compiling()
                 and (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0))):
         out = ops.call("add_lora", y, x, lora_a, lora_b, scale, rank, widths, *meta)     # (checks y's shape)

@@ -138,7 +138,7 @@ def launch_shrink(x, lora_a, scale, rank, sorted_token_ids, slot_starts, slot_co
     M, K = x.shape
     L, S, R, _ = lora_a.shape
     assert slice_k is None or cfg.slice_group == 1, "slice_k: each program reads one slice's features"
-    x = _features_addressable(x)
+    x, lora_a = addressable(x), addressable(lora_a)
     partials_out = partials_out and cfg.split_k > 1
     planes = planes_in(h)
     assert not write_all or not (partials_out or planes), "write_all: h itself, float32"
@@ -177,6 +177,7 @@ def launch_expand(y, h, lora_b, slice_widths, rank, sorted_token_ids, slot_start
     without a delta zeroed (every row the metadata names is written; kernels.expand, ACCUMULATE)."""
     M = y.shape[0]
     R = lora_b.shape[2]
+    h = addressable(h)
     planes = planes_in(h)
     num_parts = h.shape[0] if h.dim() == 4 and not planes else 1
     part_strides = h.stride() if h.dim() == 4 else (h.stride(0) * M, *h.stride())   # no view of h (see above)
@@ -218,6 +219,7 @@ def _expand_launch(y, h, h_layout, num_parts, scale, lora_b, slice_widths, rank,
     elements; ``scale`` is read only with SCALE_BY_SLOT (in ``extra``)."""
     M = y.shape[0]
     L, _, R = lora_b.shape
+    lora_b = addressable(lora_b)
     h_offset, *h_strides = h_layout
     cols, chunks = slice_layout(slice_widths, cfg.block_n * cfg.n_loop)
     one_block = takes_partials(cfg, R)
@@ -308,13 +310,16 @@ def takes_partials(expand_cfg, max_rank):
     return max_rank <= expand_cfg.block_r
 
 
-def _features_addressable(x):
-    """x, or its row-major copy where a feature offset times x's feature stride passes 2^31 elements (a
-    transposed x of 4 GiB or more): the shrink and one-launch kernels compute that product in 32 bits, their
-    token rows' offsets in 64 (static review; the copy also keeps such a call out of the plans)."""
-    if x.shape[1] > 1 and (x.shape[1] - 1) * x.stride(1) >= 2 ** 31:
-        return x.contiguous()
-    return x
+def addressable(t):
+    """``t``, or its row-major copy where an offset along a dimension after the first passes 2^31 elements
+    ((size - 1) * stride: a transposed x of 4 GiB or more, a view whose ranks or features lie far apart). The
+    kernels compute some of those offsets (rank and feature columns) in 32 bits, the first dimension's (token
+    rows, slots) in 64: such a view made them read gigabytes before the tensor (session 54, the interpreter).
+    The copy also keeps such a call out of the plans (a plan takes only the call's own tensors)."""
+    for size, stride in zip(t.shape[1:], t.stride()[1:]):
+        if size > 1 and (size - 1) * stride >= 2 ** 31:
+            return t.contiguous()
+    return t
 
 
 def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts, slot_counts,
@@ -323,7 +328,7 @@ def launch_fused(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_i
     :class:`Launch`, run unless ``run`` is False."""
     M, K = x.shape
     L, _, R, _ = lora_a.shape
-    x = _features_addressable(x)
+    x, lora_a, lora_b = addressable(x), addressable(lora_a), addressable(lora_b)
     cols, blocks = slice_layout(slice_widths, cfg.block_n)
     grid = (blocks[-1], max_token_tiles(M, L, cfg.block_m))
     return Launch(

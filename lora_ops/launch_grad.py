@@ -160,6 +160,7 @@ def launch_lora_grad_x(dx, dh, lora_a, rank, sorted_token_ids, slot_starts, slot
     False."""
     M, K = dx.shape
     L, S, R, _ = lora_a.shape
+    dh, lora_a = launch.addressable(dh), launch.addressable(lora_a)
     if cfg.one_rank_block and R > cfg.block_r:   # (the held-column cap is the heuristic's choice, not a bound)
         raise ValueError(f"lora_grad_x: a one-rank-block config needs the rank ({R}) within block_r "
                          f"({cfg.block_r})")
@@ -183,6 +184,7 @@ def launch_lora_grad_a(out, dh, x, rank, sorted_token_ids, slot_starts, slot_cou
     M, S, R = dh.shape
     K = x.shape[1]
     L = out.shape[0]
+    dh, x = launch.addressable(dh), launch.addressable(x)
     grid = (cdiv(K, cfg.block_q), S * cdiv(R, cfg.block_p), L)
     return Launch(
         SEGMENT_OUTER, grid, (dh, x, out, rank, sorted_token_ids, slot_starts, slot_counts),
@@ -204,6 +206,7 @@ def launch_lora_grad_b(out, h, grad_out, rank, slice_widths, sorted_token_ids, s
     M, N = grad_out.shape
     _, S, R = h.shape
     L = out.shape[0]
+    h, grad_out = launch.addressable(h), launch.addressable(grad_out)
     cols, blocks = launch.slice_layout(slice_widths, cfg.block_q)
     grid = (blocks[-1], cdiv(R, cfg.block_p), L)
     return Launch(
@@ -224,6 +227,7 @@ def launch_segment_outer(out, u, v, rank, sorted_token_ids, slot_starts, slot_co
     M, P = u.shape
     Q = v.shape[1]
     L = out.shape[0]
+    u, v = launch.addressable(u), launch.addressable(v)
     grid = (cdiv(Q, cfg.block_q), cdiv(P, cfg.block_p), L)
     return Launch(
         SEGMENT_OUTER, grid, (u, v, out, rank, sorted_token_ids, slot_starts, slot_counts),

@@ -7,33 +7,35 @@ import torch
 
 
 def lora_delta_reference(x, lora_a, lora_b, scale, rank, token_slots, slice_widths=None):
-    """The delta [M, N] in float64 (zero rows for slot -1). Dense gather: small shapes only."""
+    """The delta [M, N] in float64 (zero rows for slot -1). Dense gather: small shapes only. Values the ops
+    never read (factors past a slot's rank, anything of a slot -1 row) are selected away, never multiplied by
+    zero: a NaN or inf there made the reference NaN where the ops are finite."""
     L, S, R, K = lora_a.shape
     slice_widths = list(slice_widths or [lora_b.shape[1]])
     slots = token_slots.long().cpu()
     used = slots >= 0
     s = slots.clamp(min=0)
-    x64 = x.detach().double().cpu()
-    rank_mask = (torch.arange(R) < rank.cpu().long()[:, None]).double()          # [L, R]
-    a = lora_a.detach().double().cpu() * rank_mask[:, None, :, None]             # [L, S, R, K]
-    h = torch.einsum("mk,msrk->msr", x64, a[s]) * scale.double().cpu()[s][:, None, None]
-    b = lora_b.detach().double().cpu() * rank_mask[:, None, :]                   # [L, N, R]
+    within = torch.arange(R) < rank.cpu().long()[:, None]                                     # [L, R]
+    a = torch.where(within[:, None, :, None], lora_a.detach().double().cpu(), 0)               # [L, S, R, K]
+    b = torch.where(within[:, None, :], lora_b.detach().double().cpu(), 0)                     # [L, N, R]
+    h = torch.einsum("mk,msrk->msr", x.detach().double().cpu(), a[s]) * scale.double().cpu()[s][:, None, None]
     out, col = [], 0
     for i, n in enumerate(slice_widths):
         out.append(torch.einsum("mr,mnr->mn", h[:, i], b[s, col:col + n]))
         col += n
-    return torch.cat(out, dim=1) * used[:, None].double()
+    return torch.where(used[:, None], torch.cat(out, dim=1), 0)
 
 
 def shrink_reference(x, lora_a, scale, rank, token_slots):
-    """h [M, S, R] in float64: scale * x A^T at each slot's rank, zero elsewhere and for slot -1."""
+    """h [M, S, R] in float64: scale * x A^T at each slot's rank, zero elsewhere and for slot -1 (selected, as
+    in :func:`lora_delta_reference`)."""
     R = lora_a.shape[2]
     slots = token_slots.long().cpu()
     s = slots.clamp(min=0)
-    rank_mask = (torch.arange(R) < rank.cpu().long()[:, None]).double()
-    a = lora_a.detach().double().cpu() * rank_mask[:, None, :, None]
-    h = torch.einsum("mk,msrk->msr", x.detach().double().cpu(), a[s])
-    return h * (scale.double().cpu()[s] * (slots >= 0).double())[:, None, None]
+    within = torch.arange(R) < rank.cpu().long()[:, None]
+    a = torch.where(within[:, None, :, None], lora_a.detach().double().cpu(), 0)
+    h = torch.einsum("mk,msrk->msr", x.detach().double().cpu(), a[s]) * scale.double().cpu()[s][:, None, None]
+    return torch.where((slots >= 0)[:, None, None] & within[s][:, None, :], h, 0)
 
 
 def lora_forward_reference(y, x, lora_a, lora_b, scale, rank, token_slots, slice_widths=None, dtype=torch.float64):

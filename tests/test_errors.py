@@ -666,12 +666,14 @@ def test_lora_batch_filled_for_another_token_count_raises(backend):
 
 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS), ids=list(ENTRY_POINTS))
-@pytest.mark.parametrize("op,wants", [("add_lora_", "x"), ("add_lora_", "lora_b"), ("shrink", "lora_a"),
-                                      ("expand_", "h")])
+@pytest.mark.parametrize("op,wants", [("add_lora_", "x"), ("add_lora_", "lora_b"), ("add_lora_", "scale"),
+                                      ("shrink", "lora_a"), ("shrink", "scale"), ("expand_", "h")])
 def test_ops_without_a_gradient_refuse_inputs_that_require_one(backend, op, wants, entry):
     """The in-place ops and shrink have no backward formula: torch's fallback ran them under grad mode and the
     gradients came back without the LoRA term (A and B's None, x's the base layer's alone), no error. They
-    refuse now; lora_ops.add_lora, the public in-place call, computes a differentiable result instead."""
+    refuse now; lora_ops.add_lora, the public in-place call, computes a differentiable result instead. A scale
+    that requires grad too (session 54: shrink's h came back requiring grad and scale's gradient None, silently;
+    the differentiable ops document that the scale takes none)."""
     a = valid_args(backend.device)
     a[wants] = a[wants].clone().requires_grad_()
     y0 = a["y"].clone()
@@ -680,7 +682,10 @@ def test_ops_without_a_gradient_refuse_inputs_that_require_one(backend, op, want
                                      batch=BatchMeta(a["sorted_token_ids"], a["slot_starts"], a["slot_counts"]),
                                      slice_widths=a["slice_widths"])
         out = call_public(op, a)
-        assert out is a["y"] and torch.equal(out, want) and out.requires_grad
+        assert out is a["y"] and torch.equal(out, want)
+        if wants == "scale":    # (no gradient for the scale: README)
+            return
+        assert out.requires_grad
         grad_out = torch.randn_like(out)
         got, = torch.autograd.grad(out, a[wants], grad_out)
         expected, = torch.autograd.grad(want, a[wants], grad_out)
@@ -701,15 +706,17 @@ def test_stacked_layer_op_refuses_inputs_that_require_grad(backend):
     weight = torch.randn(N, K, device=backend.device)
     stacked = stacked_weight(weight, a["lora_a"])
     meta = (a["sorted_token_ids"], a["slot_starts"], a["slot_counts"])
-    x = a["x"].clone().requires_grad_()
-    args = (x, stacked, None, a["lora_b"], a["scale"], a["rank"], a["slice_widths"], *meta)
-    for run in (lambda: lora_ops.ops.call("lora_linear_stacked", *args),
-                lambda: torch.ops.lora_ops.lora_linear_stacked(*args)):
-        with pytest.raises(RuntimeError, match=r"lora_ops::lora_linear_stacked has no gradient, but x requires "
-                                               r"grad: .*stack_a is inference only"):
-            run()
-        with torch.no_grad():
-            assert run().shape[0] == M
+    for wants in ("x", "scale"):
+        x, scale = a["x"].clone(), a["scale"].clone()
+        (x if wants == "x" else scale).requires_grad_()
+        args = (x, stacked, None, a["lora_b"], scale, a["rank"], a["slice_widths"], *meta)
+        for run in (lambda: lora_ops.ops.call("lora_linear_stacked", *args),
+                    lambda: torch.ops.lora_ops.lora_linear_stacked(*args)):
+            with pytest.raises(RuntimeError, match=rf"lora_ops::lora_linear_stacked has no gradient, but {wants} "
+                                                   rf"requires grad: .*stack_a is inference only"):
+                run()
+            with torch.no_grad():
+                assert run().shape[0] == M
 
 
 @pytest.mark.parametrize("op", ["add_lora_", "expand_"])

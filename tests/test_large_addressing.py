@@ -77,9 +77,9 @@ def test_a_transposed_x_past_int32_feature_offsets_is_copied_row_major():
     transposed x of 2^31 elements or more (feature stride M) read out of bounds there. The launcher hands them
     a row-major copy of such an x (meta tensors: the shapes without the memory)."""
     x = torch.empty_strided((2 ** 20, 4096), (1, 2 ** 20), device="meta")
-    assert launch._features_addressable(x).stride() == (4096, 1)
+    assert launch.addressable(x).stride() == (4096, 1)
     small = torch.empty_strided((2 ** 10, 4096), (1, 2 ** 10), device="meta")
-    assert launch._features_addressable(small) is small
+    assert launch.addressable(small) is small
 
 
 @pytest.mark.parametrize("features, copied", [(2 ** 11 + 1, True), (2 ** 11, False)],
@@ -88,22 +88,88 @@ def test_the_copy_starts_at_the_first_feature_offset_int32_cannot_hold(features,
     """At the edge: a last feature offset of exactly 2^31 (feature stride 2^20) already overflows int32 and is
     copied; one stride less fits and is not (meta tensors)."""
     x = torch.empty_strided((2 ** 20, features), (1, 2 ** 20), device="meta")
-    assert (launch._features_addressable(x) is not x) == copied
+    assert (launch.addressable(x) is not x) == copied
 
 
 def test_the_shrink_and_one_launch_kernels_take_the_addressable_x(monkeypatch):
-    """Both launchers hand their kernel what _features_addressable gives (launches built, not run)."""
+    """Both launchers hand their kernel what addressable gives for x and the factors (launches built, not
+    run)."""
     from conftest import make_case
     from lora_ops.configs.heuristics import FusedConfig
     case = make_case(6, 20, 24, num_slots=2, num_slices=2, max_rank=16, seed=3)
     copies = []
-    monkeypatch.setattr(launch, "_features_addressable", lambda x: copies.append(x.clone()) or copies[-1])
+    monkeypatch.setattr(launch, "addressable", lambda t: copies.append(t.clone()) or copies[-1])
     h = torch.empty(6, 2, 16)
     shrink = launch.launch_shrink(case.x, case.lora_a, case.scale, case.rank, *case.meta, h,
                                   ShrinkConfig(16, 16, 16, 1, 4, 2), run=False)
     fused = launch.launch_fused(case.new_y("zero"), case.x, case.lora_a, case.lora_b, case.scale, case.rank,
                                 case.slice_widths, *case.meta, FusedConfig(16, 32, 16, 16, 4, 1), run=False)
-    assert shrink.tensors[0] is copies[0] and fused.tensors[0] is copies[1]
+    assert shrink.tensors[:2] == tuple(copies[:2]) and fused.tensors[:3] == tuple(copies[2:5])
+
+
+# Each (op, argument): that argument a view whose last offset along a dimension after the first passes 2^31
+# elements while its stride stays below (the rank or feature dimension, stride 2^27, 17 entries). The kernels
+# compute those offsets in 32 bits: the offset wrapped and the kernel read gigabytes before the tensor (a
+# segfault under the interpreter; session 54). The launchers copy such a view row-major.
+FAR_STRIDE, FAR_R = 2 ** 27, 17
+INNER_CASES = ["expand_-lora_b", "expand_-h", "one_launch-lora_a", "one_launch-lora_b", "shrink-lora_a",
+               "lora_grad_x-dh", "lora_grad_x-lora_a", "lora_grad_a-dh", "segment_outer-u"]
+
+
+def far_apart_along(values, dim):
+    """``values`` copied into a view whose dimension ``dim`` has stride FAR_STRIDE (the others packed) in a
+    storage otherwise untouched (on the CPU only its pages are; a GPU allocates it all: 4-8 GiB)."""
+    shape = values.shape
+    strides, inner = [0] * len(shape), 1
+    for d in reversed(range(len(shape))):
+        if d != dim:
+            strides[d], inner = inner, inner * shape[d]
+    strides[dim] = FAR_STRIDE
+    storage = torch.empty(FAR_STRIDE * (shape[dim] - 1) + inner, dtype=values.dtype, device=values.device)
+    view = storage.as_strided(shape, strides)
+    view.copy_(values)
+    return view
+
+
+@pytest.mark.parametrize("case", INNER_CASES)
+def test_inner_offsets_past_int32_are_copied_row_major(case, triton_backend):
+    from lora_ops import configs
+    from lora_ops.batch import build_batch_meta
+    op, arg = case.split("-")
+    gen = torch.Generator().manual_seed(INNER_CASES.index(case))
+    M, K, N, dev, dtype = 2, FAR_R, 16, DEVICE, torch.float16
+    signed = lambda *shape, dt=dtype: (torch.randn(*shape, generator=gen) / 4).to(dev, dt)
+    x, a, b, h = signed(M, K), signed(1, 1, FAR_R, K), signed(1, N, FAR_R), signed(M, 1, FAR_R, dt=torch.float32)
+    far = {"lora_a": (a, 3), "lora_b": (b, 2), "h": (h, 2), "dh": (h, 2), "u": (h[:, 0], 1)}[arg]
+    t = far_apart_along(*far)
+    a, b, h = (t if arg == "lora_a" else a), (t if arg == "lora_b" else b), (t if arg in ("h", "dh") else h)
+    u = t if arg == "u" else h[:, 0]
+    meta = build_batch_meta(torch.zeros(M, dtype=torch.int32, device=dev), 1)
+    scale, rank = torch.ones(1, device=dev), torch.tensor([FAR_R], dtype=torch.int32, device=dev)
+    x64, a64, b64, h64 = x.double(), a[0, 0].double(), b[0].double(), h[:, 0].double()
+    ops = torch.ops.lora_ops
+    if op in ("expand_", "one_launch"):
+        y = torch.zeros(M, N, dtype=dtype, device=dev)
+        if op == "expand_":
+            ops.expand_(y, h, b, [N], rank, *meta)
+            expected = h64 @ b64.T
+        else:
+            configs.force_path("fused")
+            try:
+                ops.add_lora_(y, x, a, b, scale, rank, [N], *meta)
+            finally:
+                configs.force_path(None)
+            expected = x64 @ a64.T @ b64.T
+        out = y
+    elif op == "shrink":
+        out, expected = ops.shrink(x, a, scale, rank, *meta)[:, 0], x64 @ a64.T
+    elif op == "lora_grad_x":
+        out, expected = ops.lora_grad_x(h, a, rank, *meta), h64 @ a64
+    elif op == "lora_grad_a":
+        out, expected = ops.lora_grad_a(h, x, rank, *meta)[0, 0], h64.T @ x64
+    else:
+        out, expected = ops.segment_outer(u, x, rank, *meta)[0], u.double().T @ x64
+    assert rel_err(out, expected) <= TOLERANCE[dtype] + 2e-3
 
 
 # ---------------------------------------------------------------------------------------------
