@@ -465,7 +465,28 @@ def _plan_writes(ctx, modules, config, source):
                                    f"the adapter also writes")
             b_i = b if index is not None else b[offsets[i]:offsets[i + 1]]
             slices[i] = (a, b_i, rank, scale, path)
+    _check_still_in_model(ctx, plan, source)
     return {layer: (*_fold_slices(layer, slices, source), _scales_differ(slices)) for layer, slices in plan.items()}
+
+
+def _check_still_in_model(ctx, layers, source):
+    """Each layer the adapter writes still a module of the model: one replaced after apply_lora (a block rebuilt
+    or reloaded) stayed in the context, and the adapter went into it, unused, while the model ran the new layer
+    without it, silently. (Present anywhere in the model: a layer inside a wrapped one sits under its base.)"""
+    model = ctx.model()
+    if model is None:
+        return
+    present = {id(module) for module in model.modules()}
+    for path, layer in ctx.layers.items():
+        if layer in layers and id(layer) not in present:
+            try:
+                now = f"a {type(model.get_submodule(path)).__name__} is"
+            except AttributeError:
+                now = "no module is"
+            raise AdapterError(f"{source}: the layer apply_lora wrapped at {path!r} is no longer in the model "
+                               f"({now} there): it was replaced after apply_lora, and the adapter would go into "
+                               f"the old layer, unused: put the context's layer back (ctx.layers[{path!r}]), or "
+                               f"replace layers before apply_lora")
 
 
 def _check_dropout(config, source):
@@ -551,7 +572,15 @@ def _write(ctx, slot, name, plan):
             layer.write_slot(slot, *plan[layer][:3])
         else:
             layer.clear_slot(slot)
+    key = _slot_key(name)
+    for layer in ctx.layers.values():    # (every layer: the state dict's record of which name the slot holds)
+        layer.slot_keys[slot] = key
     ctx.slot_names[slot] = name
+
+
+def _slot_key(name):
+    from lora_ops.layers import slot_key     # layers imports this module
+    return slot_key(name)
 
 
 def _slot_record(ctx, attr):

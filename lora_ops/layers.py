@@ -29,6 +29,7 @@ in one mixed batch; in ``model.train()``, while a trainer is open, each slot's a
 import contextlib
 import copy
 import functools
+import hashlib
 import itertools
 import math
 import numbers
@@ -257,6 +258,7 @@ class LoRAContext:
         # and the copy's model is the copy.
         state = dict(self.__dict__)
         del state["_serial"]            # (a copy or an unpickled context registers its own)
+        state.pop("_copied_model", None)
         state["_model"] = self._model() if self._model is not None else None
         # An open trainer stays with the original: its gradient hooks are on the original's stacks, so the
         # copy's would be a trainer without them (unmasked gradients) that refuses a new train_slots.
@@ -285,7 +287,10 @@ class LoRAContext:
                     f"with it must hold the model before its parts), or copy blocks before apply_lora")
         new = LoRAContext.__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # (Not inference tensors, as __init__ makes none: a copy taken under torch.inference_mode had its batch
+        # buffers and stacks made so, and set_batch and loads outside that mode failed on torch's message.)
+        with torch.inference_mode(False):
+            new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
     def __setstate__(self, state):
@@ -296,6 +301,15 @@ class LoRAContext:
             state.pop(stale, None)
         self.__dict__.update(state)
         self._model = weakref.ref(model) if model is not None else None
+        # A copy holds its model: a context copied or unpickled alone (copy.deepcopy(ctx), torch.save(ctx))
+        # copies the model with it, and through the weak reference alone the copy was collected at once (the
+        # context's model() None, its loads and batches for layers no model runs). The original's stays weak;
+        # a copy's cycle (model, layers, context) goes at Python's next cycle collection, as the layers' did.
+        self._copied_model = model
+        if self.token_slots.is_inference():
+            warnings.warn("LoRAContext: unpickled under torch.inference_mode (torch.load inside it): its batch buffers "
+                          "and the layers' stacks are inference tensors, which set_batch and adapter loads can write "
+                          "only inside that mode; load the model outside torch.inference_mode", stacklevel=2)
         _mark_buffers((*self.meta, self.token_slots))
         self._set_batch_tokens(self.batch.num_tokens)
 
@@ -370,6 +384,42 @@ class LoRAContext:
                           f"them again", stacklevel=3)
             for name in names:
                 adapters.unload_adapter(self, name)
+
+    def _names_from_keys(self, keys, where):
+        """After load_state_dict: each slot takes the name the state dict's ``slot_keys`` give it among the
+        names this context holds (its config and records with it). A name the state dict does not hold is
+        dropped; a slot whose adapter this context does not know by name keeps its weights, unnamed. Without
+        this a name served whatever adapter the checkpoint had in its slot (a server rolled back after loading
+        another adapter there: the new name served the old weights, silently). Tokens of the batch set now in a
+        slot whose name changed take no adapter; an open trainer stops training such a slot."""
+        by_key = {slot_key(n): n for n in self.slot_names if n is not None}
+        names = [by_key.get(k) for k in keys]
+        if names == self.slot_names:
+            return
+        was = {n: slot for slot, n in enumerate(self.slot_names) if n is not None}
+        for attr in ("adapter_configs", "adapter_folded_layers", "adapter_fused_sources"):
+            records = getattr(self, attr, None)
+            if records:
+                setattr(self, attr, {slot: records[was[n]] for slot, n in enumerate(names)
+                                     if n is not None and was[n] in records})
+        changed = [slot for slot, n in enumerate(names) if n != self.slot_names[slot]]
+        moved = {n: (was[n], slot) for slot, n in enumerate(names) if n is not None and was[n] != slot}
+        dropped = [n for n in self.slot_names if n is not None and n not in names]
+        unnamed = [slot for slot in changed if keys[slot] != 0 and names[slot] is None]
+        self.slot_names[:] = names
+        trainer = getattr(self, "trainer", None)
+        for slot in changed:
+            self._drop_from_batch(slot)
+            if trainer is not None:
+                trainer.forget_slot(slot)
+        adapters._configs_changed(self)
+        said = [f"{n!r} moved from slot {a} to {b}" for n, (a, b) in moved.items()]
+        said += [f"{n!r} dropped (not in the state dict)" for n in dropped]
+        said += [f"slot {s} holds an adapter this context does not know by name (unnamed: load it by name)"
+                 for s in unnamed]
+        warnings.warn(f"LoRAContext: load_state_dict (layer {where!r}) put other adapters in the slots: "
+                      f"{'; '.join(said)}. The batch set now takes no adapter in those slots: set it again"
+                      f"{'; the open trainer stops training them' if trainer is not None else ''}", stacklevel=2)
 
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""
@@ -823,6 +873,10 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(weight.new_zeros(L, N, R), requires_grad=False)
         self.register_buffer("scale", torch.zeros(L, dtype=torch.float32, device=weight.device))
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
+        # Which adapter each slot holds, for the state dict: slot_key of its name, 0 for none (never read in
+        # forward; load_state_dict gives the context's names the slots the checkpoint put them in).
+        self.register_buffer("slot_keys", torch.tensor([slot_key(n) for n in context.slot_names],
+                                                       dtype=torch.int64, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
         self._stack_ptrs = None         # set by _stack
@@ -1112,6 +1166,7 @@ class LoRALinear(nn.Module):
         self.scale[slot] = 0.0
         self.rank[slot] = 0
         self.slot_ranks[slot] = 0
+        self.slot_keys[slot] = 0
 
     @staticmethod
     def _restack_after_load(module, incompatible_keys):
@@ -1132,8 +1187,15 @@ class LoRALinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
-        # (a host sync, once a load). The adapters' names are the context's and not in the state dict.
+        # (a host sync, once a load). The adapters' names are the context's; the state dict's slot_keys say which
+        # name each slot held, and the context's names follow them (LoRAContext._names_from_keys).
+        keyed = prefix + "slot_keys" in state_dict
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        missing = args[2] if len(args) > 2 else kwargs.get("missing_keys")
+        if not keyed and missing is not None and prefix + "slot_keys" in missing:
+            missing.remove(prefix + "slot_keys")    # (a checkpoint from before slot_keys: the names stay as they are)
+        if self.slot_keys.dtype != torch.int64:
+            self.slot_keys = self.slot_keys.long()
         # load_state_dict(assign=True) takes the state dict's tensors as they are: a checkpoint converted to
         # half precision ({k: v.half()}) gave a float16 scale, and every forward then raised. The ops take a
         # float32 scale and an int32 rank, as model.half() keeps them (_apply).
@@ -1150,6 +1212,8 @@ class LoRALinear(nn.Module):
             if error_msgs is None:
                 raise ValueError(message)
             error_msgs.append(message)
+        elif keyed and getattr(self, "context", None) is not None:
+            self.context._names_from_keys(self.slot_keys.tolist(), prefix.rstrip(".") or "the layer")
 
     def __getstate__(self):
         # A copy (copy.deepcopy, torch.save) taken while a trainer is open has none (LoRAContext.__getstate__):
@@ -1167,8 +1231,10 @@ class LoRALinear(nn.Module):
         whose lora_a was parametrized after apply_lora then kept a copy of its stack, unused (W + A held twice)."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        # (LoRALinear's, not the object's: a parametrized class's __getstate__ refuses pickling, deep copies too.)
-        new.__setstate__(copy.deepcopy(LoRALinear.__getstate__(self), memo))
+        # (LoRALinear's, not the object's: a parametrized class's __getstate__ refuses pickling, deep copies too.
+        # Not inference tensors: LoRAContext.__deepcopy__.)
+        with torch.inference_mode(False):
+            new.__setstate__(copy.deepcopy(LoRALinear.__getstate__(self), memo))
         return new
 
     def __setstate__(self, state):
@@ -1179,6 +1245,9 @@ class LoRALinear(nn.Module):
             training.freeze_stacks((self.lora_a, self.lora_b))
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
+        if "slot_keys" not in self._buffers:      # (pickled before session 54: the names its context holds)
+            self.register_buffer("slot_keys", torch.tensor([slot_key(n) for n in self.context.slot_names],
+                                                           dtype=torch.int64, device=self.rank.device))
         if LoRALinear._restack_after_load not in self._load_state_dict_post_hooks.values():   # (pickled before)
             self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
         if getattr(self, "_stacked", None) is not None:
@@ -1195,7 +1264,7 @@ class LoRALinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # model.half() / .to(dtype) would cast the float32 scale buffer, and model.type(dtype) the int32 rank
         # too; the ops need them as they were.
-        scale, rank = self.scale, self.rank
+        scale, rank, keys = self.scale, self.rank, self.slot_keys
         left_meta = rank.is_meta
         self._eager.clear()     # the bound calls hold the old tensors
         # (Never inference tensors: a conversion under torch.inference_mode made the adapter stacks ones, and
@@ -1212,6 +1281,8 @@ class LoRALinear(nn.Module):
             self.scale = scale.to(device=self.scale.device)
         if self.rank.dtype != torch.int32:
             self.rank = rank.to(device=self.rank.device)
+        if self.slot_keys.dtype != torch.int64:
+            self.slot_keys = keys.to(device=self.slot_keys.device)
         # A conversion that moved or cast the parameters made them separate tensors: stack again. One that
         # changed nothing leaves the views as they are, and so does one that moved the stack's storage in place
         # (share_memory_: the views follow it; restacking put them in private memory, silently unshared).
@@ -1226,6 +1297,13 @@ class LoRALinear(nn.Module):
         L, S, R, K = self.lora_a.shape
         return f"in_features={K}, out_features={self.lora_b.shape[1]}, max_loras={L}, max_rank={R}, " \
                f"slice_widths={list(self.slice_widths)}"
+
+
+def slot_key(name):
+    """A nonzero int64 naming adapter ``name`` in the state dict (LoRALinear.slot_keys); 0 for no adapter."""
+    if name is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True) or 1
 
 
 def _at_most(num_tokens, limit):

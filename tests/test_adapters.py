@@ -190,6 +190,24 @@ def test_a_context_built_by_hand_says_it_has_no_layers():
         ctx.load_adapter_tensors("a", peft_tensors({"proj": (8, 8)}, 2, seed=1, prefix=""))
 
 
+def test_a_layer_replaced_after_apply_lora_is_named_and_nothing_is_written():
+    """A wrapped layer replaced in the model (a block rebuilt or reloaded) stayed in the context: the load
+    wrote the adapter into the old layer, listed it as loaded, and the model ran the new layer without it,
+    silently. The load now names the path and writes nothing; with the layer put back it loads."""
+    model, ctx = lora_model()
+    old = model.model.layers[0].self_attn.q_proj
+    model.model.layers[0].self_attn.q_proj = nn.Linear(old.in_features, old.out_features)
+    tensors = peft_tensors(module_shapes(toy_lm()), 4, seed=3)
+    before = slot_state(ctx)
+    with pytest.raises(AdapterError, match=rf"the layer apply_lora wrapped at '{Q0}' is no longer in the model "
+                                           rf"\(a Linear is there\).*ctx.layers\['{Q0}'\]"):
+        ctx.load_adapter_tensors("a", tensors)
+    assert not ctx.adapters
+    assert_state_unchanged(before, ctx)
+    model.model.layers[0].self_attn.q_proj = ctx.layers[Q0]
+    assert_loaded(ctx, ctx.load_adapter_tensors("a", tensors), tensors, 1.0)
+
+
 def test_a_named_weights_file_is_the_one_read(tmp_path):
     """load_adapter(dir / "adapter_model.bin") in a folder holding both files read the safetensors file."""
     model, ctx = lora_model()

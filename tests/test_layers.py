@@ -171,6 +171,30 @@ def test_a_context_built_under_inference_mode_serves_outside_it(stack_a):
     assert rel_err(inside, layer_reference(model["proj"], x.clone(), slots)) <= TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
+def test_a_copy_taken_under_inference_mode_serves_outside_it(stack_a, tmp_path):
+    """copy.deepcopy of a model under torch.inference_mode made the copy's batch buffers and stacks inference
+    tensors: its set_batch and loads outside that mode failed on torch's message. The copy's are normal tensors.
+    torch.load under inference mode makes every tensor one: the load warns, naming the way out."""
+    model, ctx = one_layer_model(None, torch.float32, "cpu")
+    if stack_a:
+        model["proj"]._stack()
+    x = torch.randn(12, K)
+    with torch.inference_mode():
+        twin = copy.deepcopy(model)
+    twin_ctx = twin["proj"].context
+    with torch.no_grad():
+        twin_ctx.set_batch(REQUESTS)
+        twin_ctx.load_adapter_tensors("d", peft_tensors({"proj": (K, N)}, 2, seed=5))
+        ctx.set_batch(REQUESTS)
+        ctx.load_adapter_tensors("d", peft_tensors({"proj": (K, N)}, 2, seed=5))
+        assert torch.equal(twin["proj"](x), model["proj"](x))
+    torch.save(model, tmp_path / "model.pt")
+    with torch.inference_mode(), pytest.warns(UserWarning, match=r"unpickled under torch.inference_mode .*load "
+                                                                 r"the model outside torch.inference_mode"):
+        torch.load(tmp_path / "model.pt", weights_only=False)
+
+
 def test_a_copy_taken_inside_per_row_is_not_in_the_block():
     """copy.deepcopy / torch.save of a model inside a per_row block gave a copy whose context stayed in per_row
     forever (only the original's block ends): set_batch on it was ignored, silently."""
@@ -996,14 +1020,17 @@ def test_pinned_staging_is_copied_fresh(monkeypatch):
 
 
 @pytest.mark.parametrize("stack_a", [False, True], ids=["plain", "stack_a"])
-@pytest.mark.parametrize("how", ["torch_save", "deepcopy"])
+@pytest.mark.parametrize("how", ["torch_save", "deepcopy", "torch_save_context", "deepcopy_context"])
 def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(how, stack_a, tmp_path):
     """torch.save of a model after apply_lora raised (the context's weakref to the model cannot be pickled);
     a deep copy's context pointed at the original model, so the copy's train_slots froze the original's base
     weights. Either copy now holds the adapters by name and its context the copied model. With stack_a, a deep
     copy's parameters were clones apart from its stack (Parameter.__deepcopy__): compiled, the copy served the
-    adapters as they were at the copy, whatever was loaded into it after."""
+    adapters as they were at the copy, whatever was loaded into it after. A context copied or saved alone
+    copies the model with it: the copy's model was collected at once (held weakly), its model() None (session
+    54); a copy holds its model now."""
     import copy
+    import gc
     model = toy_lm(seed=3)
     ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=2, max_rank=4, max_tokens=32, stack_a=stack_a)
     shapes = module_shapes(model, ["q_proj", "down_proj"])
@@ -1015,8 +1042,17 @@ def test_a_whole_model_saved_or_copied_keeps_its_adapters_and_points_at_itself(h
     if how == "torch_save":
         torch.save(model, tmp_path / "model.pt")
         twin = torch.load(tmp_path / "model.pt", weights_only=False)
-    else:
+    elif how == "deepcopy":
         twin = copy.deepcopy(model)
+    else:
+        if how == "torch_save_context":
+            torch.save(ctx, tmp_path / "context.pt")
+            twin_ctx = torch.load(tmp_path / "context.pt", weights_only=False)
+        else:
+            twin_ctx = copy.deepcopy(ctx)
+        gc.collect()
+        twin = twin_ctx.model()
+        assert twin is not None and twin is not model
     twin_ctx = twin.model.layers[0].self_attn.q_proj.context
     assert twin_ctx is not ctx and twin_ctx.model() is twin and twin_ctx.slot_names == ["a", None]
     twin_ctx.set_batch([("a", 3), (None, 2)])
@@ -1075,6 +1111,89 @@ def test_load_state_dict_restores_the_slots_and_their_host_ranks():
     twin_ctx.set_token_slots(slots)
     with torch.no_grad():
         assert torch.equal(twin(ids), model(ids))
+
+
+def _named_model(names_and_seeds):
+    """toy_lm with q_proj / down_proj wrapped and adapters loaded by name, in order ({name: (seed, r, alpha)})."""
+    model = toy_lm(seed=3)
+    ctx = apply_lora(model, ["q_proj", "down_proj"], max_loras=3, max_rank=4, max_tokens=32)
+    shapes = module_shapes(model, ["q_proj", "down_proj"])
+    for name, (seed, r, alpha) in names_and_seeds.items():
+        ctx.load_adapter_tensors(name, peft_tensors(shapes, r, seed=seed),
+                                 {"r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "down_proj"]})
+    return model, ctx
+
+
+def _outputs_by_name(model, ctx, names):
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name in names:
+        ctx.set_batch([(name, 4)])
+        with torch.no_grad():
+            out[name] = model(ids)
+    return out
+
+
+NAMED = {"a": (1, 2, 4), "b": (2, 4, 2), "c": (3, 3, 3)}
+
+
+def test_load_state_dict_moves_the_names_with_the_slots_they_name():
+    """A checkpoint's slots in another order than this context's (another process loaded the adapters in
+    another order): load_state_dict wrote a's weights into b's slot and the names stayed, so each name served
+    the other adapter, silently. The state dict holds each slot's name key now: the names (and their configs)
+    follow the weights, with a warning, and every name serves its own adapter."""
+    source, source_ctx = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    want = _outputs_by_name(source, source_ctx, ["a", "b"])
+    model, ctx = _named_model({"b": NAMED["b"], "a": NAMED["a"]})
+    ctx.set_batch([("a", 2), ("b", 2)])
+    with pytest.warns(UserWarning, match=r"'a' moved from slot 1 to 0; 'b' moved from slot 0 to 1"):
+        model.load_state_dict(source.state_dict())
+    q_proj = ctx.layers["model.layers.0.self_attn.q_proj"]
+    assert ctx.adapters == {"a": 0, "b": 1} and ctx.adapter_configs[0]["r"] == 2 == q_proj.slot_ranks[0]
+    assert ctx.token_slots[:4].tolist() == [-1] * 4, "the batch set before named the old slots"
+    got = _outputs_by_name(model, ctx, ["a", "b"])
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_load_state_dict_of_an_earlier_checkpoint_drops_names_it_does_not_hold():
+    """A server rolled back to a checkpoint after unloading a and loading c into a's slot: c's name served a's
+    weights. Now c is dropped, the slot keeps a's weights unnamed (this context no longer knows a's name), b
+    stays, and a loads by name again."""
+    model, ctx = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    want = _outputs_by_name(model, ctx, ["a", "b"])
+    ctx.unload_adapter("a")
+    ctx.load_adapter_tensors("c", peft_tensors(module_shapes(model, ["q_proj", "down_proj"]), 3, seed=3))
+    assert ctx.slot_of("c") == 0
+    with pytest.warns(UserWarning, match=r"'c' dropped \(not in the state dict\); slot 0 holds an adapter this "
+                                         r"context does not know by name"):
+        model.load_state_dict(checkpoint)
+    assert ctx.adapters == {"b": 1} and 0 not in ctx.adapter_configs
+    with pytest.raises(ValueError, match="adapter 'c' is not loaded"):
+        ctx.set_batch([("c", 4)])
+    ctx.set_token_slots(torch.zeros(4, dtype=torch.int32))     # (slot 0 by id: a's weights)
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), want["a"])
+    assert _outputs_by_name(model, ctx, ["b"])["b"].equal(want["b"])
+
+
+@pytest.mark.parametrize("how", ["same_names", "fresh_model", "checkpoint_without_keys"])
+def test_load_state_dict_keeps_names_where_nothing_moved(how):
+    """Resuming (the same adapters loaded by name, then their trained weights), a fresh model with no names
+    (slots by id, as before), and a checkpoint written before the state dict held the keys (strict load: not
+    a missing key; the names stay): no warning, no name changes."""
+    import warnings
+    source, _ = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    state = source.state_dict()
+    if how == "checkpoint_without_keys":
+        state = {k: v for k, v in state.items() if not k.endswith("slot_keys")}
+    model, ctx = _named_model({} if how == "fresh_model" else {"a": NAMED["a"], "b": NAMED["b"]})
+    before = list(ctx.slot_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict(state)
+    assert ctx.slot_names == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
