@@ -574,6 +574,8 @@ def _write(ctx, slot, name, plan):
             layer.clear_slot(slot)
     key = _slot_key(name)
     for layer in ctx.layers.values():    # (every layer: the state dict's record of which name the slot holds)
+        # (one slot a name: an unnamed slot a checkpoint filled may carry this name's key from then)
+        layer.slot_keys.masked_fill_(layer.slot_keys == key, 0)
         layer.slot_keys[slot] = key
     ctx.slot_names[slot] = name
 

@@ -306,6 +306,9 @@ class LoRAContext:
         # context's model() None, its loads and batches for layers no model runs). The original's stays weak;
         # a copy's cycle (model, layers, context) goes at Python's next cycle collection, as the layers' did.
         self._copied_model = model
+        for layer in self.layers.values():      # (layers pickled before session 54, unpickled before this)
+            if layer.__dict__.pop("_keys_pending", False):
+                layer._keys_from_names()
         if self.token_slots.is_inference():
             warnings.warn("LoRAContext: unpickled under torch.inference_mode (torch.load inside it): its batch buffers "
                           "and the layers' stacks are inference tensors, which set_batch and adapter loads can write "
@@ -385,24 +388,42 @@ class LoRAContext:
             for name in names:
                 adapters.unload_adapter(self, name)
 
+    def _names_for(self, keys):
+        """Each slot's name under the state dict's ``keys`` (:meth:`_names_from_keys`)."""
+        names = [None] * len(keys)
+        for slot, n in enumerate(self.slot_names):
+            held = [s for s, k in enumerate(keys) if n is not None and k == slot_key(n)]
+            if held:
+                names[slot if slot in held else held[0]] = n
+        return names
+
+    def _check_rows_keep_their_slots(self, keys, where):
+        """Inside a per_row block, a state dict that puts other adapters in a slot its rows take (they would
+        serve another adapter's weights) is refused before anything of the layer loads, as unload_adapter is."""
+        serving = [slot for slot, n in enumerate(self._names_for(keys))
+                   if n != self.slot_names[slot] and slot in self.row_slots]
+        if serving:
+            raise RuntimeError(f"load_state_dict (layer {where!r}): the checkpoint puts other adapters in slot(s) "
+                               f"{serving}, which rows of the active per_row block take; load it after the block")
+
     def _names_from_keys(self, keys, where):
         """After load_state_dict: each slot takes the name the state dict's ``slot_keys`` give it among the
         names this context holds (its config and records with it). A name the state dict does not hold is
         dropped; a slot whose adapter this context does not know by name keeps its weights, unnamed. Without
         this a name served whatever adapter the checkpoint had in its slot (a server rolled back after loading
         another adapter there: the new name served the old weights, silently). Tokens of the batch set now in a
-        slot whose name changed take no adapter; an open trainer stops training such a slot."""
-        by_key = {slot_key(n): n for n in self.slot_names if n is not None}
-        names = [by_key.get(k) for k in keys]
+        slot whose name changed take no adapter; an open trainer stops training such a slot. A name takes one
+        slot (where the keys hold it twice: the one it has, else the first)."""
+        names = self._names_for(keys)
         if names == self.slot_names:
             return
         was = {n: slot for slot, n in enumerate(self.slot_names) if n is not None}
+        changed = [slot for slot, n in enumerate(names) if n != self.slot_names[slot]]
         for attr in ("adapter_configs", "adapter_folded_layers", "adapter_fused_sources"):
             records = getattr(self, attr, None)
             if records:
                 setattr(self, attr, {slot: records[was[n]] for slot, n in enumerate(names)
                                      if n is not None and was[n] in records})
-        changed = [slot for slot, n in enumerate(names) if n != self.slot_names[slot]]
         moved = {n: (was[n], slot) for slot, n in enumerate(names) if n is not None and was[n] != slot}
         dropped = [n for n in self.slot_names if n is not None and n not in names]
         unnamed = [slot for slot in changed if keys[slot] != 0 and names[slot] is None]
@@ -1178,6 +1199,9 @@ class LoRALinear(nn.Module):
             module._stack()
         module._follow_trainer()
 
+    def _keys_from_names(self):
+        self.slot_keys.copy_(torch.tensor([slot_key(n) for n in self.context.slot_names], dtype=torch.int64))
+
     def _follow_trainer(self):
         """An open trainer's gradient hooks onto this layer's stacks where they were replaced (load_state_dict
         with assign=True, a conversion that overwrote the parameters): SlotTrainer.follow_stacks."""
@@ -1189,13 +1213,23 @@ class LoRALinear(nn.Module):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
         # (a host sync, once a load). The adapters' names are the context's; the state dict's slot_keys say which
         # name each slot held, and the context's names follow them (LoRAContext._names_from_keys).
-        keyed = prefix + "slot_keys" in state_dict
+        # Keys cast with the rest of a checkpoint ({k: v.half()}) no longer name anything: the layer keeps its own
+        # and the names stay, as for a checkpoint from before slot_keys (not a missing key either).
+        incoming = state_dict.get(prefix + "slot_keys")
+        keyed = isinstance(incoming, torch.Tensor) and incoming.dtype == torch.int64
+        kept = None if keyed else self.slot_keys.clone()
+        context = getattr(self, "context", None)
+        if keyed and context is not None and context.row_slots:
+            context._check_rows_keep_their_slots(incoming.tolist(), prefix.rstrip(".") or "the layer")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         missing = args[2] if len(args) > 2 else kwargs.get("missing_keys")
-        if not keyed and missing is not None and prefix + "slot_keys" in missing:
-            missing.remove(prefix + "slot_keys")    # (a checkpoint from before slot_keys: the names stay as they are)
-        if self.slot_keys.dtype != torch.int64:
-            self.slot_keys = self.slot_keys.long()
+        if incoming is None and missing is not None and prefix + "slot_keys" in missing:
+            missing.remove(prefix + "slot_keys")
+        if kept is not None:
+            if self.slot_keys.dtype != torch.int64:     # (assign=True took the cast tensor itself)
+                self.slot_keys = kept
+            else:
+                self.slot_keys.copy_(kept)
         # load_state_dict(assign=True) takes the state dict's tensors as they are: a checkpoint converted to
         # half precision ({k: v.half()}) gave a float16 scale, and every forward then raised. The ops take a
         # float32 scale and an int32 rank, as model.half() keeps them (_apply).
@@ -1246,8 +1280,11 @@ class LoRALinear(nn.Module):
         if "_eager" not in self.__dict__:
             self._eager = eager_ops.EagerCalls()
         if "slot_keys" not in self._buffers:      # (pickled before session 54: the names its context holds)
-            self.register_buffer("slot_keys", torch.tensor([slot_key(n) for n in self.context.slot_names],
-                                                           dtype=torch.int64, device=self.rank.device))
+            self.register_buffer("slot_keys", torch.zeros_like(self.rank, dtype=torch.int64))
+            if "slot_names" in self.context.__dict__:
+                self._keys_from_names()
+            else:   # (the context is unpickled after this layer: LoRAContext.__setstate__ fills them)
+                self._keys_pending = True
         if LoRALinear._restack_after_load not in self._load_state_dict_post_hooks.values():   # (pickled before)
             self.register_load_state_dict_post_hook(LoRALinear._restack_after_load)
         if getattr(self, "_stacked", None) is not None:

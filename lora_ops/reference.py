@@ -19,6 +19,7 @@ def lora_delta_reference(x, lora_a, lora_b, scale, rank, token_slots, slice_widt
     a = torch.where(within[:, None, :, None], lora_a.detach().double().cpu(), 0)               # [L, S, R, K]
     b = torch.where(within[:, None, :], lora_b.detach().double().cpu(), 0)                     # [L, N, R]
     h = torch.einsum("mk,msrk->msr", x.detach().double().cpu(), a[s]) * scale.double().cpu()[s][:, None, None]
+    h = torch.where(within[s][:, None, :], h, 0)     # (an inf in x times A's zeros past the rank)
     out, col = [], 0
     for i, n in enumerate(slice_widths):
         out.append(torch.einsum("mr,mnr->mn", h[:, i], b[s, col:col + n]))

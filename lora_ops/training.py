@@ -68,6 +68,7 @@ the result: AOTAutograd compiles the backward too. The hooks run in the autograd
 stacks, outside the compiled graphs; the step helper is eager.
 """
 import math
+import re
 import warnings
 
 import torch
@@ -160,9 +161,12 @@ def _all_linear_paths(ctx):
     from lora_ops.layers import _output_layer     # layers imports this module
     model = ctx.model()
     output = _output_layer(model) if model is not None else None
-    return [path for path, (layer, index) in ctx.targets.items()
-            if (index is not None or len(layer.slice_widths) == 1)
-            and (output is None or output not in (layer, layer.base))]
+    paths = [path for path, (layer, index) in ctx.targets.items()
+             if (index is not None or len(layer.slice_widths) == 1)
+             and (output is None or output not in (layer, layer.base))]
+    # (a regex of the whole paths: a list entry also selects the paths ending in it, an output layer at
+    # "head.proj" for a module at "proj")
+    return "|".join(re.escape(path) for path in paths) or "(?!)"
 
 
 class SlotTrainer:

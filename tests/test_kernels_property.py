@@ -591,12 +591,14 @@ def test_the_reference_never_reads_what_the_ops_skip():
     token with no adapter (values the ops never read) made it NaN, where the ops are finite (session 54). It
     selects them away now: with them planted, it equals the reference of the clean problem."""
     gen = torch.Generator().manual_seed(0)
-    M, K, N, L, R = 5, 7, 9, 2, 4
+    M, K, N, L, R = 6, 7, 9, 3, 4
     x, a, b = (torch.randn(*shape, generator=gen) for shape in ((M, K), (L, 1, R, K), (L, N, R)))
-    scale, rank = torch.tensor([0.5, -2.0]), torch.tensor([2, 4], dtype=torch.int32)
-    slots = torch.tensor([-1, 0, 1, -1, 1], dtype=torch.int32)
+    scale, rank = torch.tensor([0.5, -2.0, 1.0]), torch.tensor([2, 4, 0], dtype=torch.int32)
+    slots = torch.tensor([-1, 0, 1, -1, 1, 2], dtype=torch.int32)
+    a[2], b[2] = 0, 0       # (an empty slot of rank 0)
     clean = (lora_delta_reference(x, a, b, scale, rank, slots), shrink_reference(x, a, scale, rank, slots))
     x[0, 3], a[0, 0, 3, 1], b[0, 2, 2] = math.inf, math.nan, math.nan    # slot -1's row; slot 0 past rank 2
+    x[5, 1] = math.inf                                                   # a row of the rank-0 slot
     planted = (lora_delta_reference(x, a, b, scale, rank, slots), shrink_reference(x, a, scale, rank, slots))
     for got, want in zip(planted, clean):
         assert not got.isnan().any() and torch.equal(got, want)

@@ -17,7 +17,7 @@ import lora_ops
 from conftest import DTYPES, TOLERANCE, dtype_id, fill_setting, rel_err
 from layer_helpers import PACKED, data_ptrs, module_shapes, peft_tensors, request_slots, toy_lm
 from lora_ops.adapters import AdapterError
-from lora_ops.layers import LoRAContext, LoRALinear, apply_lora
+from lora_ops.layers import LoRAContext, LoRALinear, apply_lora, slot_key
 from lora_ops.reference import lora_delta_reference
 
 K, N, MAX_RANK, MAX_LORAS = 24, 40, 8, 4
@@ -1176,6 +1176,83 @@ def test_load_state_dict_of_an_earlier_checkpoint_drops_names_it_does_not_hold()
     with torch.no_grad():
         assert torch.equal(model(ids), want["a"])
     assert _outputs_by_name(model, ctx, ["b"])["b"].equal(want["b"])
+
+
+@pytest.mark.parametrize("what", ["model", "context"])
+def test_a_model_pickled_before_slot_keys_loads_with_the_keys_of_its_names(what, tmp_path):
+    """A model (or its context) pickled before the layers had slot_keys: the layers unpickled inside the
+    context's state, before it, read its names to make their keys and failed (AttributeError). They take them
+    once the context is unpickled; then a state dict round trip keeps every name."""
+    import gc
+    model, ctx = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    for layer in ctx.layers.values():
+        del layer._buffers["slot_keys"]         # (as pickled before session 54)
+    torch.save(model if what == "model" else ctx, tmp_path / "old.pt")
+    loaded = torch.load(tmp_path / "old.pt", weights_only=False)
+    gc.collect()
+    twin = loaded if what == "model" else loaded.model()
+    twin_ctx = twin.model.layers[0].self_attn.q_proj.context
+    want = torch.tensor([slot_key(n) for n in twin_ctx.slot_names])
+    assert twin_ctx.slot_names == ["a", "b", None]
+    assert all(torch.equal(layer.slot_keys, want) for layer in twin_ctx.layers.values())
+    twin.load_state_dict(twin.state_dict())
+    assert twin_ctx.slot_names == ["a", "b", None]
+
+
+def test_a_name_takes_one_slot_after_a_checkpoint_left_its_key_in_another():
+    """A fresh model loaded a checkpoint (slots unnamed, their keys a and b), then b by name into slot 0: slot 1
+    kept b's key, and restoring a snapshot named both slots b, set_batch serving the old b. A load clears its
+    key elsewhere, and a name takes one slot."""
+    source, _ = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    model, ctx = _named_model({})
+    model.load_state_dict(source.state_dict())
+    ctx.load_adapter_tensors("b", peft_tensors(module_shapes(model, ["q_proj", "down_proj"]), 4, seed=7))
+    assert ctx.slot_names == ["b", None, None]
+    model.load_state_dict(model.state_dict())
+    assert ctx.slot_names == ["b", None, None] and ctx.adapters == {"b": 0}
+    keys = [slot_key("b"), 0, 0]
+    first = ctx.layers["model.layers.0.self_attn.q_proj"]
+    assert first.slot_keys[1] == 0 and first.slot_keys[0] == keys[0]
+    # Keys listing one name twice (a checkpoint so written): the slot it has now keeps it, the other is unnamed.
+    ctx._names_from_keys([slot_key("b"), slot_key("b"), 0], "by hand")
+    assert ctx.slot_names == ["b", None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_a_checkpoint_cast_whole_keeps_the_names(dtype):
+    """{k: v.half()}: the keys no longer name anything (int64 through a 16-bit float); every name was dropped.
+    The layer keeps its own keys and the names stay, as for a checkpoint without keys."""
+    import warnings
+    model, ctx = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    keys = ctx.layers["model.layers.0.self_attn.q_proj"].slot_keys.clone()
+    for assign in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.load_state_dict({k: v.to(dtype) if v.is_floating_point() or k.endswith("slot_keys") else v
+                                   for k, v in model.state_dict().items()}, assign=assign)
+        assert ctx.slot_names == ["a", "b", None]
+        assert all(layer.slot_keys.dtype == torch.int64 and torch.equal(layer.slot_keys, keys)
+                   for layer in ctx.layers.values())
+        model.float()
+
+
+def test_load_state_dict_inside_per_row_refuses_moving_its_rows_adapters():
+    """Inside a per_row block the rows hold slots: a checkpoint moving their names served row 'a' with b's
+    weights. Refused before the layer loads anything, as unload_adapter is there; after the block it loads."""
+    source, _ = _named_model({"b": NAMED["b"], "a": NAMED["a"]})
+    model, ctx = _named_model({"a": NAMED["a"], "b": NAMED["b"]})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ctx.per_row(["a", "b"]):
+        with pytest.raises(RuntimeError, match=r"the checkpoint puts other adapters in slot\(s\) \[0, 1\], which "
+                                               r"rows of the active per_row block take"):
+            model.load_state_dict(source.state_dict())
+        model(ids)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if "lora" in k or "slot_keys" in k)
+    with pytest.warns(UserWarning, match="moved"):
+        model.load_state_dict(source.state_dict())
+    assert ctx.adapters == {"b": 0, "a": 1}
 
 
 @pytest.mark.parametrize("how", ["same_names", "fresh_model", "checkpoint_without_keys"])

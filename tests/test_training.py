@@ -371,6 +371,13 @@ def test_fresh_adapter_takes_all_linear_as_peft_does():
     held = {path for path, layer in ctx.layers.items() if layer.lora_a[slot].any()}
     assert held == set(ctx.layers) - {"lm_head"} and len(held) == len(PROJECTIONS) * 2
     assert ctx.adapter_configs[slot]["target_modules"] == sorted(PROJECTIONS)
+    # Whole paths: a module at "proj" does not select the output layer at "head.proj" (session 54's review).
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4),
+                                 "head": torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4)})})
+    model.get_output_embeddings = lambda: model["head"]["proj"]
+    small = apply_lora(model, ["proj"], max_loras=1, max_rank=2, max_tokens=4)
+    slot = training.add_trainable_adapter(small, "a", r=2, lora_alpha=2, target_modules="all-linear")
+    assert small.layers["proj"].lora_a[slot].any() and not small.layers["head.proj"].lora_a[slot].any()
     with pytest.raises(ValueError, match=r"'q_proj' selects none of the context's modules \(a string is a regex "
                                          r"that must match a whole module path.*pass a list: \['q_proj'\]\)"):
         training.add_trainable_adapter(ctx, "b", r=4, lora_alpha=8, target_modules="q_proj")
