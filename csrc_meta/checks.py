@@ -406,8 +406,10 @@ def check_no_gradient(op, **tensors):
     if not torch.is_grad_enabled() or not any_requires_grad(*tensors.values()):
         return
     wanting = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    # (No op gives the scale a gradient: the differentiable ones take such a scale and give it none.)
+    scale = "; the scale gets a gradient from no lora_ops op: pass scale.detach()" if "scale" in wanting else ""
     _fail(RuntimeError, f"lora_ops::{op} has no gradient, but {', '.join(wanting)} require"
-                        f"{'s' if len(wanting) == 1 else ''} grad: use {NOT_DIFFERENTIABLE[op]}")
+                        f"{'s' if len(wanting) == 1 else ''} grad: use {NOT_DIFFERENTIABLE[op]}{scale}")
 
 
 def check_add_lora_(y, x, lora_a, lora_b, scale, rank, slice_widths, sorted_token_ids, slot_starts,

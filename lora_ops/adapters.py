@@ -433,6 +433,18 @@ def _resolve_target(ctx, path, source):
         raise AdapterError(f"{source}: the adapter targets {path!r}, but this context serves no layers by path "
                            f"(one built by hand, not by apply_lora): adapters load by module path into the layers "
                            f"apply_lora wrapped; wrap a model with apply_lora(model, target_modules, ...)")
+    if module is None and model is not None and ".base_layer." in path:
+        # PEFT's key of a module inside a layer it wrapped whole (nn.MultiheadAttention: its out_proj under the
+        # wrapper's base_layer): the outer layer is what the adapter targets.
+        outer = path.partition(".base_layer.")[0]
+        try:
+            outer_type = type(model.get_submodule(outer)).__name__
+        except AttributeError:
+            outer_type = None
+        if outer_type is not None:
+            raise UnsupportedAdapterError(f"layer type {outer_type} is not supported ({source}: the adapter targets "
+                                          f"{outer!r} as one module, {path!r} inside it; only nn.Linear layers "
+                                          f"take LoRA here)")
     if module is None:
         raise AdapterError(f"{source}: the adapter targets {path!r}, which is not a module of this model "
                            f"(paths are relative to the model apply_lora wrapped){_packed_hint(model, path)}")

@@ -70,6 +70,7 @@ stacks, outside the compiled graphs; the step helper is eager.
 import math
 import re
 import warnings
+import weakref
 
 import torch
 
@@ -215,7 +216,8 @@ class SlotTrainer:
         self._has_grad = torch.zeros(len(self._layers), L, dtype=torch.bool, device=ctx.device)
         self._tied = {}     # layer -> [L] bool: slots whose adapter targeted the packed layer as one module
         self.refresh_ties()
-        self._hooks = {}    # (layer, "lora_a" / "lora_b") -> (the stack hooked, its hook's handle)
+        self._hooks = {}    # (layer, "lora_a" / "lora_b") -> (the stack hooked, its C tensor, its hook's handle)
+        self._replaced = weakref.WeakValueDictionary()    # id -> a stack follow_stacks replaced (step: stale)
         for layer in self._layers:
             self.follow_stacks(layer)
         ctx.dropout_p = _dropout_table(ctx)
@@ -227,16 +229,22 @@ class SlotTrainer:
         """Hook ``layer``'s stacks where they are new tensors: ``load_state_dict(assign=True)`` and a conversion
         under ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` replace a layer's parameters,
         and the replacements had no hook: every slot took gradients, unmasked, and :meth:`step`, seeing no slot
-        trained, restored them all (training did nothing, silently). The layer calls this after either."""
+        trained, restored them all (training did nothing, silently). The layer calls this after either. Also
+        where the object stayed and its contents were swapped (``set_swap_module_params_on_conversion``: the hook
+        went with the old contents). An optimizer built before holds the old stacks: :meth:`step` names them."""
         for role in ("lora_a", "lora_b"):
             stack = getattr(layer, role)
             held = self._hooks.get((layer, role))
-            if held is not None and held[0] is stack:
+            if held is not None and held[0] is stack and held[1] == stack._cdata:
                 continue
             if held is not None:
-                held[1].remove()
+                held[2].remove()
+                if held[0] is not stack:
+                    self._replaced[id(held[0])] = held[0]
+                else:   # (the hooks dict stayed with the object, registered with the old contents: a new one)
+                    stack._backward_hooks = None
             stack.requires_grad_(True)
-            self._hooks[(layer, role)] = (stack, stack.register_hook(self._grad_hook(layer, role)))
+            self._hooks[(layer, role)] = (stack, stack._cdata, stack.register_hook(self._grad_hook(layer, role)))
 
     def parameters(self):
         """The stacks of every layer (each holds all slots; only the chosen ones ever change)."""
@@ -252,6 +260,7 @@ class SlotTrainer:
         closure's loss)."""
         _check_elementwise(optimizer, len(self.slots))
         self._check_hooked()
+        self._check_optimizer_current(optimizer)
         snapshots = [p.detach().clone() for p in self.parameters()]
         # (closure= by keyword: GradScaler.step refuses a closure only by that name)
         kwargs = {} if closure is None else {"closure": closure}
@@ -279,7 +288,7 @@ class SlotTrainer:
     def close(self):
         """Stop training: remove the gradient hooks and freeze the stacks again (the context
         takes a new trainer after this)."""
-        for _, handle in self._hooks.values():
+        for *_, handle in self._hooks.values():
             handle.remove()
         self._hooks = {}
         freeze_stacks(self.parameters())
@@ -344,12 +353,23 @@ class SlotTrainer:
         (assigned by hand) took its gradients unmasked."""
         for layer in self._layers:
             for role in ("lora_a", "lora_b"):
-                if self._hooks[(layer, role)][0] is not getattr(layer, role):
+                stack, cdata, _ = self._hooks[(layer, role)]
+                if stack is not getattr(layer, role) or cdata != stack._cdata:
                     path = next((p for p, l in self.ctx.layers.items() if l is layer), "?")
                     raise RuntimeError(f"SlotTrainer.step: layer {path!r}'s {role} was replaced since the trainer "
                                        f"opened, and its gradients were not masked to the trained slots; call "
                                        f"trainer.follow_stacks(layer) after replacing it (load_state_dict and "
                                        f"module conversions do), then run the forward and backward again")
+
+    def _check_optimizer_current(self, optimizer):
+        """An optimizer built before load_state_dict(assign=True) replaced the stacks steps the old ones: nothing
+        trained moved, silently."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if self._replaced.get(id(p)) is p:
+                    raise RuntimeError("SlotTrainer.step: the optimizer holds LoRA stacks that load_state_dict("
+                                       "assign=True) or a conversion replaced since it was built, so the trained "
+                                       "ones would not move; build the optimizer over trainer.parameters() again")
 
     def _grad_hook(self, layer, role):
         is_a = role == "lora_a"

@@ -208,6 +208,23 @@ def test_a_layer_replaced_after_apply_lora_is_named_and_nothing_is_written():
     assert_loaded(ctx, ctx.load_adapter_tensors("a", tensors), tensors, 1.0)
 
 
+def test_an_adapter_of_a_multihead_attention_names_its_layer_type():
+    """PEFT adapts a whole nn.MultiheadAttention (its in_proj, and its out_proj under the wrapper's base_layer):
+    the load named 'attn.base_layer.out_proj' as not a module of the model, pointing at paths. It names the
+    layer type, as for other unsupported layers, and writes nothing."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2, batch_first=True), "fc": nn.Linear(8, 4)})
+    ctx = apply_lora(model, ["fc"], max_loras=2, max_rank=4, max_tokens=8)
+    tensors = {**peft_tensors({"attn.base_layer.out_proj": (8, 8), "fc": (8, 4)}, 2, seed=1),
+               **{f"base_model.model.attn.lora_{f}.weight": torch.randn(*shape)
+                  for f, shape in (("A", (2, 8)), ("B", (24, 2)))}}
+    before = slot_state(ctx)
+    with pytest.raises(UnsupportedAdapterError, match=r"^layer type MultiheadAttention is not supported \(tensors: "
+                                                      r"the adapter targets 'attn' as one module"):
+        ctx.load_adapter_tensors("a", tensors)
+    assert_state_unchanged(before, ctx)
+
+
 def test_a_named_weights_file_is_the_one_read(tmp_path):
     """load_adapter(dir / "adapter_model.bin") in a folder holding both files read the safetensors file."""
     model, ctx = lora_model()

@@ -731,16 +731,29 @@ def test_a_layer_no_token_of_a_slot_reached_keeps_that_slot():
     trainer.close()
 
 
-@pytest.mark.parametrize("how", ["load_state_dict_assign", "conversion_overwriting_params", "by_hand"])
+@pytest.mark.parametrize("how", ["load_state_dict_assign", "conversion_overwriting_params",
+                                 "conversion_swapping_params", "by_hand"])
 def test_an_open_trainer_follows_stacks_a_load_or_conversion_replaced(how):
     """load_state_dict(assign=True) (resuming from torch.load(..., mmap=True)) and a dtype round trip under
     torch's overwrite_module_params_on_conversion replace the stacks: the replacements had none of the trainer's
     gradient hooks, every slot took gradients unmasked and step(), seeing none trained, restored all of them
-    (training did nothing, silently). The trainer now follows them; a stack replaced by hand is named at step()."""
+    (training did nothing, silently). The trainer now follows them; a stack replaced by hand is named at step().
+    A swapping conversion keeps the objects and swaps their contents, and the hooks went with the old contents.
+    An optimizer built before the stacks were replaced steps the old ones: step() names it."""
     model, ctx, trainer = _two_layer_trainer(["a"])
     old = model["e1"].lora_a
     if how == "load_state_dict_assign":
+        stale = torch.optim.SGD(trainer.parameters(), lr=0.1)
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        with pytest.raises(RuntimeError, match=r"the optimizer holds LoRA stacks that load_state_dict\(assign=True\) "
+                                               r"or a conversion replaced"):
+            trainer.step(stale)
+    elif how == "conversion_swapping_params":
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(torch.float64).to(torch.float32)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
     elif how == "conversion_overwriting_params":
         torch.__future__.set_overwrite_module_params_on_conversion(True)
         try:
@@ -749,7 +762,7 @@ def test_an_open_trainer_follows_stacks_a_load_or_conversion_replaced(how):
             torch.__future__.set_overwrite_module_params_on_conversion(False)
     else:
         model["e1"].lora_a = torch.nn.Parameter(old.detach().clone())
-    assert model["e1"].lora_a is not old
+    assert (model["e1"].lora_a is old) == (how == "conversion_swapping_params")
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
     a, b = ctx.slot_of("a"), ctx.slot_of("b")
     before = slot_factors(ctx, a), slot_factors(ctx, b)
