@@ -748,18 +748,14 @@ def test_an_open_trainer_follows_stacks_a_load_or_conversion_replaced(how):
         with pytest.raises(RuntimeError, match=r"the optimizer holds LoRA stacks that load_state_dict\(assign=True\) "
                                                r"or a conversion replaced"):
             trainer.step(stale)
-    elif how == "conversion_swapping_params":
-        torch.__future__.set_swap_module_params_on_conversion(True)
+    elif how.startswith("conversion"):
+        switch = (torch.__future__.set_swap_module_params_on_conversion if how == "conversion_swapping_params"
+                  else torch.__future__.set_overwrite_module_params_on_conversion)
+        switch(True)
         try:
             model.to(torch.float64).to(torch.float32)
         finally:
-            torch.__future__.set_swap_module_params_on_conversion(False)
-    elif how == "conversion_overwriting_params":
-        torch.__future__.set_overwrite_module_params_on_conversion(True)
-        try:
-            model.to(torch.float64).to(torch.float32)
-        finally:
-            torch.__future__.set_overwrite_module_params_on_conversion(False)
+            switch(False)
     else:
         model["e1"].lora_a = torch.nn.Parameter(old.detach().clone())
     assert (model["e1"].lora_a is old) == (how == "conversion_swapping_params")
