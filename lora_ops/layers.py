@@ -309,12 +309,28 @@ class LoRAContext:
         for layer in self.layers.values():      # (layers pickled before session 54, unpickled before this)
             if layer.__dict__.pop("_keys_pending", False):
                 layer._keys_from_names()
+        self._own_batch()
         if self.token_slots.is_inference():
             warnings.warn("LoRAContext: unpickled under torch.inference_mode (torch.load inside it): its batch buffers "
                           "and the layers' stacks are inference tensors, which set_batch and adapter loads can write "
                           "only inside that mode; load the model outside torch.inference_mode", stacklevel=2)
         _mark_buffers((*self.meta, self.token_slots))
         self._set_batch_tokens(self.batch.num_tokens)
+
+    def _own_batch(self):
+        """The batch buffers (set_batch's) as this context's own memory: torch.multiprocessing pickles tensors into
+        shared memory, and a model sent to spawned workers (a DataLoader's too) had one batch for every process,
+        each forward reading another's set_batch, silently (session 54). The adapter stacks stay shared, as
+        torch shares parameters: load adapters in one process."""
+        if not any(t.is_shared() for t in (*self.meta, self.token_slots)):
+            return
+        with torch.inference_mode(False):
+            meta = BatchMeta(*[t.clone() for t in self.meta])
+            meta.sorted_token_ids._lora_batch = 0     # (LoRABatch's tag: autograd's batch check reads it)
+            self.batch.meta = self.meta = meta
+            self.token_slots = self.token_slots.clone()
+            self._mirrors = {device: (BatchMeta(*[t.clone() for t in m]), slots.clone())
+                             for device, (m, slots) in self._mirrors.items()}
 
     def _register_traced(self):
         self._serial = next(_SERIALS)
@@ -619,11 +635,11 @@ class LoRAContext:
                                  f"its tokens. Such a model takes one adapter for the whole batch (set_batch)")
             self._row_shape = (x.shape[0], math.prod(x.shape[1:-1]))
             return self._row_shape
-        if self._row_shape is not None:
+        if self._row_shape is not None and x.dim() == 2:     # (a 1-D input [K] has no row: its K is no count)
             rows, tokens = self._row_shape
             if x.shape[0] == rows * tokens:
                 return self._row_shape
-            if x.shape[0] == rows and x.dim() == 2 and x.stride(0) == tokens * x.shape[1] * x.stride(1):
+            if x.shape[0] == rows and x.stride(0) == tokens * x.shape[1] * x.stride(1):
                 # One token a row, a view of the rows' input ([rows, tokens, K][:, i]: BERT's pooler takes each
                 # row's first token; PEFT's "all-linear" adapts it): each takes its row's adapter. Only such a
                 # view: a routed expert's gathered tokens (a tensor of their own) whose count equals the rows
@@ -1025,6 +1041,8 @@ class LoRALinear(nn.Module):
 
     def __setattr__(self, name, value):
         if name in ("weight", "bias"):     # (nn.Module's own error named neither the layer nor the way)
+            if "base" in self._modules and value is getattr(self.base, name):
+                return      # (the base's own: Hugging Face's tie_weights ties a tied lm_head again)
             raise AttributeError(f"LoRALinear.{name} is the base layer's, read-only here: set "
                                  f"layer.base.{name} instead")
         super().__setattr__(name, value)
@@ -1045,7 +1063,8 @@ class LoRALinear(nn.Module):
     def __prepare_scriptable__(self):
         raise TypeError(_TRACERS_REFUSED.format(what="torch.jit.script"))
 
-    def forward(self, x):
+    def forward(self, input):     # (nn.Linear's name: callers pass it by keyword too)
+        x = input
         eager = not torch.compiler.is_compiling()
         if eager and (isinstance(x, torch.fx.Proxy) or torch._C._is_tracing()):
             raise TypeError(_TRACERS_REFUSED.format(what="torch.fx.symbolic_trace" if isinstance(x, torch.fx.Proxy)
@@ -1113,7 +1132,13 @@ class LoRALinear(nn.Module):
             if eager and cast_to is None and ops.direct("lora_linear", op_args):
                 self._eager.bind(self, x2d, weight, bias, out, stacked=False)
             return out if x2d is x else out.view(*x.shape[:-1], out.shape[-1])
+        if row is None and context._rows is not None:
+            # (per_row, eager: this input's batch, taken before the base runs: a wrapped layer the base calls on
+            # an input of another shape sets the block's current batch to its own)
+            row = context._row_current
         y = base(x)
+        if y.dim() > 2 and not _viewable_as_rows(y):
+            y = y.contiguous()      # (a base returning a transposed view: the delta goes into a row-major copy)
         y2d = y.view(-1, y.shape[-1])
         grad = torch.is_grad_enabled() and (y.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
         meta, token_slots = context.batch_for(grad, x2d) if row is None else row
@@ -1122,7 +1147,9 @@ class LoRALinear(nn.Module):
         if dropout:
             # PEFT's lora_dropout: only the adapters see the dropped input, each at its slot's p.
             x_lora = training.slot_dropout(x2d, context.dropout_p, token_slots)
-        if cast_to is not None:       # the base layer ran under autocast: the delta goes in its output's dtype
+        if cast_to is not None or y.dtype != x_lora.dtype:
+            # The base layer ran under autocast, or returns another dtype than its input's (float32 logits of a
+            # 16-bit model): the delta goes in its output's dtype, as PEFT adds it.
             x_lora = autocast_cast(x_lora, y.dtype)
             args = (autocast_cast(lora_a, y.dtype), autocast_cast(lora_b, y.dtype), *args[2:])
         # Where something needs gradients through this layer (x, the base or the adapters), the out-of-place
@@ -1136,7 +1163,7 @@ class LoRALinear(nn.Module):
             y2d = y.view(-1, y.shape[-1])
         # (Bound deltas are add_lora_ in place, or add_lora where autograd needs it: bind_delta tells them apart
         # by whether the output is y; not the functional op taken for vmap or forward mode.)
-        bindable = eager and cast_to is None and not dropout and functional == grad
+        bindable = eager and cast_to is None and not dropout and functional == grad and x_lora is x2d
         out = self._eager.replay_delta(self, x2d, y2d, grad) if bindable else None
         if out is None:
             out = ops.call(name, y2d, x_lora, *args)
@@ -1334,6 +1361,12 @@ class LoRALinear(nn.Module):
         L, S, R, K = self.lora_a.shape
         return f"in_features={K}, out_features={self.lora_b.shape[1]}, max_loras={L}, max_rank={R}, " \
                f"slice_widths={list(self.slice_widths)}"
+
+
+def _viewable_as_rows(y):
+    """Whether ``y`` [..., N] views as [-1, N]: its leading dimensions (those of size 1 aside) nest."""
+    lead = [(n, s) for n, s in zip(y.shape[:-1], y.stride()[:-1]) if n != 1]
+    return all(outer == inner * size for (_, outer), (size, inner) in zip(lead, lead[1:]))
 
 
 def slot_key(name):
@@ -1575,8 +1608,12 @@ def _select_targets(model, target_modules, packed):
         if not isinstance(module, nn.Linear):
             hint = (": convert the model's Conv1D layers first, lora_ops.conv1d_to_linear(model)"
                     if type(module).__name__ == "Conv1D" else "")
-            raise TypeError(f"target_modules selects {path!r}, a {type(module).__name__}: only nn.Linear layers "
-                            f"are supported (layer type {type(module).__name__} is not){hint}")
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"    # (quantized layers are "Linear" too)
+            raise TypeError(f"target_modules selects {path!r}, a {kind}: only nn.Linear layers are supported "
+                            f"(layer type {type(module).__name__} is not){hint}")
+        if isinstance(module.weight, nn.parameter.UninitializedParameter):
+            raise ValueError(f"target_modules selects {path!r}, an nn.LazyLinear whose weight is not initialised: "
+                             f"run one forward through the model first (its in_features come from the input)")
         if read_directly:
             raise TypeError(f"target_modules selects {path!r}, the output projection of an nn.MultiheadAttention, "
                             f"which reads its weight and bias itself and never calls it: a LoRALinear there "

@@ -195,6 +195,31 @@ def test_a_copy_taken_under_inference_mode_serves_outside_it(stack_a, tmp_path):
         torch.load(tmp_path / "model.pt", weights_only=False)
 
 
+def test_a_model_sent_to_another_process_owns_its_batch():
+    """torch.multiprocessing pickles tensors into shared memory, the context's batch buffers too: spawned workers
+    (a DataLoader's) and the parent set one batch, each forward reading another process's (734 of 3000 steps
+    wrong with two workers; session 54). An unpickled context owns its batch; the stacks stay shared, as torch
+    shares parameters. (ForkingPickler in one process: the same shared memory a spawned worker maps.)"""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+    import torch.multiprocessing    # noqa: F401  (torch's reductions for ForkingPickler)
+    model = nn.Sequential(nn.Linear(8, 8))
+    ctx = _one_adapter(model, ["0"])
+    ctx.set_batch([("a", 3)])
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(model)
+    twin = pickle.loads(buffer.getvalue())
+    twin_ctx = twin[0].context
+    assert twin[0].lora_a.is_shared() and not any(t.is_shared() for t in (*twin_ctx.meta, twin_ctx.token_slots))
+    twin_ctx.set_batch([(None, 2), ("a", 3)])
+    assert ctx.token_slots[:3].tolist() == [0, 0, 0] and ctx.num_tokens == 3
+    assert ctx.meta.slot_counts.tolist()[:1] == [3]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert rel_err(model(x), layer_reference(model[0], x, torch.zeros(3, dtype=torch.int64))) <= 1e-5
+
+
 def test_a_copy_taken_inside_per_row_is_not_in_the_block():
     """copy.deepcopy / torch.save of a model inside a per_row block gave a copy whose context stayed in per_row
     forever (only the original's block ends): set_batch on it was ignored, silently."""
@@ -914,13 +939,31 @@ def test_all_linear_skips_the_output_layer():
     assert len(paths) == 2 * 7 and "lm_head" not in paths
 
 
-@pytest.mark.parametrize("targets, kind", [(["embed_tokens"], "Embedding"), (["norm"], "LayerNorm"),
-                                           (r"model\.layers\.0", "Block")], ids=["embedding", "norm", "block"])
+@pytest.mark.parametrize("targets, kind", [(["embed_tokens"], "torch.nn.modules.sparse.Embedding"),
+                                           (["norm"], "torch.nn.modules.normalization.LayerNorm"),
+                                           (r"model\.layers\.0", "layer_helpers.Block"),
+                                           (["q_proj"], "torch.ao.nn.quantized.dynamic.modules.linear.Linear")],
+                         ids=["embedding", "norm", "block", "quantized"])
 def test_non_linear_target_is_an_error_naming_the_layer_type(targets, kind):
+    """Named by module and class: a dynamic-quantized layer, also a "Linear", read "a Linear: only nn.Linear
+    layers are supported" (session 54)."""
     model = toy_lm()
-    with pytest.raises(TypeError, match=f"a {kind}: only nn.Linear layers are supported"):
+    if kind.startswith("torch.ao"):
+        model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(TypeError, match=f"a {re.escape(kind)}: only nn.Linear layers are supported"):
         wrapped(model, targets)
     assert not any(isinstance(m, LoRALinear) for m in model.modules()), "a failed apply_lora must change nothing"
+
+
+def test_an_uninitialised_lazy_linear_is_named_and_nothing_is_wrapped():
+    """An nn.LazyLinear before its first forward: apply_lora failed in torch's own code after wrapping the layers
+    before it, leaving the model half wrapped; it names the layer now, before wrapping any."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"'1', an nn.LazyLinear whose weight is not initialised: run one forward"):
+        apply_lora(model, "all-linear", max_loras=1, max_rank=2, max_tokens=4)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    model(torch.randn(2, 4))
+    assert len(apply_lora(model, ["0", "1"], max_loras=1, max_rank=2, max_tokens=4).layers) == 2
 
 
 def test_multihead_attention_out_proj_is_refused_or_skipped():
@@ -1335,6 +1378,100 @@ def test_stack_a_leaves_a_computed_weight_unstacked(wrap):
 def _delta64(layer, z):
     """float64 z W^T + b + slot 0's delta, for a one-slot layer whose every token takes slot 0."""
     return layer_reference(layer, z, torch.zeros(z.shape[0], dtype=torch.int64))
+
+
+def _one_adapter(model, targets, seed=1):
+    """apply_lora on ``targets`` (8 -> 8 layers) with adapter "a" of rank 4 (signed A and B) loaded."""
+    ctx = apply_lora(model, targets, max_loras=2, max_rank=4, max_tokens=64)
+    ctx.load_adapter_tensors("a", peft_tensors({t: (8, 8) for t in targets}, 4, seed=seed, prefix=""))
+    return ctx
+
+
+def _rows_reference(layer, z, rows):
+    """float64 z W^T + b + each row's delta (z [rows, tokens, K], rows: slot per row)."""
+    slots = torch.tensor(rows, dtype=torch.int64).repeat_interleave(z.shape[1])
+    return layer_reference(layer, z.reshape(-1, z.shape[-1]), slots).view(*z.shape[:-1], -1)
+
+
+def test_a_wrapped_layer_a_subclass_calls_on_another_shape_leaves_its_rows_batch():
+    """per_row, eager: a Linear subclass whose forward calls a wrapped inner layer on an input of another shape
+    ([rows, 1, K]): the inner call set the block's current batch to its own, and the outer delta took it (tokens
+    past the first lost their row's adapter, silently). The outer layer takes its batch before its base runs."""
+    class Gated(nn.Linear):
+        def __init__(self):
+            super().__init__(8, 8)
+            self.gate = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return super().forward(x) * torch.sigmoid(self.gate(x.mean(1, keepdim=True)))
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.proj = Gated()
+    ctx = _one_adapter(model, ["proj", "proj.gate"])
+    outer, inner = ctx.layers["proj"], ctx.layers["proj.gate"]
+    x, rows = torch.randn(2, 3, 8), [0, -1]
+    base = (x.double() @ outer.base.weight.double().T + outer.base.bias.double())
+    gate = torch.sigmoid(_rows_reference(inner, x.mean(1, keepdim=True), rows))
+    want = base * gate + (_rows_reference(outer, x, rows) - base)
+    with torch.no_grad(), ctx.per_row(["a", None]):
+        assert rel_err(model(x), want) <= 1e-5
+
+
+@pytest.mark.parametrize("how", ["subclass", "forward_hook"])
+@pytest.mark.parametrize("change", ["float32_output", "transposed_output"])
+def test_a_base_output_of_another_dtype_or_layout_takes_the_delta(how, change):
+    """A base returning float32 from a bfloat16 model (logits), or a row-major-incompatible [B, T, N] view: the
+    delta op raised 'y: expected dtype torch.bfloat16 (the dtype of x)', or torch's view error. The delta goes in
+    the output's dtype (as PEFT adds it), into a row-major copy of such a view."""
+    dtype = torch.bfloat16 if change == "float32_output" else torch.float32
+    fix = ((lambda out: out.float()) if change == "float32_output"
+           else (lambda out: out.transpose(0, 1).contiguous().transpose(0, 1)))
+
+    class Odd(nn.Linear):
+        def forward(self, x):
+            return fix(super().forward(x))
+    torch.manual_seed(0)
+    model = nn.Sequential(Odd(8, 8) if how == "subclass" else nn.Linear(8, 8)).to(dtype)
+    if how == "forward_hook":
+        model[0].register_forward_hook(lambda module, args, out: fix(out))
+    ctx = _one_adapter(model, ["0"])
+    x = torch.randn(2, 3, 8).to(dtype)
+    ctx.set_batch([("a", 3), (None, 3)])
+    with torch.no_grad():
+        out = model(x)
+    assert out.dtype == (torch.float32 if change == "float32_output" else dtype) and out.shape == (2, 3, 8)
+    want = _rows_reference(ctx.layers["0"], x, [0, -1])
+    assert rel_err(out, want) <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_one_dimensional_input_inside_per_row_has_no_row():
+    """A 1-D input [K] inside per_row (a head over the mean of every row) whose K equals rows x tokens was taken
+    for that many tokens and served row 0's adapter; it is refused as for any other K."""
+    model = nn.ModuleDict({"proj": nn.Linear(8, 8), "head": nn.Linear(8, 8)})
+    ctx = _one_adapter(model, ["proj", "head"])
+    for tokens in (3, 4):      # (2 rows x 4 tokens = K = 8)
+        with torch.no_grad(), ctx.per_row(["a", None]):
+            h = model["proj"](torch.randn(2, tokens, 8))
+            with pytest.raises(ValueError, match=r"'head': inside per_row a layer's input must be"):
+                model["head"](h.mean((0, 1)))
+
+
+def test_the_wrapped_layer_takes_its_input_by_nn_linears_keyword_and_a_tie_again():
+    """nn.Linear's forward takes ``input=``: the wrapped layer raised TypeError for it. Hugging Face's
+    tie_weights sets a tied lm_head's weight to the one it already is: refused as read-only; a no-op now (another
+    weight is still refused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8))
+    ctx = _one_adapter(model, ["0"])
+    ctx.set_batch([("a", 2)])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model[0](input=x), model[0](x))
+    layer = model[0]
+    layer.weight = layer.base.weight
+    assert layer.base.weight is layer.weight
+    with pytest.raises(AttributeError, match="LoRALinear.weight is the base layer's, read-only here"):
+        layer.weight = nn.Parameter(torch.zeros(8, 8))
 
 
 @pytest.mark.parametrize("registered", ["tied_names", "listed_twice"])
