@@ -404,60 +404,6 @@ class LoRAContext:
             for name in names:
                 adapters.unload_adapter(self, name)
 
-    def _names_for(self, keys):
-        """Each slot's name under the state dict's ``keys`` (:meth:`_names_from_keys`)."""
-        names = [None] * len(keys)
-        for slot, n in enumerate(self.slot_names):
-            held = [s for s, k in enumerate(keys) if n is not None and k == slot_key(n)]
-            if held:
-                names[slot if slot in held else held[0]] = n
-        return names
-
-    def _check_rows_keep_their_slots(self, keys, where):
-        """Inside a per_row block, a state dict that puts other adapters in a slot its rows take (they would
-        serve another adapter's weights) is refused before anything of the layer loads, as unload_adapter is."""
-        serving = [slot for slot, n in enumerate(self._names_for(keys))
-                   if n != self.slot_names[slot] and slot in self.row_slots]
-        if serving:
-            raise RuntimeError(f"load_state_dict (layer {where!r}): the checkpoint puts other adapters in slot(s) "
-                               f"{serving}, which rows of the active per_row block take; load it after the block")
-
-    def _names_from_keys(self, keys, where):
-        """After load_state_dict: each slot takes the name the state dict's ``slot_keys`` give it among the
-        names this context holds (its config and records with it). A name the state dict does not hold is
-        dropped; a slot whose adapter this context does not know by name keeps its weights, unnamed. Without
-        this a name served whatever adapter the checkpoint had in its slot (a server rolled back after loading
-        another adapter there: the new name served the old weights, silently). Tokens of the batch set now in a
-        slot whose name changed take no adapter; an open trainer stops training such a slot. A name takes one
-        slot (where the keys hold it twice: the one it has, else the first)."""
-        names = self._names_for(keys)
-        if names == self.slot_names:
-            return
-        was = {n: slot for slot, n in enumerate(self.slot_names) if n is not None}
-        changed = [slot for slot, n in enumerate(names) if n != self.slot_names[slot]]
-        for attr in ("adapter_configs", "adapter_folded_layers", "adapter_fused_sources"):
-            records = getattr(self, attr, None)
-            if records:
-                setattr(self, attr, {slot: records[was[n]] for slot, n in enumerate(names)
-                                     if n is not None and was[n] in records})
-        moved = {n: (was[n], slot) for slot, n in enumerate(names) if n is not None and was[n] != slot}
-        dropped = [n for n in self.slot_names if n is not None and n not in names]
-        unnamed = [slot for slot in changed if keys[slot] != 0 and names[slot] is None]
-        self.slot_names[:] = names
-        trainer = getattr(self, "trainer", None)
-        for slot in changed:
-            self._drop_from_batch(slot)
-            if trainer is not None:
-                trainer.forget_slot(slot)
-        adapters._configs_changed(self)
-        said = [f"{n!r} moved from slot {a} to {b}" for n, (a, b) in moved.items()]
-        said += [f"{n!r} dropped (not in the state dict)" for n in dropped]
-        said += [f"slot {s} holds an adapter this context does not know by name (unnamed: load it by name)"
-                 for s in unnamed]
-        warnings.warn(f"LoRAContext: load_state_dict (layer {where!r}) put other adapters in the slots: "
-                      f"{'; '.join(said)}. The batch set now takes no adapter in those slots: set it again"
-                      f"{'; the open trainer stops training them' if trainer is not None else ''}", stacklevel=2)
-
     def model(self):
         """The model the context wraps (held weakly: None once it is gone)."""
         return self._model() if self._model is not None else None
@@ -1239,15 +1185,20 @@ class LoRALinear(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # load_state_dict writes the slots' stacks, scale and rank in place: the host mirror of the ranks follows
         # (a host sync, once a load). The adapters' names are the context's; the state dict's slot_keys say which
-        # name each slot held, and the context's names follow them (LoRAContext._names_from_keys).
+        # name each slot held, and this layer's slots are put where the context has those names (_slots_by_name).
         # Keys cast with the rest of a checkpoint ({k: v.half()}) no longer name anything: the layer keeps its own
-        # and the names stay, as for a checkpoint from before slot_keys (not a missing key either).
+        # and the slots stay as loaded, as for a checkpoint from before slot_keys (not a missing key either).
         incoming = state_dict.get(prefix + "slot_keys")
-        keyed = isinstance(incoming, torch.Tensor) and incoming.dtype == torch.int64
-        kept = None if keyed else self.slot_keys.clone()
+        keyed = isinstance(incoming, torch.Tensor) and incoming.dtype == torch.int64 and not incoming.is_meta
         context = getattr(self, "context", None)
-        if keyed and context is not None and context.row_slots:
-            context._check_rows_keep_their_slots(incoming.tolist(), prefix.rstrip(".") or "the layer")
+        names = list(context.slot_names) if context is not None else [None] * self.rank.shape[0]
+        wanted = [slot_key(n) for n in names]
+        # (the slots as they were: a name the checkpoint does not hold keeps its adapter here, and a load that fails
+        # in this layer leaves it as it was: rank and scale loaded beside stacks of another shape mismatched them)
+        before = self._slot_tensors()
+        kept = None if keyed else self.slot_keys.clone()
+        error_msgs = args[4] if len(args) > 4 else kwargs.get("error_msgs")
+        errors = len(error_msgs) if error_msgs is not None else 0
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         missing = args[2] if len(args) > 2 else kwargs.get("missing_keys")
         if incoming is None and missing is not None and prefix + "slot_keys" in missing:
@@ -1264,17 +1215,63 @@ class LoRALinear(nn.Module):
             self.scale = self.scale.float()
         if self.rank.dtype != torch.int32:
             self.rank = self.rank.to(torch.int32)
+        if error_msgs is not None and len(error_msgs) > errors:
+            with torch.no_grad():
+                for t, old in zip(self._slot_views(), before):
+                    if t.shape == old.shape and t.dtype == old.dtype:
+                        t.copy_(old)
+        elif keyed and incoming.tolist() != wanted:
+            self._slots_by_name(before, names)
         self.slot_ranks = [int(r) for r in self.rank.tolist()]
         bad = [r for r in self.slot_ranks if not 0 <= r <= self.max_rank]
         if bad:
-            error_msgs = args[4] if len(args) > 4 else kwargs.get("error_msgs")
             message = (f"{prefix}rank: slot ranks {self.slot_ranks} hold {bad[0]}, outside [0, "
                        f"max_rank={self.max_rank}]")
             if error_msgs is None:
                 raise ValueError(message)
             error_msgs.append(message)
-        elif keyed and getattr(self, "context", None) is not None:
-            self.context._names_from_keys(self.slot_keys.tolist(), prefix.rstrip(".") or "the layer")
+
+    def _slot_tensors(self):
+        """(lora_a, lora_b, scale, rank, slot_keys) as they are, copied."""
+        return tuple(t.detach().clone() for t in (self.lora_a, self.lora_b, self.scale, self.rank, self.slot_keys))
+
+    @torch.no_grad()
+    def _slots_by_name(self, before, names):
+        """After a load whose slot_keys differ from the context's names: each adapter the checkpoint holds under a
+        name the context has goes to that name's slot; a name the checkpoint does not hold keeps its adapter
+        (``before``); an adapter of a name the context does not know stays in its slot if that slot is unnamed
+        here, else is not loaded (warned). Per layer, so a load of part of the model (one block, strict=False)
+        puts each name's weights in one slot in every layer. Before (session 54's first form) a checkpoint of
+        another slot order made each name serve another adapter's weights, silently; renaming the context instead
+        broke loads of part of the model."""
+        loaded = self._slot_tensors()
+        keys = loaded[4].tolist()
+        source = {}         # slot here -> (tensors, slot there)
+        for slot, name in enumerate(names):
+            key = slot_key(name)
+            if name is not None:
+                source[slot] = (loaded, keys.index(key)) if key in keys else (before, slot)
+        unplaced = []
+        for there, key in enumerate(keys):
+            if key == 0 or key in (slot_key(n) for n in names if n is not None):
+                continue
+            if names[there] is None:
+                source[there] = (loaded, there)
+            else:
+                unplaced.append(there)
+        for i, t in enumerate(self._slot_views()):
+            new = torch.zeros_like(t)
+            for slot, (tensors, there) in source.items():
+                new[slot] = tensors[i][there]
+            t.copy_(new)
+        if unplaced:
+            warnings.warn(f"LoRALinear: load_state_dict: the checkpoint's slot(s) {unplaced} hold adapters this "
+                          f"context does not know by name, and those slots hold others here: not loaded (load "
+                          f"them by name)", stacklevel=3)
+
+    def _slot_views(self):
+        """The tensors holding the slots, as the layer reads them (lora_a, lora_b, scale, rank, slot_keys)."""
+        return (self.lora_a, self.lora_b, self.scale, self.rank, self.slot_keys)
 
     def __getstate__(self):
         # A copy (copy.deepcopy, torch.save) taken while a trainer is open has none (LoRAContext.__getstate__):
