@@ -857,7 +857,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("scale", torch.zeros(L, dtype=torch.float32, device=weight.device))
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         # Which adapter each slot holds, for the state dict: slot_key of its name, 0 for none (never read in
-        # forward; load_state_dict gives the context's names the slots the checkpoint put them in).
+        # forward; load_state_dict puts a checkpoint's adapters in their names' slots: _slots_by_name).
         self.register_buffer("slot_keys", torch.tensor([slot_key(n) for n in context.slot_names],
                                                        dtype=torch.int64, device=weight.device))
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
