@@ -35,6 +35,7 @@ A packed layer (several output slices, see ``apply_lora(packed_modules=...)``) h
 scale per slot: its rank is the largest of its slices' ranks (the others are zero-padded) and, when
 the slices' scales differ, each slice's ratio to the largest scale is folded into its ``lora_B``.
 """
+import hashlib
 import json
 import math
 import os
@@ -584,7 +585,7 @@ def _write(ctx, slot, name, plan):
             layer.write_slot(slot, *plan[layer][:3])
         else:
             layer.clear_slot(slot)
-    key = _slot_key(name)
+    key = slot_key(name)
     for layer in ctx.layers.values():    # (every layer: the state dict's record of which name the slot holds)
         # (one slot a name: an unnamed slot a checkpoint filled may carry this name's key from then)
         layer.slot_keys.masked_fill_(layer.slot_keys == key, 0)
@@ -592,9 +593,11 @@ def _write(ctx, slot, name, plan):
     ctx.slot_names[slot] = name
 
 
-def _slot_key(name):
-    from lora_ops.layers import slot_key     # layers imports this module
-    return slot_key(name)
+def slot_key(name):
+    """A nonzero int64 naming adapter ``name`` in the state dict (LoRALinear.slot_keys); 0 for no adapter."""
+    if name is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True) or 1
 
 
 def _slot_record(ctx, attr):

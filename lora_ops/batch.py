@@ -161,16 +161,26 @@ class LoRABatch:
         self.max_tokens = int(max_tokens)
         self.max_loras = int(max_loras)
         kw = dict(dtype=torch.int32, device=device)
-        self.meta = BatchMeta(
+        self._own(BatchMeta(
             sorted_token_ids=torch.zeros(self.max_tokens, **kw),
             slot_starts=torch.zeros(self.max_loras + 1, **kw),
             slot_counts=torch.zeros(self.max_loras + 1, **kw),
-        )
-        # Tagged as a batch's own buffers: autograd's batch check tells them from a saved-tensor hook's copy of
-        # them, which has no tag (lora_ops.autograd._check_batch; a LoRAContext's copies carry serial numbers).
-        self.meta.sorted_token_ids._lora_batch = 0
+        ))
         self._ones = torch.ones(self.max_tokens, **kw)
         self.num_tokens = 0
+
+    def _own(self, meta):
+        """Take ``meta``'s tensors as this batch's buffers; returns them."""
+        # Tagged as a batch's own buffers: autograd's batch check tells them from a saved-tensor hook's copy of
+        # them, which has no tag (lora_ops.autograd._check_batch; a LoRAContext's copies carry serial numbers).
+        meta.sorted_token_ids._lora_batch = 0
+        self.meta = meta
+        return meta
+
+    def own_copies(self):
+        """Copies of the buffers as this batch's own (an unpickled LoRAContext's, where they were in shared
+        memory: LoRAContext._own_batch); returns them."""
+        return self._own(BatchMeta(*[t.clone() for t in self.meta]))
 
     @property
     def device(self):

@@ -29,7 +29,6 @@ in one mixed batch; in ``model.train()``, while a trainer is open, each slot's a
 import contextlib
 import copy
 import functools
-import hashlib
 import itertools
 import math
 import numbers
@@ -46,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_ops import adapters, configs, ops, training
+from lora_ops.adapters import slot_key
 from lora_ops import eager as eager_ops
 from lora_ops.precision import autocast_cast, autocast_dtype
 from lora_ops.batch import BatchMeta, LoRABatch, batch_meta_of, check_token_slots
@@ -325,9 +325,7 @@ class LoRAContext:
         if not any(t.is_shared() for t in (*self.meta, self.token_slots)):
             return
         with torch.inference_mode(False):
-            meta = BatchMeta(*[t.clone() for t in self.meta])
-            meta.sorted_token_ids._lora_batch = 0     # (LoRABatch's tag: autograd's batch check reads it)
-            self.batch.meta = self.meta = meta
+            self.meta = self.batch.own_copies()
             self.token_slots = self.token_slots.clone()
             self._mirrors = {device: (BatchMeta(*[t.clone() for t in m]), slots.clone())
                              for device, (m, slots) in self._mirrors.items()}
@@ -858,8 +856,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("rank", torch.zeros(L, dtype=torch.int32, device=weight.device))
         # Which adapter each slot holds, for the state dict: slot_key of its name, 0 for none (never read in
         # forward; load_state_dict puts a checkpoint's adapters in their names' slots: _slots_by_name).
-        self.register_buffer("slot_keys", torch.tensor([slot_key(n) for n in context.slot_names],
-                                                       dtype=torch.int64, device=weight.device))
+        self.register_buffer("slot_keys", torch.zeros(L, dtype=torch.int64, device=weight.device))
+        self._keys_from_names()
         self.slot_ranks = [0] * L       # host mirror of `rank`: read for validation, never in forward
         self._stacked = None            # (stacked weight, stacked bias or None), plain tensors: see stack_a
         self._stack_ptrs = None         # set by _stack
@@ -1173,13 +1171,14 @@ class LoRALinear(nn.Module):
         module._follow_trainer()
 
     def _keys_from_names(self):
+        """slot_keys from the context's names (a new layer, a layer pickled before slot_keys)."""
         self.slot_keys.copy_(torch.tensor([slot_key(n) for n in self.context.slot_names], dtype=torch.int64))
 
     def _follow_trainer(self):
         """An open trainer's gradient hooks onto this layer's stacks where they were replaced (load_state_dict
         with assign=True, a conversion that overwrote the parameters): SlotTrainer.follow_stacks."""
         trainer = getattr(getattr(self, "context", None), "trainer", None)
-        if trainer is not None and any(layer is self for layer in trainer._layers):
+        if trainer is not None and self in trainer._row_of:
             trainer.follow_stacks(self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -1233,7 +1232,7 @@ class LoRALinear(nn.Module):
 
     def _slot_tensors(self):
         """(lora_a, lora_b, scale, rank, slot_keys) as they are, copied."""
-        return tuple(t.detach().clone() for t in (self.lora_a, self.lora_b, self.scale, self.rank, self.slot_keys))
+        return tuple(t.detach().clone() for t in self._slot_views())
 
     @torch.no_grad()
     def _slots_by_name(self, before, names):
@@ -1246,14 +1245,13 @@ class LoRALinear(nn.Module):
         broke loads of part of the model."""
         loaded = self._slot_tensors()
         keys = loaded[4].tolist()
+        known = {slot_key(name): slot for slot, name in enumerate(names) if name is not None}
         source = {}         # slot here -> (tensors, slot there)
-        for slot, name in enumerate(names):
-            key = slot_key(name)
-            if name is not None:
-                source[slot] = (loaded, keys.index(key)) if key in keys else (before, slot)
+        for key, slot in known.items():
+            source[slot] = (loaded, keys.index(key)) if key in keys else (before, slot)
         unplaced = []
         for there, key in enumerate(keys):
-            if key == 0 or key in (slot_key(n) for n in names if n is not None):
+            if key == 0 or key in known:
                 continue
             if names[there] is None:
                 source[there] = (loaded, there)
@@ -1364,13 +1362,6 @@ def _viewable_as_rows(y):
     """Whether ``y`` [..., N] views as [-1, N]: its leading dimensions (those of size 1 aside) nest."""
     lead = [(n, s) for n, s in zip(y.shape[:-1], y.stride()[:-1]) if n != 1]
     return all(outer == inner * size for (_, outer), (size, inner) in zip(lead, lead[1:]))
-
-
-def slot_key(name):
-    """A nonzero int64 naming adapter ``name`` in the state dict (LoRALinear.slot_keys); 0 for no adapter."""
-    if name is None:
-        return 0
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True) or 1
 
 
 def _at_most(num_tokens, limit):

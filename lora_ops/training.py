@@ -210,6 +210,7 @@ class SlotTrainer:
         if freeze_base:
             _freeze_base(ctx)
         self._layers = list(ctx.layers.values())
+        self._row_of = {layer: row for row, layer in enumerate(self._layers)}    # layer -> its row of _has_grad
         # Slots trained since the last step, per layer: given a gradient there that is not all zero (the hooks).
         # Per layer, not per slot alone: a layer none of a slot's tokens reached (an expert its router skipped,
         # served through set_token_slots) keeps that slot as it was, as its own optimizer would (no gradient).
@@ -373,7 +374,7 @@ class SlotTrainer:
 
     def _grad_hook(self, layer, role):
         is_a = role == "lora_a"
-        seen = self._has_grad[self._layers.index(layer)]
+        seen = self._has_grad[self._row_of[layer]]
 
         def hook(grad):
             mask = self._trainable(layer)
